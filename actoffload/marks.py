@@ -1,0 +1,102 @@
+"""Per-storage offload marks (rule R4).
+
+A mark is recorded against the tensor's *storage*, so it holds for every alias
+autograd may save (a view, a ``detach()``, the object a pack hook receives) and
+lives exactly as long as that storage. Entries are keyed by the address of the
+storage object and keep a weak reference to it: while that weak reference exists
+the address cannot be handed to another storage, and once the storage dies the
+entry reads as absent, so a mark never leaks onto a tensor that later reuses the
+same memory.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import multibuffer
+
+OPT_IN = 1
+VETO = 2
+
+_lock = threading.Lock()
+_marks: dict[int, tuple[StorageWeakRef, int]] = {}
+_sweep_at = 1024  # sweep dead entries when the table grows past this
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if multibuffer.is_multibuffer(t):
+        return [s for b in multibuffer.buffers_of(t) if b is not None for s in _storages(b)]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError) as e:
+        raise TypeError(
+            f"cannot mark a {type(t).__name__}: it has no storage of its own; a tensor type "
+            "made of several buffers must define prepare_for_saving/restore_from_saved (R7)"
+        ) from e
+
+
+def _mark(tensors, flag: int, fn: str) -> None:
+    global _sweep_at
+    for t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn} takes tensors (or None), got {type(t).__name__}")
+        for storage in _storages(t):
+            key = storage._cdata
+            with _lock:
+                entry = _marks.get(key)
+                old = entry[1] if entry is not None and not entry[0].expired() else 0
+                _marks[key] = (StorageWeakRef(storage), old | flag)
+                if len(_marks) > _sweep_at:
+                    for k in [k for k, (ref, _) in _marks.items() if ref.expired()]:
+                        del _marks[k]
+                    _sweep_at = max(1024, 2 * len(_marks))
+
+
+def mark_activation_offload(*tensors: torch.Tensor | None) -> None:
+    """Opt tensors in for offloading; this matters under ``policy="marked"`` (R4).
+
+    The mark applies to the tensor's storage, so every view or alias that autograd
+    saves is covered, and it may come before or after the save, up to the commit
+    of the group. A veto (:func:`mark_not_offload`) always wins.
+
+    Example::
+
+        off = ao.Offloader(policy="marked")
+        with off.group("mlp"):
+            h = fc1(x)
+            ao.mark_activation_offload(h)   # h is offloaded; nothing else is
+            y = fc2(torch.relu(h))
+    """
+    _mark(tensors, OPT_IN, "mark_activation_offload")
+
+
+def mark_not_offload(*tensors: torch.Tensor | None) -> None:
+    """Veto offloading for tensors: they stay resident, whatever else marked them (R4).
+
+    Example::
+
+        with off.group("attn"):
+            q = proj(x)
+            ao.mark_not_offload(q)   # q and every view of it stay on the device
+            y = attention(q, k, v)
+    """
+    _mark(tensors, VETO, "mark_not_offload")
+
+
+def flags_of(storage_key: int) -> int:
+    """The marks on the live storage whose address is ``storage_key`` (0 when none)."""
+    entry = _marks.get(storage_key)
+    if entry is None or entry[0].expired():
+        return 0
+    return entry[1]
+
+
+def live_mark_count() -> int:
+    """Number of marks whose storage is still alive (for tests of R4's lifetime)."""
+    with _lock:
+        return sum(1 for ref, _ in _marks.values() if not ref.expired())

@@ -1,0 +1,162 @@
+"""The offload policy: the one piece of code that decides what moves (rules R3, R4, R5).
+
+Both implementations call :func:`plan_group` when a group is committed and do
+exactly what the plan says. Having two copies of this logic is how another
+project's ``mark_not_offload`` became a silent no-op in one of its two paths.
+
+A group's saved buffers are judged per storage: aliases (views, transposes,
+``detach()``) of one storage are judged once and, if eligible, the byte span they
+cover moves in one piece; every alias is rebuilt from that copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from . import marks
+
+# Reported when several apply: the first in this order (SPEC "Stats").
+REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last")
+POLICIES = ("all", "marked")
+
+try:  # fake tensors carry a device but no data
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except ImportError:  # pragma: no cover - older torch
+    _FakeTensor = ()
+
+
+@dataclass
+class Span:
+    """One storage's byte range ``[start, start + nbytes)`` that moves as one copy.
+
+    ``members`` index the group's saved buffers that are rebuilt from it; the first
+    is counted as offloaded, the others as ``alias``. ``start`` is aligned down to
+    the largest element size among the members, so every member's offset inside the
+    span is a whole number of its elements.
+    """
+
+    storage_key: int
+    start: int
+    nbytes: int
+    members: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GroupPlan:
+    """What to do with each saved buffer of a group.
+
+    ``reasons[i]`` is ``None`` for the buffer counted as offloaded and a reason from
+    :data:`REASONS` for every other one; ``spans`` lists what moves.
+    """
+
+    reasons: list[str | None]
+    spans: list[Span]
+    nbytes: list[int]  # bytes each buffer covers (its own extent)
+
+    def summary(self) -> dict:
+        kept: dict[str, int] = {}
+        for r in self.reasons:
+            if r is not None:
+                kept[r] = kept.get(r, 0) + 1
+        return {
+            "saved": len(self.reasons),
+            "offloaded": sum(r is None for r in self.reasons),
+            "offloaded_bytes": sum(s.nbytes for s in self.spans),
+            "kept": kept,
+        }
+
+
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """``(first, end)`` bytes of ``t``'s storage that ``t`` can touch; ``first == end`` if empty."""
+    es = t.element_size()
+    first = t.storage_offset() * es
+    if t.numel() == 0:
+        return first, first
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return first, (last + 1) * es
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``F.linear`` saves ``weight.t()``, not the Parameter)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is a plain strided tensor with real data on the compute ``device``."""
+    if t.is_meta or isinstance(t, _FakeTensor) or t.layout != torch.strided:
+        return False
+    if t.device.type != device.type:
+        return False
+    if device.index is None or t.device.index is None:
+        return True
+    return t.device.index == device.index
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage, or ``None`` for tensors with no storage of their own."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def plan_group(
+    tensors: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    min_offload_bytes: int,
+    policy: str,
+    committed: bool,
+) -> GroupPlan:
+    """Decide, for one group, which saved buffers move and why the others stay.
+
+    ``committed=False`` plans a group whose backward began before its commit (or that
+    is still waiting for it): whatever would move is kept with reason ``keep_last``.
+
+    >>> x = torch.randn(1024, 1024)
+    >>> plan = plan_group([x, x.t(), torch.ones(3)], device=torch.device("cpu"),
+    ...                   min_offload_bytes=1024, policy="all", committed=True)
+    >>> plan.reasons
+    [None, 'alias', 'small']
+    """
+    reasons: list[str | None] = [None] * len(tensors)
+    nbytes = [0] * len(tensors)
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        first, end = byte_extent(t) if t.layout == torch.strided and not t.is_meta else (0, 0)
+        nbytes[i] = end - first
+        key = storage_key(t) if on_device(t, device) else None
+        if key is None:
+            reasons[i] = "device"
+        else:
+            by_storage.setdefault(key, []).append(i)
+
+    spans: list[Span] = []
+    for key, members in by_storage.items():
+        aliases = [tensors[i] for i in members]
+        flags = marks.flags_of(key)
+        extents = [byte_extent(t) for t in aliases]
+        align = max(t.element_size() for t in aliases)
+        start = min(f for f, _ in extents) // align * align
+        end = max(e for _, e in extents)
+        if any(is_parameter(t) for t in aliases):
+            reason = "parameter"
+        elif flags & marks.VETO:
+            reason = "vetoed"
+        elif policy == "marked" and not flags & marks.OPT_IN:
+            reason = "not_marked"
+        elif end - start < min_offload_bytes:
+            reason = "small"
+        elif not committed:
+            reason = "keep_last"
+        else:
+            spans.append(Span(key, start, end - start, list(members)))
+            for i in members[1:]:
+                reasons[i] = "alias"
+            continue
+        for i in members:
+            reasons[i] = reason
+    return GroupPlan(reasons, spans, nbytes)
