@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import multibuffer, policy
 
@@ -34,12 +35,20 @@ class HostMemoryError(MemoryError):
 
 
 class SavedBuffer:
-    """One plain tensor saved in a group: resident (``tensor``) or moved (``moved``)."""
+    """One plain tensor saved in a group: resident (``tensor``) or moved (``moved``).
 
-    __slots__ = ("tensor", "version", "guard", "moved", "dtype", "size", "stride", "offset")
+    ``tensor`` is a ``detach()``ed alias: same storage and version counter, but no
+    ``grad_fn``. Holding the saved tensor itself would, for an op's output, close a
+    cycle through the C++ autograd node (tensor -> grad_fn -> handle -> group ->
+    tensor) that Python's garbage collector cannot see, and a graph freed without
+    backward would leak.
+    """
+
+    __slots__ = ("tensor", "is_parameter", "version", "guard", "moved", "dtype", "size", "stride", "offset")
 
     def __init__(self, t: torch.Tensor):
-        self.tensor: torch.Tensor | None = t
+        self.is_parameter = policy.is_parameter(t)  # detach() forgets it
+        self.tensor: torch.Tensor | None = t.detach()
         self.version = t._version
         self.guard: torch.Tensor | None = None
         self.moved: Moved | None = None
@@ -93,6 +102,27 @@ class _MultiHandle:
         self.cls = cls
         self.state = state
         self.saved = saved
+
+
+class WeakStorage:
+    """A weak reference to a storage: ``get()`` gives it back while anything still uses it.
+
+    Restored tensors reach their reload buffer only through its storage (autograd
+    re-wraps what an unpack hook returns), so a weak reference to the storage, not to
+    a tensor object, is what tells whether a reload is still alive.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, t: torch.Tensor):
+        self._ref = StorageWeakRef(t.untyped_storage())
+
+    def get(self, device: torch.device) -> torch.Tensor | None:
+        """A flat uint8 tensor over the whole storage, or ``None`` once it was freed."""
+        storage = torch.UntypedStorage._new_with_weak_ptr(self._ref.cdata)
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def _version_guard(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +244,7 @@ class OffloaderBase:
     def _plan(self, group: Group, committed: bool) -> policy.GroupPlan:
         plan = policy.plan_group(
             [s.tensor for s in group.saved],
+            parameters=[s.is_parameter for s in group.saved],
             device=self.device,
             min_offload_bytes=self.min_offload_bytes,
             policy=self.policy,
@@ -294,6 +325,21 @@ class OffloaderBase:
             return s.tensor
         dev = self._device_bytes(s.moved)
         return dev.view(s.dtype).as_strided(s.size, s.stride, s.offset)
+
+    # ------------------------------------------------------------------ host memory
+    def _raw_host_alloc(self, nbytes: int) -> torch.Tensor:
+        """One host buffer, pinned when the device is CUDA (tests replace this to inject faults)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def _alloc_host(self, nbytes: int) -> torch.Tensor:
+        """Allocate host memory or raise :class:`HostMemoryError` naming the size (R10)."""
+        try:
+            return self._raw_host_alloc(nbytes)
+        except (RuntimeError, MemoryError) as e:
+            raise HostMemoryError(
+                f"could not allocate {nbytes} bytes of host memory to offload into ({e}); the group "
+                "stays resident. Raise min_offload_bytes or keep_last, or free host memory."
+            ) from e
 
     # ------------------------------------------------------------------ implementation
     def _move_out(self, group: Group, moved: list[Moved]) -> None:

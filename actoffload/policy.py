@@ -106,6 +106,7 @@ def storage_key(t: torch.Tensor) -> int | None:
 def plan_group(
     tensors: Sequence[torch.Tensor],
     *,
+    parameters: Sequence[bool] | None = None,
     device: torch.device,
     min_offload_bytes: int,
     policy: str,
@@ -113,7 +114,9 @@ def plan_group(
 ) -> GroupPlan:
     """Decide, for one group, which saved buffers move and why the others stay.
 
-    ``committed=False`` plans a group whose backward began before its commit (or that
+    ``parameters[i]`` says whether ``tensors[i]`` is a parameter or a view of one; by
+    default :func:`is_parameter` tells (callers holding ``detach()``ed aliases must
+    record it before detaching). ``committed=False`` plans a group whose backward began before its commit (or that
     is still waiting for it): whatever would move is kept with reason ``keep_last``.
 
     >>> x = torch.randn(1024, 1024)
@@ -122,6 +125,8 @@ def plan_group(
     >>> plan.reasons
     [None, 'alias', 'small']
     """
+    if parameters is None:
+        parameters = [is_parameter(t) for t in tensors]
     reasons: list[str | None] = [None] * len(tensors)
     nbytes = [0] * len(tensors)
     by_storage: dict[int, list[int]] = {}
@@ -142,7 +147,7 @@ def plan_group(
         align = max(t.element_size() for t in aliases)
         start = min(f for f, _ in extents) // align * align
         end = max(e for _, e in extents)
-        if any(is_parameter(t) for t in aliases):
+        if any(parameters[i] for i in members):
             reason = "parameter"
         elif flags & marks.VETO:
             reason = "vetoed"

@@ -8,8 +8,9 @@ Plain and synchronous on purpose. Rule by rule (SPEC.md), where each one lives:
 - The moves themselves, below: at commit each span is copied to host memory
   (pinned when the device is CUDA) and waits there; at unpack it is copied back.
   Copies are blocking, so nothing here can race.
-- R8: a reload is cached only through a weak reference, so it lives exactly as long
-  as a restored tensor uses it; a second backward (``retain_graph``) reloads again.
+- R5, R8: a reload is cached only through a weak reference to its storage, so every
+  alias restored while it lives shares it, and it lives exactly as long as a restored
+  tensor uses it; a second backward (``retain_graph``) reloads again.
 - R9: host bytes in use are counted when allocated and uncounted when freed.
 - R10: host allocation failure raises :class:`~actoffload.engine.HostMemoryError`
   and the group stays resident.
@@ -22,7 +23,7 @@ import weakref
 
 import torch
 
-from actoffload.engine import Group, HostMemoryError, Moved, OffloaderBase
+from actoffload.engine import Group, Moved, OffloaderBase, WeakStorage
 
 
 def _round16(n: int) -> int:
@@ -39,15 +40,6 @@ class RefOffloader(OffloaderBase):
         self._host_lock = threading.Lock()
         self._host_in_use = 0
 
-    def _alloc_host(self, nbytes: int) -> torch.Tensor:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        except (RuntimeError, MemoryError) as e:
-            raise HostMemoryError(
-                f"could not allocate {nbytes} bytes of host memory to offload into ({e}); the group "
-                "stays resident. Raise min_offload_bytes or keep_last, or free host memory."
-            ) from e
-
     def _count_host(self, delta: int) -> None:
         with self._host_lock:
             self._host_in_use += delta
@@ -63,11 +55,11 @@ class RefOffloader(OffloaderBase):
             weakref.finalize(host, self._count_host, -m.nbytes)
 
     def _device_bytes(self, moved: Moved) -> torch.Tensor:
-        dev = moved.reloaded() if moved.reloaded is not None else None
+        dev = moved.reloaded.get(self.device) if moved.reloaded is not None else None
         if dev is None:
             dev = torch.empty(_round16(moved.nbytes), dtype=torch.uint8, device=self.device)
             dev[: moved.nbytes].copy_(moved.host)  # blocking
-            moved.reloaded = weakref.ref(dev)
+            moved.reloaded = WeakStorage(dev)
         return dev
 
     def _host_bytes(self) -> tuple[int, int]:

@@ -1,0 +1,76 @@
+"""Small shared helpers for the rule tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import actoffload as ao
+
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")),
+]
+
+
+def fast_available() -> bool:
+    try:
+        from actoffload.fast import FastOffloader  # noqa: F401
+    except NotImplementedError:
+        return False
+    return True
+
+
+IMPLS = ["ref", pytest.param("fast", marks=pytest.mark.skipif(not fast_available(), reason="fast not built"))]
+
+
+def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Every gradient (inputs first, then parameters), cloned."""
+    out = [i.grad.clone() for i in inputs if i.grad is not None]
+    out += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return out
+
+
+def zero_grads(model: torch.nn.Module, *inputs: torch.Tensor) -> None:
+    for t in list(model.parameters()) + list(inputs):
+        t.grad = None
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y), f"gradient {i} differs: max |diff| {(x.double() - y.double()).abs().max()}"
+
+
+@contextlib.contextmanager
+def maybe_group(off, name):
+    if off is None:
+        yield
+    else:
+        with off.group(name):
+            yield
+
+
+def run_groups(layers, x, off=None):
+    """Run ``layers`` one group each; return the output."""
+    for i, layer in enumerate(layers):
+        with maybe_group(off, str(i)):
+            x = layer(x)
+    return x
+
+
+def mlp_stack(n: int, d: int, device, dtype=torch.float32, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers = [
+        torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d)) for _ in range(n)
+    ]
+    return torch.nn.Sequential(*layers).to(device=device, dtype=dtype)
+
+
+def off_for(impl: str, device: str, **kw):
+    kw.setdefault("min_offload_bytes", 0)
+    return ao.Offloader(impl=impl, device=device, **kw)

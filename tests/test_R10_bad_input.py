@@ -1,0 +1,106 @@
+"""R10: misuse gets a clear error naming the problem; faults never corrupt or drop data."""
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.engine import HostMemoryError
+from helpers import CUDA, DEVICES, IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, run_groups, zero_grads
+
+
+def test_R10_unknown_impl_argument_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown impl 'turbo'; valid implementations are: ref, fast"):
+        ao.Offloader(impl="turbo", device="cpu")
+
+
+def test_R10_unknown_impl_in_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_IMPL", "nope")
+    with pytest.raises(ValueError, match=r"unknown OFFLOAD_IMPL 'nope'; valid implementations are: ref, fast"):
+        ao.Offloader(device="cpu")
+
+
+def test_R10_environment_selects_the_implementation(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_IMPL", "ref")
+    assert ao.Offloader(device="cpu").impl == "ref"
+    monkeypatch.delenv("OFFLOAD_IMPL")
+    assert ao.resolve_impl() == ("fast" if CUDA else "ref")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy": "some"}, "unknown policy 'some'; valid policies are: all, marked"),
+        ({"keep_last": -1}, "keep_last must be an int >= 0, got -1"),
+        ({"prefetch": 1.5}, "prefetch must be an int >= 0, got 1.5"),
+        ({"min_offload_bytes": "1M"}, "min_offload_bytes must be an int >= 0, got '1M'"),
+        ({"device": "gpu0"}, "device 'gpu0' is not a torch device"),
+        ({"device": "meta"}, "device meta is not supported"),
+    ],
+)
+def test_R10_bad_arguments_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ao.Offloader(impl="ref", **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message when CUDA is missing")
+def test_R10_cuda_device_without_cuda_says_so():
+    with pytest.raises(ValueError, match="CUDA is not available here; use device='cpu'"):
+        ao.Offloader(impl="ref", device="cuda")
+
+
+def test_R10_group_name_must_be_a_string():
+    with pytest.raises(TypeError, match="group name must be a str, got int"):
+        ao.Offloader(impl="ref", device="cpu").group(3)
+
+
+def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
+    off = ao.Offloader(impl="ref", device="cpu")
+    with pytest.raises(TypeError, match="wrap takes nn.Modules, got function"):
+        ao.wrap([lambda x: x], off)
+    with pytest.raises(TypeError, match="wrap needs an offloader"):
+        ao.wrap(torch.nn.Linear(2, 2), object())
+    with pytest.raises(ValueError, match="wrap got 2 modules but 1 names"):
+        ao.wrap([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], off, names=["a"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_host_memory_exhaustion_raises_and_keeps_data(impl, device, monkeypatch):
+    model = mlp_stack(2, 32, device)
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    run_groups(model, x).sum().backward()
+    expected = grads_of(model, x)
+    zero_grads(model, x)
+
+    off = off_for(impl, device, keep_last=0)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("pinned memory exhausted (simulated)")
+
+    monkeypatch.setattr(off, "_raw_host_alloc", no_memory)  # every host allocation fails
+    with pytest.raises(MemoryError, match="could not allocate .* host memory") as info:
+        with off.group("0"):
+            h = model[0](x)
+    assert isinstance(info.value, HostMemoryError)
+    monkeypatch.undo()
+    assert off.stats()["groups"]["0"]["offloaded"] == 0  # stayed resident
+    with off.group("1"):
+        y = model[1](h)
+    y.sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_cuda_graph_capture_raises(impl):
+    off = off_for(impl, "cuda")
+    lin = torch.nn.Linear(16, 16).cuda()
+    x = torch.randn(4, 16, device="cuda", requires_grad=True)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        lin(x).sum().backward()  # warm up
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with torch.cuda.graph(graph, stream=s):
+            with off.group("g"):
+                lin(x)

@@ -1,0 +1,128 @@
+"""R8: backward once, twice or never; several forwards in flight; exceptions leave nothing behind."""
+
+import gc
+
+import pytest
+import torch
+
+import actoffload as ao
+from helpers import DEVICES, IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, run_groups, zero_grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_retain_graph_backward_twice(impl, device):
+    model = mlp_stack(3, 32, device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    run_groups(model, x).sum().backward()
+    expected = [2 * g for g in grads_of(model, x)]
+    zero_grads(model, x)
+    off = off_for(impl, device, keep_last=1)
+    y = run_groups(model, x, off).sum()
+    y.backward(retain_graph=True)
+    assert off.stats()["host_bytes_in_use"] > 0  # kept for the second backward
+    y.backward()
+    assert_bitwise(grads_of(model, x), expected)
+    del y
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_no_backward_frees_host_memory_with_the_graph(impl, device):
+    model = mlp_stack(3, 32, device)
+    off = off_for(impl, device, keep_last=0)
+    y = run_groups(model, torch.randn(16, 32, device=device, requires_grad=True), off)
+    assert off.stats()["host_bytes_in_use"] > 0
+    del y
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_R8_several_forwards_in_flight_backward_in_any_order(impl, device, order):
+    model = mlp_stack(3, 32, device)
+    xs = [torch.randn(8, 32, device=device, requires_grad=True) for _ in range(3)]
+    expected = []
+    for x in xs:
+        zero_grads(model)
+        run_groups(model, x).square().sum().backward()
+        expected.append(grads_of(model, x))
+        x.grad = None
+    off = off_for(impl, device, keep_last=1)
+    outs = [run_groups(model, x, off).square().sum() for x in xs]
+    for i in order:
+        zero_grads(model)
+        outs[i].backward()
+        assert_bitwise(grads_of(model, xs[i]), expected[i])
+    del outs
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("use_wrap", [False, True])
+def test_R8_exception_inside_a_group_leaves_the_offloader_usable(impl, device, use_wrap):
+    model = mlp_stack(3, 32, device)
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    run_groups(model, x).sum().backward()
+    expected = grads_of(model, x)
+    zero_grads(model, x)
+
+    off = off_for(impl, device, keep_last=1)
+
+    class Boom(Exception):
+        pass
+
+    def failing(h):
+        raise Boom()
+
+    def forward_that_fails():  # its locals, and so the partial graph, die with it
+        if use_wrap:
+            handle = ao.wrap([model[0], model[1]], off)
+            hook = model[1].register_forward_pre_hook(lambda m, a: failing(a))
+            try:
+                model[1](model[0](x))
+            finally:
+                hook.remove()
+                handle.remove()
+        else:
+            h = run_groups([model[0]], x, off)
+            with off.group("1"):
+                failing(model[1](h))
+
+    try:  # not pytest.raises: its ExceptionInfo keeps the traceback, and so the graph, alive
+        forward_that_fails()
+    except Boom:
+        pass
+    else:
+        pytest.fail("the forward did not raise")
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+    y = run_groups(model, x, off)  # usable afterwards, nothing nested left open
+    y.sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("keep_last", [0, 1, 3])
+def test_R8_graph_freed_without_backward_releases_resident_tensors(impl, device, keep_last):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = mlp_stack(3, 32, device)
+    off = off_for(impl, device, keep_last=keep_last)
+    refs = []
+    h = torch.randn(16, 32, device=device, requires_grad=True)
+    for i, layer in enumerate(model):
+        with off.group(str(i)):
+            h = layer(h)  # the outputs saved by GELU stay resident in kept groups
+            refs.append(StorageWeakRef(h.untyped_storage()))
+    del h
+    gc.collect()
+    assert all(r.expired() for r in refs)  # no reference cycle through the graph
+    assert off.stats()["host_bytes_in_use"] == 0

@@ -1,0 +1,53 @@
+"""wrap(), its handle, and the shape of stats()."""
+
+import pytest
+import torch
+
+import actoffload as ao
+from helpers import IMPLS, mlp_stack, off_for
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrap_makes_one_group_per_module_and_remove_undoes_it(impl):
+    model = mlp_stack(3, 16, "cpu")
+    off = off_for(impl, "cpu")
+    handle = ao.wrap(model, off)
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert sorted(off.stats()["groups"]) == ["0", "1", "2"]
+    handle.remove()
+    off2 = off_for(impl, "cpu")
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert off2.stats()["groups"] == {}
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrap_with_names_and_single_module(impl):
+    model = mlp_stack(2, 16, "cpu")
+    off = off_for(impl, "cpu")
+    with ao.wrap(model, off, names=["first", "second"]), ao.wrap(torch.nn.Identity(), off):
+        model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert sorted(off.stats()["groups"]) == ["first", "second"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stats_have_the_documented_keys_and_add_up(impl):
+    model = mlp_stack(3, 16, "cpu")
+    off = off_for(impl, "cpu", keep_last=1)
+    with ao.wrap(model, off):
+        y = model(torch.randn(4, 16, requires_grad=True)).sum()
+    s = off.stats()
+    assert {"groups", "offloaded_bytes", "host_bytes_in_use", "host_bytes_pooled"} <= set(s)
+    for g in s["groups"].values():
+        assert set(g) == {"saved", "offloaded", "offloaded_bytes", "kept"}
+        assert g["saved"] == g["offloaded"] + sum(g["kept"].values())
+        assert set(g["kept"]) <= {"parameter", "small", "vetoed", "not_marked", "device", "keep_last", "alias"}
+    assert s["offloaded_bytes"] == sum(g["offloaded_bytes"] for g in s["groups"].values())
+    assert s["groups"]["2"]["offloaded"] == 0 and s["groups"]["2"]["kept"]["keep_last"] > 0
+    y.backward()
+    assert off.stats()["groups"] == s["groups"]  # readable after backward
+
+
+def test_offloader_repr_names_its_settings():
+    off = ao.Offloader(impl="ref", device="cpu", keep_last=2)
+    assert "keep_last=2" in repr(off) and "RefOffloader" in repr(off)

@@ -1,0 +1,1 @@
+"""actoffload.triton_kernels: Triton kernels used by actoffload.fast."""
