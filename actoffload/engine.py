@@ -323,7 +323,7 @@ class OffloaderBase:
             )
         if s.tensor is not None:
             return s.tensor
-        dev = self._device_bytes(s.moved)
+        dev = self._device_bytes(group, s.moved)
         return dev.view(s.dtype).as_strided(s.size, s.stride, s.offset)
 
     # ------------------------------------------------------------------ host memory
@@ -346,7 +346,7 @@ class OffloaderBase:
         """Copy each span's ``source`` to host memory (setting ``host``); may finish later."""
         raise NotImplementedError
 
-    def _device_bytes(self, moved: Moved) -> torch.Tensor:
+    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
         """The span's bytes back on the device, ready on the current stream.
 
         A flat uint8 tensor whose length is ``moved.nbytes`` rounded up to 16, so that

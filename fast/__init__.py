@@ -1,3 +1,5 @@
-"""actoffload.fast: the CUDA offloader (not built yet)."""
+"""actoffload.fast: the CUDA offloader (stream-overlapped, pooled, packed)."""
 
-raise NotImplementedError("actoffload.fast is not built yet; use impl='ref'")
+from .offloader import FastOffloader
+
+__all__ = ["FastOffloader"]

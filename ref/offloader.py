@@ -54,7 +54,7 @@ class RefOffloader(OffloaderBase):
             self._count_host(m.nbytes)
             weakref.finalize(host, self._count_host, -m.nbytes)
 
-    def _device_bytes(self, moved: Moved) -> torch.Tensor:
+    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
         dev = moved.reloaded.get(self.device) if moved.reloaded is not None else None
         if dev is None:
             dev = torch.empty(_round16(moved.nbytes), dtype=torch.uint8, device=self.device)

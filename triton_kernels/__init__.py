@@ -1,1 +1,1 @@
-"""actoffload.triton_kernels: Triton kernels used by actoffload.fast."""
+"""actoffload.triton_kernels: Triton kernels used by actoffload.fast (multi-tensor pack/unpack)."""

@@ -1,0 +1,226 @@
+"""The fast offloader: same decisions as ref, bytes moved off the critical path.
+
+Mechanisms, each in its own module: copy streams and events (``streams.py``), the
+pinned pool (``pool.py``), packing of small buffers (``packing.py``). This file is the
+schedule that ties them together:
+
+- **Commit** (a group's forward is over, ``keep_last`` later): the copy stream waits
+  for an event on the compute stream, packs the group's small spans into one staging
+  buffer with one Triton launch, and copies it and each large span into pool blocks.
+  The sources stay referenced until the copy's event has fired (polled without
+  blocking), so the allocator cannot hand their memory to new work before the copy has
+  read it; at most ``max_inflight`` groups wait that way, older ones make the compute
+  stream wait on their event instead (stream-ordered, still no host synchronization).
+- **Backward**: the first unpack of a group starts its reload (if not prefetched) and
+  the reload of the ``prefetch`` groups opened before it. Reload buffers are allocated
+  on the compute stream (so its allocator reuses them when backward frees them); the
+  reload stream first waits for that allocation point and for the group's offload copy.
+  Every restored tensor makes the consuming stream wait on the reload's event: a
+  reload is never used before it completes.
+- **Lifetime**: a group's pool blocks go back to the pool when the group is freed with
+  its graph; a block's fence (its last reload) orders its next reuse. A reload is held
+  strongly until each of its saved buffers has been unpacked once, then only weakly,
+  so ``retain_graph`` backwards reuse it while it lives and reload it otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+import torch
+
+from actoffload.engine import COMMITTED, Group, Moved, OffloaderBase, WeakStorage
+
+from .packing import Packer, round16
+from .pool import PinnedPool
+from .streams import CopyStreams
+
+
+class _Offloaded:
+    """Fast's record of one committed group: its pool blocks and packed layout."""
+
+    __slots__ = ("blocks", "packed", "packed_offsets", "packed_total", "large", "done", "reloading")
+
+    def __init__(self):
+        self.blocks = []
+        self.packed: list[Moved] = []  # small spans, moved in one packed copy
+        self.packed_offsets: list[int] = []
+        self.packed_total = 0
+        self.large: list[Moved] = []  # spans moved one copy each
+        self.done = None  # event: every offload copy of the group has finished
+        self.reloading = False  # its reload was enqueued (first touch or prefetch)
+
+
+class FastOffloader(OffloaderBase):
+    """Stream-overlapped implementation; create it through ``actoffload.Offloader(impl="fast")``."""
+
+    impl = "fast"
+    pack_below = 4 << 20  # spans smaller than this share one packed copy (benchmarks/ chose it)
+    max_inflight = 2  # groups whose offload copies may still hold their sources
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._streams = CopyStreams(self.device)
+        self._pool = PinnedPool(self._alloc_host)
+        self._packer = Packer(self.device)
+        self._inflight: collections.deque = collections.deque()  # (done event, sources kept alive)
+        self._inflight_lock = threading.Lock()
+        self.counters = collections.Counter()
+
+    # ------------------------------------------------------------------ host memory
+    def _raw_host_alloc(self, nbytes: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # Pin exactly nbytes: PyTorch's pinned allocator rounds to a power of two.
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))
+        weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+        return host
+
+    def _release_blocks(self, blocks) -> None:
+        for b in blocks:
+            self._pool.put(b)
+
+    # ------------------------------------------------------------------ offload
+    def _move_out(self, group: Group, moved: list[Moved]) -> None:
+        rec = _Offloaded()
+        rec.packed = [m for m in moved if m.nbytes < self.pack_below]
+        rec.large = [m for m in moved if m.nbytes >= self.pack_below]
+        rec.packed_offsets, rec.packed_total = self._packer.layout([m.nbytes for m in rec.packed])
+        sizes = ([rec.packed_total] if rec.packed else []) + [m.nbytes for m in rec.large]
+        try:  # all host memory first: all or nothing (R10)
+            for n in sizes:
+                rec.blocks.append(self._pool.get(n))
+        except MemoryError:
+            self._release_blocks(rec.blocks)
+            raise
+        large_blocks = rec.blocks[1:] if rec.packed else rec.blocks
+        keep = [m.source for m in moved]
+        with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
+            if rec.packed:
+                block = rec.blocks[0]
+                stage = self._packer.pack([m.source for m in rec.packed], rec.packed_offsets, rec.packed_total)
+                block.tensor[: rec.packed_total].copy_(stage, non_blocking=True)
+                keep.append(stage)
+                for m, off in zip(rec.packed, rec.packed_offsets):
+                    m.host = block.tensor[off : off + m.nbytes]
+                self.counters["d2h_copies"] += 1
+            for m, block in zip(rec.large, large_blocks):
+                m.host = block.tensor[: m.nbytes]
+                m.host.copy_(m.source, non_blocking=True)
+                self.counters["d2h_copies"] += 1
+        rec.done = self._streams.record(self._streams.d2h)
+        for m in moved:
+            m.source = None
+            m.dev = None
+            m.weak = None
+            m.ready = None
+            m.uses_left = 0
+        self.counters["packed_spans"] += len(rec.packed)
+        self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
+        group.fast = rec
+        weakref.finalize(group, self._release_blocks, list(rec.blocks))
+        with self._inflight_lock:
+            self._inflight.append((rec.done, keep))
+        self._reap()
+
+    def _reap(self) -> None:
+        """Drop the sources of finished copies; bound how many groups may still hold theirs."""
+        with self._inflight_lock:
+            while self._inflight and self._inflight[0][0].query():
+                self._inflight.popleft()
+            while len(self._inflight) > self.max_inflight:
+                done, _ = self._inflight.popleft()
+                self._streams.wait(done)  # later compute work (and reuse of the memory) waits
+                self.counters["compute_waits"] += 1
+
+    def synchronize(self) -> None:
+        """Block until every offload copy has finished and its sources are released."""
+        with self._inflight_lock:
+            while self._inflight:
+                done, _ = self._inflight.popleft()
+                done.synchronize()
+
+    # ------------------------------------------------------------------ reload
+    def _on_backward(self, group: Group) -> None:
+        if group.__dict__.get("fast_reached"):
+            return  # the common case: every unpack after the group's first
+        group.fast_reached = True
+        self._start_reload(group)
+        prev = group.prev() if group.prev is not None else None
+        for _ in range(self.prefetch):
+            if prev is None:
+                break
+            if self._start_reload(prev):
+                self.counters["prefetched_groups"] += 1
+            prev = prev.prev() if prev.prev is not None else None
+        self._reap()
+
+    def _start_reload(self, group: Group) -> bool:
+        """Reload a committed group once (its first touch or a prefetch); True if started now."""
+        rec = getattr(group, "fast", None)
+        if group.state != COMMITTED or rec is None or rec.reloading:
+            return False
+        rec.reloading = True
+        self._reload(group)
+        return True
+
+    def _reload(self, group: Group) -> None:
+        """Enqueue the reload of every span of ``group`` not currently on the device."""
+        rec: _Offloaded = group.fast
+        need = [m for m in group.moved if m.dev is None and (m.weak is None or m.weak.get(self.device) is None)]
+        if not need:
+            return
+        for m in need:  # on the compute stream: its allocator reuses them after backward
+            m.dev = torch.empty(round16(m.nbytes), dtype=torch.uint8, device=self.device)
+        allocated = self._streams.record()
+        packed = [m for m in rec.packed if m in need]
+        with self._streams.on_h2d(allocated, rec.done):
+            for m in need:
+                if m not in packed:
+                    m.dev[: m.nbytes].copy_(m.host, non_blocking=True)
+                    self.counters["h2d_copies"] += 1
+            if packed:
+                block = rec.blocks[0]
+                stage = torch.empty(rec.packed_total, dtype=torch.uint8, device=self.device)
+                stage.copy_(block.tensor[: rec.packed_total], non_blocking=True)
+                offsets = [rec.packed_offsets[rec.packed.index(m)] for m in packed]
+                self._packer.unpack(stage, [m.dev[: m.nbytes] for m in packed], offsets)
+                self.counters["h2d_copies"] += 1
+        ready = self._streams.record(self._streams.h2d)
+        for b in rec.blocks:
+            b.fence = ready  # the next writer of this host block waits for this read
+        for m in need:
+            m.ready = ready
+            m.weak = WeakStorage(m.dev)
+            m.uses_left = len(m.span.members)
+        self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
+
+    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
+        dev = moved.dev
+        if dev is None:
+            dev = moved.weak.get(self.device) if moved.weak is not None else None
+            if dev is None:  # a later backward (retain_graph) after the reload was freed
+                self._reload(group)
+                dev = moved.dev
+        else:
+            moved.uses_left -= 1
+            if moved.uses_left <= 0:
+                moved.dev = None  # from now on only the restored tensors keep it alive
+        self._streams.wait(moved.ready)  # never used before the reload completes
+        return dev
+
+    # ------------------------------------------------------------------ stats
+    def _host_bytes(self) -> tuple[int, int]:
+        return self._pool.in_use, self._pool.pooled
+
+    def _extra_stats(self) -> dict:
+        return {
+            "host_allocations": self._pool.allocations,
+            "packer": self._packer.name,
+            "pack_below": self.pack_below,
+            "copies": dict(self.counters),
+        }

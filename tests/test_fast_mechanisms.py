@@ -1,0 +1,87 @@
+"""fast/ mechanisms on their own: pool, packing decision, schedule (run on CPU and CUDA)."""
+
+import gc
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.fast.pool import PinnedPool, size_class
+from helpers import DEVICES, assert_bitwise, grads_of, mlp_stack, run_groups, zero_grads
+
+
+@pytest.mark.parametrize("n", [1, 64, 65, 1000, 4096, 123457, 1 << 20, (1 << 30) + 7])
+def test_size_class_wastes_at_most_a_32nd_or_one_64_byte_granule(n):
+    c = size_class(n)
+    assert c >= n and c - n < max(64, n / 32 + 1) and c % 64 == 0
+
+
+def test_pool_reuses_blocks_of_a_size_class():
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    a = pool.get(5000)
+    pool.put(a)
+    b = pool.get(4999)  # same class (5120)
+    assert b is a and pool.allocations == 1
+    assert pool.in_use == size_class(5000) and pool.pooled == 0
+    pool.put(b)
+    assert pool.trim() == size_class(5000) and pool.pooled == 0
+
+
+def _train_steps(off, model, steps, device):
+    peaks, allocs = [], []
+    for _ in range(steps):
+        x = torch.randn(64, 64, device=device, requires_grad=True)
+        y = run_groups(model, x, off).square().sum()
+        s = off.stats()
+        assert s["host_bytes_in_use"] <= 1.05 * s["offloaded_bytes"]
+        peaks.append(s["host_bytes_in_use"] + s["host_bytes_pooled"])
+        y.backward()
+        del y
+        gc.collect()
+        allocs.append(off.stats()["host_allocations"])
+    return peaks, allocs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(device):
+    model = mlp_stack(4, 64, device)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1)
+    peaks, allocs = _train_steps(off, model, 20, device)
+    assert allocs[0] > 0 and allocs[-1] == allocs[0]
+    assert max(peaks) == peaks[0]
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pack_below", [0, 1 << 30], ids=["no_packing", "all_packed"])
+def test_fast_packed_and_direct_copies_give_identical_gradients(device, pack_below, monkeypatch):
+    from actoffload.fast import FastOffloader
+
+    monkeypatch.setattr(FastOffloader, "pack_below", pack_below)
+    model = mlp_stack(3, 48, device)
+    x = torch.randn(16, 48, device=device, requires_grad=True)
+    run_groups(model, x).sum().backward()
+    expected = grads_of(model, x)
+    zero_grads(model, x)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0)
+    run_groups(model, x, off).sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+    s = off.stats()
+    spans = sum(g["offloaded"] for g in s["groups"].values())
+    assert spans == 9  # per group: the input, fc1's output, GELU's output
+    if pack_below:  # one packed copy per group, each way
+        assert s["copies"]["packed_spans"] == 9 and s["copies"]["d2h_copies"] == 3 == s["copies"]["h2d_copies"]
+    else:  # one copy per span, each way
+        assert s["copies"].get("packed_spans", 0) == 0 and s["copies"]["d2h_copies"] == 9 == s["copies"]["h2d_copies"]
+    if device == "cpu":
+        assert off.stats()["packer"] == "triton-interpreter"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_fast_prefetches_the_groups_before_the_one_in_backward(device, prefetch):
+    model = mlp_stack(5, 32, device)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1, prefetch=prefetch)
+    run_groups(model, torch.randn(8, 32, device=device, requires_grad=True), off).sum().backward()
+    got = off.stats()["copies"].get("prefetched_groups", 0)
+    assert got == (0 if prefetch == 0 else 4)  # groups 0..3 were offloaded; 4 stayed (keep_last)

@@ -1,0 +1,127 @@
+"""Multi-tensor pack / unpack: many small byte ranges <-> one contiguous buffer.
+
+``pack`` gathers ``srcs[i]`` (flat uint8 tensors anywhere in device memory) into
+``out[offsets[i] : offsets[i] + srcs[i].numel()]`` in one launch, so a group's many
+small saved buffers cross PCIe in one copy; ``unpack`` scatters them back after the
+reload. Each has a plain PyTorch function beside it computing the same thing
+(``pack_reference`` / ``unpack_reference``), and tests compare the two on awkward
+inputs under ``TRITON_INTERPRET=1``.
+
+Kernel layout: program ``(i, j)`` copies tensor ``i``, taking every ``SPLIT``-th block
+of ``BLOCK`` words starting at block ``j``. Addresses come from a table of
+``(pointer, offset, size)`` per tensor. The word is the widest of 8, 4, 2 or 1 bytes
+that divides every pointer, offset and size of the launch, so aligned inputs (the
+usual case) move 8 bytes per load instead of one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the kernels run through Triton's interpreter, which it reads at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BLOCK = 1024  # words per block
+SPLIT = 8  # programs sharing one tensor
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@triton.jit
+def _copy_kernel(table_ptr, packed_ptr, TO_PACKED: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    ptr = tl.load(table_ptr + 3 * i).to(tl.pointer_type(packed_ptr.dtype.element_ty))
+    offset = tl.load(table_ptr + 3 * i + 1)
+    size = tl.load(table_ptr + 3 * i + 2)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(j * BLOCK, size, SPLIT * BLOCK):
+        idx = start + lanes
+        mask = idx < size
+        if TO_PACKED:
+            tl.store(packed_ptr + offset + idx, tl.load(ptr + idx, mask=mask), mask=mask)
+        else:
+            tl.store(ptr + idx, tl.load(packed_ptr + offset + idx, mask=mask), mask=mask)
+
+
+def _check(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int], what: str) -> None:
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
+        raise ValueError(f"{what}: the packed buffer must be a contiguous 1-D uint8 tensor")
+    if len(tensors) != len(offsets):
+        raise ValueError(f"{what}: {len(tensors)} tensors but {len(offsets)} offsets")
+    for t, o in zip(tensors, offsets):
+        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{what}: every tensor must be a contiguous 1-D uint8 tensor (a byte view)")
+        if t.device != packed.device:
+            raise ValueError(f"{what}: tensor on {t.device} but packed buffer on {packed.device}")
+        if o < 0 or o + t.numel() > packed.numel():
+            raise ValueError(f"{what}: range [{o}, {o + t.numel()}) outside the packed buffer of {packed.numel()} bytes")
+
+
+def _launch(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int], to_packed: bool) -> None:
+    work = [(t, o) for t, o in zip(tensors, offsets) if t.numel() > 0]
+    if not work:
+        return
+    word = 8
+    for v in [packed.data_ptr()] + [v for t, o in work for v in (t.data_ptr(), o, t.numel())]:
+        while v % word:
+            word //= 2
+    rows = [(t.data_ptr(), o // word, t.numel() // word) for t, o in work]
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+    if packed.is_cuda:
+        # Through pinned memory, so the upload is asynchronous (no host synchronization);
+        # PyTorch's pinned allocator keeps it until the copy has run.
+        table = table.pin_memory().to(packed.device, non_blocking=True)
+    words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
+    _copy_kernel[(len(work), SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
+
+
+def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:
+    """Copy each flat uint8 ``srcs[i]`` into ``out[offsets[i]:][:len]`` (one launch).
+
+    >>> a, b = torch.arange(3, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8)
+    >>> out = torch.zeros(16, dtype=torch.uint8)
+    >>> pack([a, b], out, [0, 8]); out[:13].tolist()
+    [0, 1, 2, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]
+    """
+    _check(srcs, out, offsets, "pack")
+    _launch(srcs, out, offsets, to_packed=True)
+
+
+def unpack(packed: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
+    """Copy ``packed[offsets[i]:][:len]`` into each flat uint8 ``dsts[i]`` (one launch)."""
+    _check(dsts, packed, offsets, "unpack")
+    _launch(dsts, packed, offsets, to_packed=False)
+
+
+def pack_reference(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:
+    """What :func:`pack` computes, in plain PyTorch."""
+    _check(srcs, out, offsets, "pack")
+    for s, o in zip(srcs, offsets):
+        out[o : o + s.numel()].copy_(s)
+
+
+def unpack_reference(packed: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
+    """What :func:`unpack` computes, in plain PyTorch."""
+    _check(dsts, packed, offsets, "unpack")
+    for d, o in zip(dsts, offsets):
+        d.copy_(packed[o : o + d.numel()])
+
+
+def packed_layout(sizes: list[int], align: int = 16) -> tuple[list[int], int]:
+    """Offsets of each size in a packed buffer, each aligned to ``align``; and the total.
+
+    >>> packed_layout([3, 16, 1])
+    ([0, 16, 32], 33)
+    """
+    offsets, total = [], 0
+    for n in sizes:
+        total = (total + align - 1) // align * align
+        offsets.append(total)
+        total += n
+    return offsets, total
