@@ -1,0 +1,86 @@
+"""fast on a real GPU: no host synchronization, and no race even when copies are slow."""
+
+import gc
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.fast import FastOffloader
+from helpers import CUDA, assert_bitwise, grads_of, mlp_stack, run_groups, zero_grads
+
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
+
+SLEEP_CYCLES = 50_000_000  # ~25 ms at H100 clocks: far longer than the compute between copies
+
+
+def _expected(model, x):
+    zero_grads(model, x)
+    run_groups(model, x).square().sum().backward()
+    out = grads_of(model, x)
+    zero_grads(model, x)
+    return out
+
+
+def test_fast_training_step_has_no_host_synchronization():
+    model = mlp_stack(4, 512, "cuda")
+    off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, keep_last=1)
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    for _ in range(2):  # warm-up: pool blocks, Triton compilation, allocator
+        run_groups(model, x, off).square().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            run_groups(model, x, off).square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert off.stats()["host_allocations"] > 0
+
+
+@pytest.mark.parametrize("where", ["d2h", "h2d"])
+@pytest.mark.parametrize("pack_below", [0, 1 << 30], ids=["direct", "packed"])
+def test_fast_slow_copy_streams_do_not_change_results(where, pack_below, monkeypatch):
+    """A copy stream that lags far behind compute: a source freed or a reload used too
+    early would be overwritten by later compute and show up as wrong gradients."""
+    monkeypatch.setattr(FastOffloader, "pack_below", pack_below)
+    model = mlp_stack(6, 256, "cuda")
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    expected = _expected(model, x)
+    off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, keep_last=1)
+    streams = off._streams
+    stream = streams.d2h if where == "d2h" else streams.h2d
+    original = streams.on_d2h if where == "d2h" else streams.on_h2d
+
+    def slow(*after):
+        for e in after:
+            streams.wait(e, stream)
+        stream.wait_stream(stream)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return original(*after)
+
+    monkeypatch.setattr(streams, "on_d2h" if where == "d2h" else "on_h2d", slow)
+    for _ in range(2):
+        y = run_groups(model, x, off).square().sum()
+        # churn the allocator: memory freed too early would be reused and overwritten here
+        junk = [torch.randn(512, 512, device="cuda") for _ in range(20)]
+        y.backward()
+        del junk, y
+        assert_bitwise(grads_of(model, x), expected)
+        zero_grads(model, x)
+
+
+def test_fast_memory_is_released_when_the_graph_is_freed():
+    model = mlp_stack(4, 1024, "cuda")
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    off = ao.Offloader(impl="fast", device="cuda", keep_last=1)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = run_groups(model, x, off)
+    off.synchronize()
+    del y
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert off.stats()["host_bytes_in_use"] == 0
