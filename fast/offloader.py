@@ -58,7 +58,7 @@ class FastOffloader(OffloaderBase):
 
     impl = "fast"
     pack_below = 4 << 20  # spans smaller than this share one packed copy (benchmarks/ chose it)
-    max_inflight = 2  # groups whose offload copies may still hold their sources
+    max_inflight = 1  # groups whose offload copies may still hold their sources
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -143,12 +143,17 @@ class FastOffloader(OffloaderBase):
             self._inflight.append((rec.done, keep))
         self._reap()
 
-    def _reap(self) -> None:
-        """Drop the sources of finished copies; bound how many groups may still hold theirs."""
+    def _reap(self, keep: int | None = None) -> None:
+        """Drop the sources of finished copies; at most ``keep`` groups may still hold theirs.
+
+        Older ones make the compute stream wait for their copy before it goes on, so the
+        allocator can hand their memory to later compute work: stream-ordered, no host wait.
+        """
+        keep = self.max_inflight if keep is None else keep
         with self._inflight_lock:
             while self._inflight and self._inflight[0][0].query():
                 self._inflight.popleft()
-            while len(self._inflight) > self.max_inflight:
+            while len(self._inflight) > keep:
                 done, _ = self._inflight.popleft()
                 self._streams.wait(done)  # later compute work (and reuse of the memory) waits
                 self.counters["compute_waits"] += 1
@@ -173,7 +178,9 @@ class FastOffloader(OffloaderBase):
             if self._start_reload(prev):
                 self.counters["prefetched_groups"] += 1
             prev = prev.prev() if prev.prev is not None else None
-        self._reap()
+        # Backward needs these copies finished before it reloads anyway; holding their
+        # sources any longer would only add to backward's peak memory.
+        self._reap(keep=0)
 
     def _start_reload(self, group: Group) -> bool:
         """Reload a committed group once (its first touch or a prefetch); True if started now."""

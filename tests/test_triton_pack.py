@@ -3,8 +3,17 @@
 import pytest
 import torch
 
+import os
+
 from actoffload.triton_kernels import pack as k
-from helpers import DEVICES
+from helpers import CUDA
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton runs kernels on CPU tensors only through its interpreter (set when there is no GPU).
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")),
+]
 
 CASES = {
     "empty_list": [],
@@ -51,9 +60,10 @@ def test_pack_and_unpack_match_reference(device, case, misalign, align):
         assert torch.equal(d, s)
 
 
-def test_pack_at_a_misaligned_offset_in_the_packed_buffer():
-    srcs = [torch.arange(10, dtype=torch.uint8), torch.arange(6, dtype=torch.uint8)]
-    out = torch.zeros(40, dtype=torch.uint8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_at_a_misaligned_offset_in_the_packed_buffer(device):
+    srcs = [torch.arange(10, dtype=torch.uint8, device=device), torch.arange(6, dtype=torch.uint8, device=device)]
+    out = torch.zeros(40, dtype=torch.uint8, device=device)
     k.pack(srcs, out[3:], [1, 17])
     assert out[4:14].tolist() == list(range(10)) and out[20:26].tolist() == list(range(6))
 
@@ -76,3 +86,9 @@ def test_packed_layout_aligns_every_offset():
     offsets, total = k.packed_layout([1, 17, 0, 32, 5])
     assert offsets == [0, 16, 48, 48, 80] and total == 85
     assert all(o % 16 == 0 for o in offsets)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checks the message when the interpreter is off")
+def test_pack_on_cpu_without_the_interpreter_says_what_to_set():
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        k.pack([torch.ones(4, dtype=torch.uint8)], torch.zeros(8, dtype=torch.uint8), [0])

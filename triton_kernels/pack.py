@@ -81,6 +81,14 @@ def _launch(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int
     _copy_kernel[(len(work), SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
 
 
+def _check_runnable(packed: torch.Tensor, what: str) -> None:
+    if not packed.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{what}: Triton runs CPU tensors only through its interpreter; set TRITON_INTERPRET=1 "
+            f"before triton is imported, or use {what}_reference"
+        )
+
+
 def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:
     """Copy each flat uint8 ``srcs[i]`` into ``out[offsets[i]:][:len]`` (one launch).
 
@@ -90,12 +98,14 @@ def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> Non
     [0, 1, 2, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]
     """
     _check(srcs, out, offsets, "pack")
+    _check_runnable(out, "pack")
     _launch(srcs, out, offsets, to_packed=True)
 
 
 def unpack(packed: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
     """Copy ``packed[offsets[i]:][:len]`` into each flat uint8 ``dsts[i]`` (one launch)."""
     _check(dsts, packed, offsets, "unpack")
+    _check_runnable(packed, "unpack")
     _launch(dsts, packed, offsets, to_packed=False)
 
 
