@@ -55,13 +55,26 @@ class SavedBuffer:
 
 
 class Moved:
-    """A span that was moved off the device; implementations hang their state on it."""
+    """A span that was moved off the device; implementations hang their state on it.
 
-    def __init__(self, span: policy.Span, source: torch.Tensor):
+    ``storage`` is the device storage the span lives in, referenced until the
+    implementation has copied it out (and releases it).
+    """
+
+    def __init__(self, span: policy.Span, storage: torch.UntypedStorage, device: torch.device):
         self.span = span
         self.nbytes = span.nbytes
-        self.source: torch.Tensor | None = source  # uint8 view of the device bytes, until copied
+        self.storage: torch.UntypedStorage | None = storage
+        self.device = device
         self.host: torch.Tensor | None = None
+
+    def source(self) -> torch.Tensor:
+        """The span's bytes on the device, as a flat uint8 tensor sharing the storage."""
+        out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return out.set_(self.storage, self.span.start, (self.nbytes,), (1,))
+
+    def source_ptr(self) -> int:
+        return self.storage.data_ptr() + self.span.start
 
 
 class Group:
@@ -257,7 +270,7 @@ class OffloaderBase:
     def _commit(self, group: Group) -> None:
         """Decide (policy) and start moving what the plan says (implementation)."""
         plan = self._plan(group, committed=True)
-        moved = [Moved(span, self._source_bytes(group.saved[span.members[0]].tensor, span)) for span in plan.spans]
+        moved = [Moved(span, group.saved[span.members[0]].tensor.untyped_storage(), self.device) for span in plan.spans]
         try:
             self._move_out(group, moved)
         except HostMemoryError:
@@ -276,11 +289,6 @@ class OffloaderBase:
                 s.tensor = None
         group.moved = moved
         group.state = COMMITTED
-
-    def _source_bytes(self, t: torch.Tensor, span: policy.Span) -> torch.Tensor:
-        """The span's bytes on the device, as a flat uint8 tensor sharing ``t``'s storage."""
-        out = torch.empty(0, dtype=torch.uint8, device=t.device)
-        return out.set_(t.untyped_storage(), span.start, (span.nbytes,), (1,))
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, group: Group, t: torch.Tensor):
@@ -324,7 +332,9 @@ class OffloaderBase:
         if s.tensor is not None:
             return s.tensor
         dev = self._device_bytes(group, s.moved)
-        return dev.view(s.dtype).as_strided(s.size, s.stride, s.offset)
+        # dev starts at the span's first byte, which policy.Span aligns for every alias
+        out = torch.empty(0, dtype=s.dtype, device=dev.device)
+        return out.set_(dev.untyped_storage(), dev.storage_offset() // out.element_size() + s.offset, s.size, s.stride)
 
     # ------------------------------------------------------------------ host memory
     def _raw_host_alloc(self, nbytes: int) -> torch.Tensor:
@@ -349,8 +359,8 @@ class OffloaderBase:
     def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
         """The span's bytes back on the device, ready on the current stream.
 
-        A flat uint8 tensor whose length is ``moved.nbytes`` rounded up to 16, so that
-        it can be viewed as any dtype.
+        A flat uint8 tensor of at least ``moved.nbytes`` bytes starting at the span's
+        first byte (a fresh buffer, or the original storage while it still lives).
         """
         raise NotImplementedError
 

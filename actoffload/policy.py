@@ -80,8 +80,15 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def is_parameter(t: torch.Tensor) -> bool:
-    """A parameter, or a view of one (``F.linear`` saves ``weight.t()``, not the Parameter)."""
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    """A parameter or a leaf that requires grad, or a view of one.
+
+    ``F.linear`` saves ``weight.t()``, a view, not the Parameter. A leaf that requires
+    grad (a parameter not wrapped in ``nn.Parameter``, an input the caller asked the
+    gradient of) is held by autograd's AccumulateGrad node for as long as the graph
+    lives, so moving it would cost bus time and free nothing.
+    """
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:

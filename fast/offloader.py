@@ -39,9 +39,9 @@ from .streams import CopyStreams
 
 
 class _Offloaded:
-    """Fast's record of one committed group: its pool blocks and packed layout."""
+    """Fast's record of one committed group: pool blocks, packed layout, copy state."""
 
-    __slots__ = ("blocks", "packed", "packed_offsets", "packed_total", "large", "done", "reloading")
+    __slots__ = ("blocks", "packed", "packed_offsets", "packed_total", "large", "done", "inflight", "reloading")
 
     def __init__(self):
         self.blocks = []
@@ -50,7 +50,8 @@ class _Offloaded:
         self.packed_total = 0
         self.large: list[Moved] = []  # spans moved one copy each
         self.done = None  # event: every offload copy of the group has finished
-        self.reloading = False  # its reload was enqueued (first touch or prefetch)
+        self.inflight = True  # its sources are still referenced (copy maybe not finished)
+        self.reloading = False  # its reload was enqueued (or its sources reused)
 
 
 class FastOffloader(OffloaderBase):
@@ -112,64 +113,69 @@ class FastOffloader(OffloaderBase):
             self._release_blocks(rec.blocks)
             raise
         large_blocks = rec.blocks[1:] if rec.packed else rec.blocks
-        keep = [m.source for m in moved]
+        for m, block in zip(rec.large, large_blocks):
+            m.host = block.tensor[: m.nbytes]
+        sources = [m.source() for m in rec.large]
+        ptrs = [m.source_ptr() for m in rec.packed]
         with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
             start = self._timing_event()
+            stage = None
             if rec.packed:
-                block = rec.blocks[0]
-                stage = self._packer.pack([m.source for m in rec.packed], rec.packed_offsets, rec.packed_total)
-                block.tensor[: rec.packed_total].copy_(stage, non_blocking=True)
-                keep.append(stage)
-                for m, off in zip(rec.packed, rec.packed_offsets):
-                    m.host = block.tensor[off : off + m.nbytes]
-                self.counters["d2h_copies"] += 1
-            for m, block in zip(rec.large, large_blocks):
-                m.host = block.tensor[: m.nbytes]
-                m.host.copy_(m.source, non_blocking=True)
-                self.counters["d2h_copies"] += 1
+                stage = self._packer.pack(ptrs, rec.packed_offsets, [m.nbytes for m in rec.packed], rec.packed_total)
+                rec.blocks[0].tensor[: rec.packed_total].copy_(stage, non_blocking=True)
+            for m, src in zip(rec.large, sources):
+                m.host.copy_(src, non_blocking=True)
             self._timed("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
         for m in moved:
-            m.source = None
-            m.dev = None
-            m.weak = None
-            m.ready = None
+            m.dev = m.weak = m.ready = None
             m.uses_left = 0
+        self.counters["d2h_copies"] += len(rec.large) + bool(rec.packed)
         self.counters["packed_spans"] += len(rec.packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
         group.fast = rec
         weakref.finalize(group, self._release_blocks, list(rec.blocks))
         with self._inflight_lock:
-            self._inflight.append((rec.done, keep))
+            # the sources (kept alive through each Moved's storage) and the staging buffer
+            self._inflight.append((rec, stage, list(moved)))
         self._reap()
 
-    def _reap(self, keep: int | None = None) -> None:
-        """Drop the sources of finished copies; at most ``keep`` groups may still hold theirs.
+    def _reap(self) -> None:
+        """Release the sources of finished copies; at most ``max_inflight`` groups keep theirs.
 
-        Older ones make the compute stream wait for their copy before it goes on, so the
+        For older ones the compute stream waits for their copy before it goes on, so the
         allocator can hand their memory to later compute work: stream-ordered, no host wait.
         """
-        keep = self.max_inflight if keep is None else keep
         with self._inflight_lock:
-            while self._inflight and self._inflight[0][0].query():
-                self._inflight.popleft()
-            while len(self._inflight) > keep:
-                done, _ = self._inflight.popleft()
-                self._streams.wait(done)  # later compute work (and reuse of the memory) waits
+            while self._inflight and self._inflight[0][0].done.query():
+                self._release_sources(self._inflight.popleft())
+            while len(self._inflight) > self.max_inflight:
+                entry = self._inflight.popleft()
+                self._streams.wait(entry[0].done)  # later compute work waits for the copy
                 self.counters["compute_waits"] += 1
+                self._release_sources(entry)
+
+    @staticmethod
+    def _release_sources(entry) -> None:
+        rec, _stage, moved = entry
+        rec.inflight = False
+        for m in moved:
+            m.storage = None
 
     def synchronize(self) -> None:
         """Block until every offload copy has finished and its sources are released."""
         with self._inflight_lock:
             while self._inflight:
-                done, _ = self._inflight.popleft()
-                done.synchronize()
+                entry = self._inflight.popleft()
+                entry[0].done.synchronize()
+                self._release_sources(entry)
 
     # ------------------------------------------------------------------ reload
     def _on_backward(self, group: Group) -> None:
         if group.__dict__.get("fast_reached"):
             return  # the common case: every unpack after the group's first
         group.fast_reached = True
+        self._reap()  # first free what finished copies no longer need, then allocate reloads
         self._start_reload(group)
         prev = group.prev() if group.prev is not None else None
         for _ in range(self.prefetch):
@@ -178,17 +184,21 @@ class FastOffloader(OffloaderBase):
             if self._start_reload(prev):
                 self.counters["prefetched_groups"] += 1
             prev = prev.prev() if prev.prev is not None else None
-        # Backward needs these copies finished before it reloads anyway; holding their
-        # sources any longer would only add to backward's peak memory.
-        self._reap(keep=0)
 
     def _start_reload(self, group: Group) -> bool:
-        """Reload a committed group once (its first touch or a prefetch); True if started now."""
+        """Bring a committed group back once (first touch or prefetch); True if started now."""
         rec = getattr(group, "fast", None)
         if group.state != COMMITTED or rec is None or rec.reloading:
             return False
         rec.reloading = True
-        self._reload(group)
+        if rec.inflight:
+            # Its copy out may not even have finished: the data is still on the device,
+            # produced on the compute stream, so use it in place (no bus, no wait).
+            for m in group.moved:
+                m.dev, m.ready, m.uses_left = m.source(), None, len(m.span.members)
+            self.counters["reused_in_flight_groups"] += 1
+        else:
+            self._reload(group)
         return True
 
     def _reload(self, group: Group) -> None:
@@ -199,29 +209,26 @@ class FastOffloader(OffloaderBase):
             return
         for m in need:  # on the compute stream: its allocator reuses them after backward
             m.dev = torch.empty(round16(m.nbytes), dtype=torch.uint8, device=self.device)
+        needed = set(map(id, need))
+        packed = [(m, off) for m, off in zip(rec.packed, rec.packed_offsets) if id(m) in needed]
+        large = [m for m in rec.large if id(m) in needed]
         allocated = self._streams.record()
-        packed = [m for m in rec.packed if m in need]
         with self._streams.on_h2d(allocated, rec.done):
             start = self._timing_event()
-            for m in need:
-                if m not in packed:
-                    m.dev[: m.nbytes].copy_(m.host, non_blocking=True)
-                    self.counters["h2d_copies"] += 1
             if packed:
-                block = rec.blocks[0]
                 stage = torch.empty(rec.packed_total, dtype=torch.uint8, device=self.device)
-                stage.copy_(block.tensor[: rec.packed_total], non_blocking=True)
-                offsets = [rec.packed_offsets[rec.packed.index(m)] for m in packed]
-                self._packer.unpack(stage, [m.dev[: m.nbytes] for m in packed], offsets)
-                self.counters["h2d_copies"] += 1
+                stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
+                self._packer.unpack(stage, [m.dev.data_ptr() for m, _ in packed], [o for _, o in packed], [m.nbytes for m, _ in packed])
+            for m in large:
+                m.dev[: m.nbytes].copy_(m.host, non_blocking=True)
             self._timed("h2d", sum(m.nbytes for m in need), start)
         ready = self._streams.record(self._streams.h2d)
         for b in rec.blocks:
             b.fence = ready  # the next writer of this host block waits for this read
         for m in need:
             m.ready = ready
-            m.weak = WeakStorage(m.dev)
             m.uses_left = len(m.span.members)
+        self.counters["h2d_copies"] += len(large) + bool(packed)
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
 
     def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
@@ -233,8 +240,9 @@ class FastOffloader(OffloaderBase):
                 dev = moved.dev
         else:
             moved.uses_left -= 1
-            if moved.uses_left <= 0:
-                moved.dev = None  # from now on only the restored tensors keep it alive
+            if moved.uses_left <= 0:  # from now on only the restored tensors keep it alive
+                moved.weak = WeakStorage(dev)
+                moved.dev = None
         self._streams.wait(moved.ready)  # never used before the reload completes
         return dev
 

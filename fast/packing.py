@@ -11,6 +11,7 @@ interpreter it uses the kernels' PyTorch references, and says so in ``name``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -31,20 +32,40 @@ class Packer:
         self.device = device
         if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             self.name = "triton" if device.type == "cuda" else "triton-interpreter"
-            self._pack, self._unpack = kernels.pack, kernels.unpack
+            self._copy = kernels.copy_table
         else:
             self.name = "torch-reference"
-            self._pack, self._unpack = kernels.pack_reference, kernels.unpack_reference
+            self._copy = _copy_table_reference
 
     def layout(self, sizes: list[int]) -> tuple[list[int], int]:
         """16-byte aligned offsets of each span in the packed buffer, and its size."""
         return self._k.packed_layout(sizes, align=16)
 
-    def pack(self, srcs: list[torch.Tensor], offsets: list[int], total: int) -> torch.Tensor:
-        """A new device buffer of ``total`` bytes holding ``srcs`` at ``offsets`` (current stream)."""
+    def pack(self, ptrs: list[int], offsets: list[int], sizes: list[int], total: int) -> torch.Tensor:
+        """A new device buffer of ``total`` bytes holding ``sizes[i]`` bytes from each address
+        ``ptrs[i]`` at ``offsets[i]`` (on the current stream)."""
         stage = torch.empty(total, dtype=torch.uint8, device=self.device)
-        self._pack(srcs, stage, offsets)
+        self._copy(ptrs, offsets, sizes, stage, True)
         return stage
 
-    def unpack(self, stage: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
-        self._unpack(stage, dsts, offsets)
+    def unpack(self, stage: torch.Tensor, ptrs: list[int], offsets: list[int], sizes: list[int]) -> None:
+        """Copy ``stage[offsets[i]:][:sizes[i]]`` to each address ``ptrs[i]``."""
+        self._copy(ptrs, offsets, sizes, stage, False)
+
+
+def _copy_table_reference(ptrs, offsets, sizes, packed, to_packed) -> None:
+    """What ``copy_table`` does, for CPU memory, in plain PyTorch (no interpreter needed)."""
+    for ptr, off, n in zip(ptrs, offsets, sizes):
+        if n == 0:
+            continue
+        other = _bytes_at(ptr, n)
+        if to_packed:
+            packed[off : off + n].copy_(other)
+        else:
+            other.copy_(packed[off : off + n])
+
+
+def _bytes_at(ptr: int, n: int) -> torch.Tensor:
+    """A uint8 tensor over ``n`` bytes of CPU memory at address ``ptr`` (no copy)."""
+    array = (ctypes.c_uint8 * n).from_address(ptr)
+    return torch.frombuffer(array, dtype=torch.uint8)

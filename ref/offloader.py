@@ -47,8 +47,8 @@ class RefOffloader(OffloaderBase):
     def _move_out(self, group: Group, moved: list[Moved]) -> None:
         hosts = [self._alloc_host(m.nbytes) for m in moved]  # all or nothing (R10)
         for m, host in zip(moved, hosts):
-            host.copy_(m.source)  # blocking
-            m.source = None
+            host.copy_(m.source())  # blocking
+            m.storage = None
             m.host = host
             m.reloaded = None
             self._count_host(m.nbytes)

@@ -18,7 +18,7 @@ def test_R3_linear_weight_view_is_kept_as_parameter(impl, device):
     lin.weight.grad = None
     off = off_for(impl, device, keep_last=0)
     with off.group("lin"):
-        y = F.linear(x, lin.weight)  # saves x and weight.t() (a view, not the Parameter)
+        y = F.linear(x * 1, lin.weight)  # saves its input and weight.t() (a view, not the Parameter)
     g = off.stats()["groups"]["lin"]
     assert g["kept"] == {"parameter": 1} and g["offloaded"] == 1
     y.sum().backward()
@@ -67,9 +67,9 @@ def test_R3_tensors_off_the_compute_device_stay(impl, device, other_device):
     other = torch.randn(1024, device=other_device)
     off = off_for(impl, device, keep_last=0)
     with off.group("g"):
-        y = _SaveOther.apply(x, other)
+        y = _SaveOther.apply(x * 1, other)
     y.grad_fn.other_device = other.device
-    assert off.stats()["groups"]["g"]["kept"] == {"device": 1}
+    assert off.stats()["groups"]["g"]["kept"] == {"device": 1} and off.stats()["groups"]["g"]["offloaded"] == 1
     y.sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2))
 
@@ -81,7 +81,7 @@ def test_R3_policy_marked_moves_only_opted_in(impl):
     with off.group("g"):
         a = x.exp()  # saves a (output)
         b = a.sin()  # saves a again: same storage
-        c = x.cos()  # saves x
+        c = (x * 1).cos()  # saves x * 1
         ao.mark_activation_offload(a)
     g = off.stats()["groups"]["g"]
     assert g["offloaded"] == 1 and g["kept"] == {"alias": 1, "not_marked": 1}
@@ -95,7 +95,21 @@ def test_R3_reason_order_device_before_parameter_before_veto(impl):
     off = off_for(impl, "cpu", keep_last=0, policy="marked", min_offload_bytes=1 << 30)
     x = torch.randn(1024, requires_grad=True)
     with off.group("g"):
-        y = (x * w).sum()
-    # x: not marked (and small); w: parameter (and vetoed, not marked, small)
-    assert off.stats()["groups"]["g"]["kept"] == {"not_marked": 1, "parameter": 1}
+        y = (x.exp() * w).sum()
+    # e = x.exp(), saved twice: not marked (and small); w: parameter (and vetoed, not marked, small)
+    assert off.stats()["groups"]["g"]["kept"] == {"not_marked": 2, "parameter": 1}  # exp and mul both save e
     y.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("which", ["leaf", "view_of_leaf"])
+def test_R3_leaves_that_require_grad_stay_the_graph_holds_them(impl, device, which):
+    """AccumulateGrad keeps such a leaf alive as long as the graph: moving it frees nothing."""
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    off = off_for(impl, device, keep_last=0)
+    with off.group("g"):
+        y = (x if which == "leaf" else x[2:]).sin()
+    assert off.stats()["groups"]["g"]["kept"] == {"parameter": 1}
+    y.sum().backward()
+    assert torch.equal(x.grad[2:], x.detach()[2:].cos())

@@ -63,30 +63,42 @@ def _check(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int]
             raise ValueError(f"{what}: range [{o}, {o + t.numel()}) outside the packed buffer of {packed.numel()} bytes")
 
 
-def _launch(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int], to_packed: bool) -> None:
-    work = [(t, o) for t, o in zip(tensors, offsets) if t.numel() > 0]
-    if not work:
-        return
-    word = 8
-    for v in [packed.data_ptr()] + [v for t, o in work for v in (t.data_ptr(), o, t.numel())]:
-        while v % word:
-            word //= 2
-    rows = [(t.data_ptr(), o // word, t.numel() // word) for t, o in work]
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-    if packed.is_cuda:
-        # Through pinned memory, so the upload is asynchronous (no host synchronization);
-        # PyTorch's pinned allocator keeps it until the copy has run.
-        table = table.pin_memory().to(packed.device, non_blocking=True)
-    words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
-    _copy_kernel[(len(work), SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
-
-
 def _check_runnable(packed: torch.Tensor, what: str) -> None:
     if not packed.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{what}: Triton runs CPU tensors only through its interpreter; set TRITON_INTERPRET=1 "
             f"before triton is imported, or use {what}_reference"
         )
+
+
+def copy_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed: torch.Tensor, to_packed: bool) -> None:
+    """The kernel behind :func:`pack` / :func:`unpack`, on raw device addresses.
+
+    Copies ``sizes[i]`` bytes between address ``ptrs[i]`` and ``packed[offsets[i]:]``
+    (into ``packed`` if ``to_packed``). The caller keeps the memory behind ``ptrs``
+    alive until the launch has run. One launch on the current stream.
+    """
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
+        raise ValueError("copy_table: the packed buffer must be a contiguous 1-D uint8 tensor")
+    if not len(ptrs) == len(offsets) == len(sizes):
+        raise ValueError(f"copy_table: {len(ptrs)} pointers, {len(offsets)} offsets and {len(sizes)} sizes")
+    _check_runnable(packed, "pack" if to_packed else "unpack")
+    rows = [(p, o, n) for p, o, n in zip(ptrs, offsets, sizes) if n > 0]
+    if rows and (min(o for _, o, _ in rows) < 0 or max(o + n for _, o, n in rows) > packed.numel()):
+        raise ValueError(f"copy_table: a range falls outside the packed buffer of {packed.numel()} bytes")
+    if not rows:
+        return
+    word = 8
+    for v in [packed.data_ptr()] + [v for row in rows for v in row]:
+        while v % word:
+            word //= 2
+    table = torch.tensor([(p, o // word, n // word) for p, o, n in rows], dtype=torch.int64).reshape(-1)
+    if packed.is_cuda:
+        # Through pinned memory, so the upload is asynchronous (no host synchronization);
+        # PyTorch's pinned allocator keeps it until the copy has run.
+        table = table.pin_memory().to(packed.device, non_blocking=True)
+    words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
+    _copy_kernel[(len(rows), SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
 
 
 def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:
@@ -98,15 +110,13 @@ def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> Non
     [0, 1, 2, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]
     """
     _check(srcs, out, offsets, "pack")
-    _check_runnable(out, "pack")
-    _launch(srcs, out, offsets, to_packed=True)
+    copy_table([t.data_ptr() for t in srcs], offsets, [t.numel() for t in srcs], out, to_packed=True)
 
 
 def unpack(packed: torch.Tensor, dsts: list[torch.Tensor], offsets: list[int]) -> None:
     """Copy ``packed[offsets[i]:][:len]`` into each flat uint8 ``dsts[i]`` (one launch)."""
     _check(dsts, packed, offsets, "unpack")
-    _check_runnable(packed, "unpack")
-    _launch(dsts, packed, offsets, to_packed=False)
+    copy_table([t.data_ptr() for t in dsts], offsets, [t.numel() for t in dsts], packed, to_packed=False)
 
 
 def pack_reference(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:
