@@ -146,6 +146,7 @@ def copy_throughput(device, sizes: list[int], reps: int) -> dict:
         t0 = time.perf_counter()
         with off.group("g"):
             y = _SaveMany.apply(x, *tensors)
+        off.synchronize()  # let the copy out finish, so backward really reloads (no reuse in place)
         y.sum().backward()
         sync()
         wall.append(time.perf_counter() - t0)
