@@ -176,6 +176,7 @@ class OffloaderBase:
 
     def __init__(self, device, min_offload_bytes, policy_name, keep_last, prefetch):
         self.device = device
+        self._cuda = device.type == "cuda"
         self.min_offload_bytes = min_offload_bytes
         self.policy = policy_name
         self.keep_last = keep_last
@@ -292,12 +293,12 @@ class OffloaderBase:
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, group: Group, t: torch.Tensor):
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._cuda and torch._C._cuda_isCurrentStreamCapturing():
             raise RuntimeError(
                 "actoffload cannot offload inside a CUDA graph capture (R10): copies to host "
                 "memory cannot be captured; capture outside any offload group"
             )
-        if multibuffer.is_multibuffer(t):
+        if type(t) is not torch.Tensor and multibuffer.is_multibuffer(t):
             cls, state, buffers = multibuffer.split(t)
             return _MultiHandle(group, cls, state, [None if b is None else group.add(b) for b in buffers])
         return _Handle(group, group.add(t))

@@ -72,11 +72,13 @@ class GroupPlan:
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """``(first, end)`` bytes of ``t``'s storage that ``t`` can touch; ``first == end`` if empty."""
     es = t.element_size()
-    first = t.storage_offset() * es
+    offset = t.storage_offset()
     if t.numel() == 0:
-        return first, first
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return first, (last + 1) * es
+        return offset * es, offset * es
+    last = offset
+    for n, stride in zip(t.shape, t.stride()):
+        last += (n - 1) * stride
+    return offset * es, (last + 1) * es
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -136,24 +138,30 @@ def plan_group(
         parameters = [is_parameter(t) for t in tensors]
     reasons: list[str | None] = [None] * len(tensors)
     nbytes = [0] * len(tensors)
+    extents: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        first, end = byte_extent(t) if t.layout == torch.strided and not t.is_meta else (0, 0)
-        nbytes[i] = end - first
         key = storage_key(t) if on_device(t, device) else None
         if key is None:
             reasons[i] = "device"
+            continue
+        extents[i] = first, end = byte_extent(t)
+        nbytes[i] = end - first
+        members = by_storage.get(key)
+        if members is None:
+            by_storage[key] = [i]
         else:
-            by_storage.setdefault(key, []).append(i)
+            members.append(i)
 
     spans: list[Span] = []
     for key, members in by_storage.items():
-        aliases = [tensors[i] for i in members]
         flags = marks.flags_of(key)
-        extents = [byte_extent(t) for t in aliases]
-        align = max(t.element_size() for t in aliases)
-        start = min(f for f, _ in extents) // align * align
-        end = max(e for _, e in extents)
+        if len(members) == 1:
+            start, end = extents[members[0]]
+        else:
+            align = max(tensors[i].element_size() for i in members)
+            start = min(extents[i][0] for i in members) // align * align
+            end = max(extents[i][1] for i in members)
         if any(parameters[i] for i in members):
             reason = "parameter"
         elif flags & marks.VETO:

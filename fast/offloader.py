@@ -99,6 +99,17 @@ class FastOffloader(OffloaderBase):
         for b in blocks:
             self._pool.put(b)
 
+    def _group_freed(self, rec: "_Offloaded") -> None:
+        """The graph let the group go: its host blocks return to the pool, and sources it
+        still holds (reused in place by backward) are released once their copy is ordered."""
+        self._release_blocks(rec.blocks)
+        if rec.inflight:
+            with self._inflight_lock:
+                for entry in [e for e in self._inflight if e[0] is rec]:
+                    self._inflight.remove(entry)
+                    self._streams.wait(rec.done)  # the memory is reused only after the copy
+                    self._release_sources(entry)
+
     # ------------------------------------------------------------------ offload
     def _move_out(self, group: Group, moved: list[Moved]) -> None:
         rec = _Offloaded()
@@ -134,7 +145,7 @@ class FastOffloader(OffloaderBase):
         self.counters["packed_spans"] += len(rec.packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
         group.fast = rec
-        weakref.finalize(group, self._release_blocks, list(rec.blocks))
+        weakref.finalize(group, self._group_freed, rec)
         with self._inflight_lock:
             # the sources (kept alive through each Moved's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))

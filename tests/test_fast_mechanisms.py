@@ -121,3 +121,6 @@ def test_fast_in_flight_groups_are_bounded_and_reused_in_place(monkeypatch):
     assert c["reused_in_flight_groups"] == 1  # group 3, prefetched while still in flight
     assert c["h2d_copies"] == 3  # groups 0..2 came back over the bus
     assert_bitwise(grads_of(model, x), expected)
+    del y
+    gc.collect()
+    assert len(off._inflight) == 0  # the reused group's sources went with its graph
