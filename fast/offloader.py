@@ -204,9 +204,18 @@ class FastOffloader(OffloaderBase):
         rec.reloading = True
         if rec.inflight:
             # Its copy out may not even have finished: the data is still on the device,
-            # produced on the compute stream, so use it in place (no bus, no wait).
+            # produced on the compute stream, so use it in place (no bus, no wait). Each
+            # span is then freed as soon as backward is done with it, as without an
+            # offloader; record_stream (once per span, bounded) makes the allocator hold
+            # its memory back until the copy reading it has finished.
             for m in group.moved:
                 m.dev, m.ready, m.uses_left = m.source(), None, len(m.span.members)
+                if self._streams.cuda:
+                    m.dev.record_stream(self._streams.d2h)
+            with self._inflight_lock:
+                for entry in [e for e in self._inflight if e[0] is rec]:
+                    self._inflight.remove(entry)
+                    self._release_sources(entry)
             self.counters["reused_in_flight_groups"] += 1
         else:
             self._reload(group)
