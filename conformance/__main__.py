@@ -1,0 +1,96 @@
+"""python -m conformance --impl fast --device cuda --seeds N [--start S] [--scenario JSON]"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .runner import compare, minimize  # noqa: E402
+from .scenario import Scenario, generate  # noqa: E402
+
+
+def _bar(done: int, total: int, failed: int, start: float) -> str:
+    width = 30
+    filled = width * done // max(total, 1)
+    rate = done / max(time.time() - start, 1e-9)
+    return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} failed={failed} {rate:.1f}/s"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m conformance", description="fast vs ref vs no offloader, scenario by scenario")
+    p.add_argument("--impl", default="fast", choices=["fast", "ref"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seeds", type=int, default=200, help="how many scenarios")
+    p.add_argument("--start", type=int, default=0, help="first seed")
+    p.add_argument("--scenario", help="run one scenario given as JSON (as printed for a failure)")
+    p.add_argument("--no-shrink", action="store_true", help="do not minimize failures")
+    p.add_argument("--out", default=None, help="folder for the results JSON (default: conformance/results on CUDA)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda asked for, but CUDA is not available here; use --device cpu")
+    torch.use_deterministic_algorithms(True)
+
+    if args.scenario:
+        s = Scenario.from_json(args.scenario)
+        problems = compare(s, args.impl)
+        print(s)
+        print("\n".join(problems) or "passed")
+        return 1 if problems else 0
+
+    seeds = list(range(args.start, args.start + args.seeds))
+    failures = []
+    start = time.time()
+    for n, seed in enumerate(seeds):
+        s = generate(seed, args.device)
+        try:
+            problems = compare(s, args.impl)
+        except Exception as e:  # a crash is a failure, reported like the others
+            problems = [f"crashed: {type(e).__name__}: {e}"]
+        if problems:
+            failures.append((s, problems))
+        print(_bar(n + 1, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+
+    for s, problems in failures[:10]:
+        print(f"FAILED seed {s.seed}: {s}")
+        for line in problems:
+            print(f"    {line}")
+        if not args.no_shrink:
+            small = minimize(s, args.impl)
+            print(f"    minimal reproduction: python -m conformance --impl {args.impl} --scenario '{small.to_json()}'")
+    elapsed = time.time() - start
+    rows = [("impl", args.impl), ("device", args.device), ("scenarios", len(seeds)),
+            ("passed", len(seeds) - len(failures)), ("failed", len(failures)), ("seconds", f"{elapsed:.1f}")]
+    print("\n".join(f"{k:<10} {v}" for k, v in rows))
+
+    out_dir = args.out or (str(Path(__file__).parent / "results") if args.device == "cuda" else None)
+    if out_dir:
+        gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        result = {
+            "device": args.device, "gpu": gpu, "torch": torch.__version__, "impl": args.impl,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "scenarios": len(seeds), "passed": len(seeds) - len(failures), "failed": len(failures),
+            "seeds": [seeds[0], seeds[-1]] if seeds else [], "seconds": round(elapsed, 1),
+            "failures": [{"seed": s.seed, "scenario": s.to_json(), "problems": pr} for s, pr in failures],
+        }
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(out_dir) / f"{gpu.replace(' ', '-')}-{result['date'][:10]}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

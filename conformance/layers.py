@@ -1,0 +1,208 @@
+"""The layers scenarios are built from: each maps ``[B, T, D] -> [B, T, D]``.
+
+Every layer that saves an interesting activation ``h`` calls ``self.hooks.on_saved(h)``
+right after the ops that save it (and ``before_save(h)`` before them), where the
+scenario places marks (R4) or an in-place write after the save (R6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import actoffload as ao
+from actoffload.models import Attention, GPTConfig
+
+
+class Hooks:
+    """Per-layer events: marks before/after the save, an in-place write after it."""
+
+    def __init__(self, mark: str | None = None, inplace_after_save: bool = False):
+        self.mark = mark
+        self.inplace_after_save = inplace_after_save
+
+    def before_save(self, h: torch.Tensor) -> None:
+        if self.mark in ("veto_before", "optin_before"):
+            (ao.mark_not_offload if self.mark == "veto_before" else ao.mark_activation_offload)(h)
+
+    def on_saved(self, h: torch.Tensor) -> None:
+        if self.mark in ("veto_after", "optin_after"):
+            (ao.mark_not_offload if self.mark == "veto_after" else ao.mark_activation_offload)(h)
+        if self.inplace_after_save:
+            with torch.no_grad():
+                h.add_(0)  # same values, new version: backward must raise (R6)
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.hooks = Hooks()
+
+
+class Linear(Layer):
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x.tanh()
+        self.hooks.before_save(h)
+        y = self.fc(h)  # saves h and weight.t()
+        self.hooks.on_saved(h)
+        return y
+
+
+class Norm(Layer):
+    def __init__(self, d, kind):
+        super().__init__(d)
+        self.norm = nn.LayerNorm(d) if kind == "layernorm" else nn.RMSNorm(d)
+
+    def forward(self, x):
+        h = x * 1.5
+        self.hooks.before_save(h)
+        y = self.norm(h)
+        self.hooks.on_saved(h)
+        return y
+
+
+class Attn(Layer):
+    def __init__(self, d):
+        super().__init__(d)
+        self.attn = Attention(GPTConfig(d_model=d, n_heads=2))
+
+    def forward(self, x):
+        h = x.sin()
+        self.hooks.before_save(h)
+        # the math backend: deterministic on CUDA too (R1 needs none-vs-none equality)
+        ctx = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH) if x.is_cuda else contextlib.nullcontext()
+        with ctx:
+            y = self.attn(h)
+        self.hooks.on_saved(h)
+        return y
+
+
+class MLP(Layer):
+    def __init__(self, d, kind):
+        super().__init__(d)
+        self.kind = kind
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(d if kind == "swiglu_mlp" else 2 * d, d)  # swiglu halves fc1's output
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.hooks.before_save(h)
+        if self.kind == "swiglu_mlp":
+            a, b = h.chunk(2, dim=-1)  # views of h
+            z = F.silu(a) * b
+        else:
+            z = F.gelu(h)
+        self.hooks.on_saved(h)
+        return self.fc2(z)
+
+
+class Views(Layer):
+    """Saves several aliases of one activation (R5)."""
+
+    def __init__(self, d, kind):
+        super().__init__(d)
+        self.kind = kind
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.sigmoid()
+        self.hooks.before_save(h)
+        if self.kind == "transpose":
+            y = x + (h @ h.transpose(-1, -2)) @ h / T
+        elif self.kind == "slice":
+            y = torch.cat([h[..., : D // 2] * h[..., D // 2 :], h[..., 1 : D // 2 + 1]], dim=-1)
+        elif self.kind == "reshape":
+            y = (h.reshape(B * T, D) * h.reshape(B * T, D)).reshape(B, T, D) + x
+        elif self.kind == "expand":
+            m = h.mean(1, keepdim=True).exp()
+            y = x * m.expand(B, T, D)
+        else:  # as_strided: overlapping windows of h, starting one element in
+            a = h.as_strided((B, T - 1, D), (T * D, D, 1), h.storage_offset() + 1)
+            y = x + F.pad(a * a, (0, 0, 0, 1))
+        self.hooks.on_saved(h)
+        return y
+
+
+class InplaceBeforeSave(Layer):
+    def forward(self, x):
+        h = x * 1
+        h.mul_(0.5)  # modified before the save: fine
+        self.hooks.before_save(h)
+        y = h.exp()
+        self.hooks.on_saved(h)
+        return y
+
+
+class _QuantizedScale(torch.autograd.Function):
+    """y = x * c with c = dequantize(quantize(x)) held constant; saves c as a QuantizedTensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        q = ao.quantize(x.reshape(-1, x.shape[-1]), with_transpose=True)
+        ctx.save_for_backward(q)
+        return x * q.dequantize().reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        (q,) = ctx.saved_tensors
+        if not isinstance(q, ao.QuantizedTensor):
+            raise TypeError(f"expected a QuantizedTensor back, got {type(q).__name__}")
+        assert torch.equal(q._transpose, q._data.t().contiguous())
+        return g * q.dequantize().reshape(g.shape)
+
+
+class Quantized(Layer):
+    def forward(self, x):
+        return _QuantizedScale.apply(x.float()).to(x.dtype)
+
+
+class _GroupedScale(torch.autograd.Function):
+    """y = x * c with c a copy of x held in a GroupedTensor with uneven (and empty) groups."""
+
+    @staticmethod
+    def forward(ctx, x):
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        sizes = [n // 3, 0, n - n // 3]
+        g = ao.GroupedTensor.from_tensors(list(torch.split(rows.detach().clone(), sizes)))
+        ctx.save_for_backward(g)
+        return x * g.data_buffer.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (g,) = ctx.saved_tensors
+        if not isinstance(g, ao.GroupedTensor):
+            raise TypeError(f"expected a GroupedTensor back, got {type(g).__name__}")
+        return grad * torch.cat(g.split()).reshape(grad.shape)
+
+
+class Grouped(Layer):
+    def forward(self, x):
+        return _GroupedScale.apply(x)
+
+
+def build(kind: str, d: int) -> Layer:
+    if kind == "linear":
+        return Linear(d)
+    if kind in ("layernorm", "rmsnorm"):
+        return Norm(d, kind)
+    if kind == "attention":
+        return Attn(d)
+    if kind in ("gelu_mlp", "swiglu_mlp"):
+        return MLP(d, kind)
+    if kind in ("transpose", "slice", "reshape", "expand", "as_strided"):
+        return Views(d, kind)
+    if kind == "inplace_before_save":
+        return InplaceBeforeSave(d)
+    if kind == "quantized":
+        return Quantized(d)
+    if kind == "grouped":
+        return Grouped(d)
+    raise ValueError(f"unknown layer kind {kind!r}")
