@@ -17,7 +17,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .runner import compare, minimize  # noqa: E402
+from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate  # noqa: E402
 
 
@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--scenario", help="run one scenario given as JSON (as printed for a failure)")
     p.add_argument("--no-shrink", action="store_true", help="do not minimize failures")
     p.add_argument("--out", default=None, help="folder for the results JSON (default: conformance/results on CUDA)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes sharing the device")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda asked for, but CUDA is not available here; use --device cpu")
@@ -52,16 +53,25 @@ def main(argv=None) -> int:
     seeds = list(range(args.start, args.start + args.seeds))
     failures = []
     start = time.time()
-    for n, seed in enumerate(seeds):
-        s = generate(seed, args.device)
-        try:
-            problems = compare(s, args.impl)
-        except Exception as e:  # a crash is a failure, reported like the others
-            problems = [f"crashed: {type(e).__name__}: {e}"]
-        if problems:
-            failures.append((s, problems))
-        print(_bar(n + 1, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
+    chunks = [seeds[i : i + 10] for i in range(0, len(seeds), 10)]
+    done = 0
+    if args.jobs > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), initializer=init_worker) as pool:
+            futures = {pool.submit(check_seeds, c, args.device, args.impl): c for c in chunks}
+            for f in cf.as_completed(futures):
+                failures += f.result()
+                done += len(futures[f])
+                print(_bar(done, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
+    else:
+        for c in chunks:
+            failures += check_seeds(c, args.device, args.impl)
+            done += len(c)
+            print(_bar(done, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    failures = [(generate(seed, args.device), problems) for seed, problems in sorted(failures)]
 
     for s, problems in failures[:10]:
         print(f"FAILED seed {s.seed}: {s}")

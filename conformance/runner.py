@@ -178,10 +178,19 @@ def run(s: Scenario, impl: str | None) -> Outcome:
     return out
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise equality (NaNs with the same bits are equal, unlike ``torch.equal``)."""
     if a is None or b is None:
         return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        bits = _BITS[a.element_size()]
+        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
+    return torch.equal(a, b)
 
 
 def compare(s: Scenario, impl: str = "fast") -> list[str]:
@@ -233,3 +242,23 @@ def minimize(s: Scenario, impl: str, budget: int = 40) -> Scenario:
             if tries >= budget:
                 break
     return s
+
+
+def init_worker() -> None:
+    """Set up a worker process of ``python -m conformance --jobs N``."""
+    torch.use_deterministic_algorithms(True)
+
+
+def check_seeds(seeds: list[int], device: str, impl: str) -> list[tuple[int, list[str]]]:
+    """Compare the scenarios of ``seeds``; the failing ones with their problems."""
+    from .scenario import generate
+
+    failed = []
+    for seed in seeds:
+        try:
+            problems = compare(generate(seed, device), impl)
+        except Exception as e:  # a crash is a failure, reported like the others
+            problems = [f"crashed: {type(e).__name__}: {e}"]
+        if problems:
+            failed.append((seed, problems))
+    return failed
