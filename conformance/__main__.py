@@ -21,11 +21,16 @@ from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate  # noqa: E402
 
 
-def _bar(done: int, total: int, failed: int, start: float) -> str:
+def _progress(done: int, total: int, failed: int, start: float) -> None:
+    """A progress bar on a terminal; a line every tenth of the way in a log."""
     width = 30
     filled = width * done // max(total, 1)
     rate = done / max(time.time() - start, 1e-9)
-    return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} failed={failed} {rate:.1f}/s"
+    text = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} failed={failed} {rate:.1f}/s"
+    if sys.stderr.isatty():
+        print("\r" + text, end="\n" if done == total else "", file=sys.stderr, flush=True)
+    elif done == total or done * 10 // total != (done - 10) * 10 // total:
+        print(text, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -64,13 +69,12 @@ def main(argv=None) -> int:
             for f in cf.as_completed(futures):
                 failures += f.result()
                 done += len(futures[f])
-                print(_bar(done, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
+                _progress(done, len(seeds), len(failures), start)
     else:
         for c in chunks:
             failures += check_seeds(c, args.device, args.impl)
             done += len(c)
-            print(_bar(done, len(seeds), len(failures), start), end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+            _progress(done, len(seeds), len(failures), start)
     failures = [(generate(seed, args.device), problems) for seed, problems in sorted(failures)]
 
     for s, problems in failures[:10]:

@@ -127,12 +127,14 @@ class FastOffloader(OffloaderBase):
         for m, block in zip(rec.large, large_blocks):
             m.host = block.tensor[: m.nbytes]
         sources = [m.source() for m in rec.large]
-        ptrs = [m.source_ptr() for m in rec.packed]
+        if rec.packed:  # host work first, off the copy stream's timeline
+            table = self._packer.prepare([m.source_ptr() for m in rec.packed], rec.packed_offsets,
+                                         [m.nbytes for m in rec.packed], rec.packed_total)
         with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
             start = self._timing_event()
             stage = None
             if rec.packed:
-                stage = self._packer.pack(ptrs, rec.packed_offsets, [m.nbytes for m in rec.packed], rec.packed_total)
+                stage = self._packer.pack(table, rec.packed_total)
                 rec.blocks[0].tensor[: rec.packed_total].copy_(stage, non_blocking=True)
             for m, src in zip(rec.large, sources):
                 m.host.copy_(src, non_blocking=True)
@@ -232,13 +234,16 @@ class FastOffloader(OffloaderBase):
         needed = set(map(id, need))
         packed = [(m, off) for m, off in zip(rec.packed, rec.packed_offsets) if id(m) in needed]
         large = [m for m in rec.large if id(m) in needed]
+        if packed:  # host work first, off the copy stream's timeline
+            table = self._packer.prepare([m.dev.data_ptr() for m, _ in packed], [o for _, o in packed],
+                                         [m.nbytes for m, _ in packed], rec.packed_total)
         allocated = self._streams.record()
         with self._streams.on_h2d(allocated, rec.done):
             start = self._timing_event()
             if packed:
                 stage = torch.empty(rec.packed_total, dtype=torch.uint8, device=self.device)
                 stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
-                self._packer.unpack(stage, [m.dev.data_ptr() for m, _ in packed], [o for _, o in packed], [m.nbytes for m, _ in packed])
+                self._packer.unpack(table, stage)
             for m in large:
                 m.dev[: m.nbytes].copy_(m.host, non_blocking=True)
             self._timed("h2d", sum(m.nbytes for m in need), start)

@@ -30,27 +30,37 @@ class Packer:
 
         self._k = kernels
         self.device = device
-        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            self.name = "triton" if device.type == "cuda" else "triton-interpreter"
-            self._copy = kernels.copy_table
-        else:
+        self._reference = device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+        if self._reference:
             self.name = "torch-reference"
-            self._copy = _copy_table_reference
+        else:
+            self.name = "triton" if device.type == "cuda" else "triton-interpreter"
 
     def layout(self, sizes: list[int]) -> tuple[list[int], int]:
         """16-byte aligned offsets of each span in the packed buffer, and its size."""
         return self._k.packed_layout(sizes, align=16)
 
-    def pack(self, ptrs: list[int], offsets: list[int], sizes: list[int], total: int) -> torch.Tensor:
-        """A new device buffer of ``total`` bytes holding ``sizes[i]`` bytes from each address
-        ``ptrs[i]`` at ``offsets[i]`` (on the current stream)."""
+    def prepare(self, ptrs: list[int], offsets: list[int], sizes: list[int], total: int):
+        """Host-side work of a pack or unpack, done before entering a copy stream."""
+        if self._reference:
+            return (ptrs, offsets, sizes)
+        return self._k.make_table(ptrs, offsets, sizes, total, self.device)
+
+    def pack(self, prepared, total: int) -> torch.Tensor:
+        """A new device buffer of ``total`` bytes holding the prepared spans (current stream)."""
         stage = torch.empty(total, dtype=torch.uint8, device=self.device)
-        self._copy(ptrs, offsets, sizes, stage, True)
+        self._run(prepared, stage, True)
         return stage
 
-    def unpack(self, stage: torch.Tensor, ptrs: list[int], offsets: list[int], sizes: list[int]) -> None:
-        """Copy ``stage[offsets[i]:][:sizes[i]]`` to each address ``ptrs[i]``."""
-        self._copy(ptrs, offsets, sizes, stage, False)
+    def unpack(self, prepared, stage: torch.Tensor) -> None:
+        """Copy each prepared span out of ``stage`` to its address (current stream)."""
+        self._run(prepared, stage, False)
+
+    def _run(self, prepared, stage: torch.Tensor, to_packed: bool) -> None:
+        if self._reference:
+            _copy_table_reference(*prepared, stage, to_packed)
+        else:
+            self._k.launch_table(prepared, stage, to_packed)
 
 
 def _copy_table_reference(ptrs, offsets, sizes, packed, to_packed) -> None:

@@ -71,6 +71,47 @@ def _check_runnable(packed: torch.Tensor, what: str) -> None:
         )
 
 
+def make_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed_nbytes: int, device: torch.device,
+               packed_ptr: int = 0):
+    """Host-side preparation of one launch: ``(table, word)``, or ``None`` if nothing to copy.
+
+    Separate from :func:`launch_table` so a caller can prepare before entering a copy
+    stream and keep host work off the device timeline. ``packed_ptr`` is the packed
+    buffer's address where already known (a fresh allocation is aligned enough). The
+    table is uploaded asynchronously (through pinned memory) on the current stream.
+    """
+    if not len(ptrs) == len(offsets) == len(sizes):
+        raise ValueError(f"copy_table: {len(ptrs)} pointers, {len(offsets)} offsets and {len(sizes)} sizes")
+    rows = [(p, o, n) for p, o, n in zip(ptrs, offsets, sizes) if n > 0]
+    if not rows:
+        return None
+    if min(o for _, o, _ in rows) < 0 or max(o + n for _, o, n in rows) > packed_nbytes:
+        raise ValueError(f"copy_table: a range falls outside the packed buffer of {packed_nbytes} bytes")
+    word = 8
+    for v in [packed_ptr] + [v for row in rows for v in row]:
+        while v % word:
+            word //= 2
+    table = torch.tensor([(p, o // word, n // word) for p, o, n in rows], dtype=torch.int64).reshape(-1)
+    if device.type == "cuda":
+        # No host synchronization; PyTorch's pinned allocator keeps it until the copy has run.
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, word
+
+
+def launch_table(prepared, packed: torch.Tensor, to_packed: bool) -> None:
+    """Run a table from :func:`make_table` on ``packed``, on the current stream."""
+    if prepared is None:
+        return
+    table, word = prepared
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
+        raise ValueError("copy_table: the packed buffer must be a contiguous 1-D uint8 tensor")
+    if packed.data_ptr() % word:
+        raise ValueError(f"copy_table: the packed buffer is not aligned to the table's {word}-byte words")
+    _check_runnable(packed, "pack" if to_packed else "unpack")
+    words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
+    _copy_kernel[(table.numel() // 3, SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
+
+
 def copy_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed: torch.Tensor, to_packed: bool) -> None:
     """The kernel behind :func:`pack` / :func:`unpack`, on raw device addresses.
 
@@ -78,27 +119,9 @@ def copy_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed: to
     (into ``packed`` if ``to_packed``). The caller keeps the memory behind ``ptrs``
     alive until the launch has run. One launch on the current stream.
     """
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
-        raise ValueError("copy_table: the packed buffer must be a contiguous 1-D uint8 tensor")
-    if not len(ptrs) == len(offsets) == len(sizes):
-        raise ValueError(f"copy_table: {len(ptrs)} pointers, {len(offsets)} offsets and {len(sizes)} sizes")
     _check_runnable(packed, "pack" if to_packed else "unpack")
-    rows = [(p, o, n) for p, o, n in zip(ptrs, offsets, sizes) if n > 0]
-    if rows and (min(o for _, o, _ in rows) < 0 or max(o + n for _, o, n in rows) > packed.numel()):
-        raise ValueError(f"copy_table: a range falls outside the packed buffer of {packed.numel()} bytes")
-    if not rows:
-        return
-    word = 8
-    for v in [packed.data_ptr()] + [v for row in rows for v in row]:
-        while v % word:
-            word //= 2
-    table = torch.tensor([(p, o // word, n // word) for p, o, n in rows], dtype=torch.int64).reshape(-1)
-    if packed.is_cuda:
-        # Through pinned memory, so the upload is asynchronous (no host synchronization);
-        # PyTorch's pinned allocator keeps it until the copy has run.
-        table = table.pin_memory().to(packed.device, non_blocking=True)
-    words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
-    _copy_kernel[(len(rows), SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
+    prepared = make_table(ptrs, offsets, sizes, packed.numel(), packed.device, packed.data_ptr())
+    launch_table(prepared, packed, to_packed)
 
 
 def pack(srcs: list[torch.Tensor], out: torch.Tensor, offsets: list[int]) -> None:

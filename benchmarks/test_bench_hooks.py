@@ -1,0 +1,35 @@
+"""Host time per saved tensor (pack + unpack) on a stack of many tiny ops."""
+
+import pytest
+import torch
+
+import actoffload as ao
+from conftest import CUDA, sync
+
+OPS, GROUP = (2000, 100) if CUDA else (200, 50)
+
+
+def _run(device, off):
+    h = torch.randn(256, device=device).requires_grad_(True)
+    x = h
+    for g in range(OPS // GROUP):
+        if off is None:
+            for _ in range(GROUP):
+                x = x.sin()
+        else:
+            with off.group(str(g)):
+                for _ in range(GROUP):
+                    x = x.sin()  # saves its input: one saved tensor per op
+    x.sum().backward()
+    sync()
+
+
+@pytest.mark.parametrize("mode", ["none", "ref_kept", "fast_kept", "fast_offloaded"])
+def test_bench_hooks(benchmark, mode, device):
+    off = None
+    if mode != "none":
+        impl, what = mode.split("_")
+        off = ao.Offloader(impl=impl, device=device, keep_last=1, min_offload_bytes=0 if what == "offloaded" else 1 << 40)
+    benchmark.pedantic(_run, args=(device, off), rounds=5, warmup_rounds=1)
+    benchmark.extra_info["saved_tensors"] = OPS
+    benchmark.extra_info["us_per_saved_tensor_incl_op"] = benchmark.stats.stats.min / OPS * 1e6
