@@ -78,7 +78,8 @@ def make_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed_nby
     Separate from :func:`launch_table` so a caller can prepare before entering a copy
     stream and keep host work off the device timeline. ``packed_ptr`` is the packed
     buffer's address where already known (a fresh allocation is aligned enough). The
-    table is uploaded asynchronously (through pinned memory) on the current stream.
+    table stays on the host (pinned for a CUDA device): :func:`launch_table` uploads it
+    on the stream that runs the kernel, so the device copy lives in that stream's order.
     """
     if not len(ptrs) == len(offsets) == len(sizes):
         raise ValueError(f"copy_table: {len(ptrs)} pointers, {len(offsets)} offsets and {len(sizes)} sizes")
@@ -93,8 +94,7 @@ def make_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed_nby
             word //= 2
     table = torch.tensor([(p, o // word, n // word) for p, o, n in rows], dtype=torch.int64).reshape(-1)
     if device.type == "cuda":
-        # No host synchronization; PyTorch's pinned allocator keeps it until the copy has run.
-        table = table.pin_memory().to(device, non_blocking=True)
+        table = table.pin_memory()  # uploaded asynchronously by launch_table
     return table, word
 
 
@@ -108,6 +108,10 @@ def launch_table(prepared, packed: torch.Tensor, to_packed: bool) -> None:
     if packed.data_ptr() % word:
         raise ValueError(f"copy_table: the packed buffer is not aligned to the table's {word}-byte words")
     _check_runnable(packed, "pack" if to_packed else "unpack")
+    if packed.is_cuda:
+        # On the current stream, the kernel's: its allocator reuses this block only after
+        # the kernel (no host synchronization; the pinned source is kept until the copy ran).
+        table = table.to(packed.device, non_blocking=True)
     words = packed[: packed.numel() // word * word].view(_WORD_DTYPES[word])
     _copy_kernel[(table.numel() // 3, SPLIT)](table, words, TO_PACKED=to_packed, BLOCK=BLOCK, SPLIT=SPLIT)
 
