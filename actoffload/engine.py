@@ -277,6 +277,7 @@ class OffloaderBase:
         except HostMemoryError:
             group.state = RESIDENT
             self._plan(group, committed=False)
+            group.saved = []
             raise
         for m in moved:
             for i in m.span.members:
@@ -290,6 +291,7 @@ class OffloaderBase:
                 s.tensor = None
         group.moved = moved
         group.state = COMMITTED
+        group.saved = []  # decided: each buffer now lives exactly as long as its handle
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, group: Group, t: torch.Tensor):
@@ -320,6 +322,9 @@ class OffloaderBase:
                 return
             group.state = RESIDENT
         self._plan(group, committed=False)
+        # Decided: each kept buffer is freed as soon as autograd releases its handle, node
+        # by node, as without an offloader (not when the whole group's backward is over).
+        group.saved = []
 
     def _restore(self, group: Group, s: SavedBuffer) -> torch.Tensor:
         now = (s.tensor if s.tensor is not None else s.guard)._version

@@ -126,3 +126,34 @@ def test_R8_graph_freed_without_backward_releases_resident_tensors(impl, device,
     gc.collect()
     assert all(r.expired() for r in refs)  # no reference cycle through the graph
     assert off.stats()["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("keep_last", [0, 1], ids=["committed", "resident"])
+def test_R8_saved_buffers_are_freed_node_by_node_in_backward(impl, keep_last):
+    """A saved tensor is released when autograd releases it, not when its whole group is done."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    off = off_for(impl, "cpu", keep_last=keep_last, min_offload_bytes=1 << 30)  # all kept
+    x = torch.randn(64, 64, requires_grad=True)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # runs after c's node, before a's
+            gc.collect()
+            seen.append(c_ref.expired())
+            return g
+
+    with off.group("g"):
+        a = (x * 1).exp()  # saves a: its node runs last in backward
+        c = Probe.apply(a).exp()  # saves c: its node runs first
+        c_ref = StorageWeakRef(c.untyped_storage())
+        loss = c.sum()
+        del c, a
+    loss.backward()
+    assert seen == [True]  # c went as soon as its node had run, while the group still lived
