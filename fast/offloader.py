@@ -59,7 +59,11 @@ class FastOffloader(OffloaderBase):
 
     impl = "fast"
     pack_below = 4 << 20  # spans smaller than this share one packed copy (benchmarks/ chose it)
-    max_inflight = 1  # groups whose offload copies may still hold their sources
+    # Groups whose copy out may still hold their device memory. More lets compute run
+    # further ahead of a slower bus (d=2048 stack on an H100: 2 is 12% faster than 1) and
+    # lets backward use more of the last groups in place; fewer lowers peak memory
+    # (there: 3.76 vs 2.97 GiB, against 8.76 without offloading). Set per offloader.
+    max_inflight = 2
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
