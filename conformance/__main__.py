@@ -33,6 +33,17 @@ def _progress(done: int, total: int, failed: int, start: float) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _ranges(seeds: list[int]) -> list[list[int]]:
+    """Sorted seeds as inclusive [first, last] runs: [[0, 1999]] for 0..1999."""
+    out: list[list[int]] = []
+    for seed in seeds:
+        if out and seed == out[-1][1] + 1:
+            out[-1][1] = seed
+        else:
+            out.append([seed, seed])
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance", description="fast vs ref vs no offloader, scenario by scenario")
     p.add_argument("--impl", default="fast", choices=["fast", "ref"])
@@ -43,11 +54,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-shrink", action="store_true", help="do not minimize failures")
     p.add_argument("--out", default=None, help="folder for the results JSON (default: conformance/results on CUDA)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes sharing the device")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no new scenarios after this long; the results say which seeds ran")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda asked for, but CUDA is not available here; use --device cpu")
     torch.use_deterministic_algorithms(True)
 
+    if args.seeds < 1:
+        p.error("--seeds must be at least 1")
     if args.scenario:
         s = Scenario.from_json(args.scenario)
         problems = compare(s, args.impl)
@@ -59,7 +74,11 @@ def main(argv=None) -> int:
     failures = []
     start = time.time()
     chunks = [seeds[i : i + 10] for i in range(0, len(seeds), 10)]
-    done = 0
+    ran: list[int] = []
+
+    def out_of_time() -> bool:
+        return args.max_seconds is not None and time.time() - start > args.max_seconds
+
     if args.jobs > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
@@ -68,13 +87,22 @@ def main(argv=None) -> int:
             futures = {pool.submit(check_seeds, c, args.device, args.impl): c for c in chunks}
             for f in cf.as_completed(futures):
                 failures += f.result()
-                done += len(futures[f])
-                _progress(done, len(seeds), len(failures), start)
+                ran += futures[f]
+                _progress(len(ran), len(seeds), len(failures), start)
+                if out_of_time():
+                    for other in futures:
+                        other.cancel()  # the ones not started; running ones finish
+            for f, c in futures.items():  # finished after the cut: still count them
+                if f.done() and not f.cancelled() and c[0] not in ran:
+                    failures += f.result()
+                    ran += c
     else:
         for c in chunks:
+            if out_of_time():
+                break
             failures += check_seeds(c, args.device, args.impl)
-            done += len(c)
-            _progress(done, len(seeds), len(failures), start)
+            ran += c
+            _progress(len(ran), len(seeds), len(failures), start)
     failures = [(generate(seed, args.device), problems) for seed, problems in sorted(failures)]
 
     for s, problems in failures[:10]:
@@ -85,8 +113,9 @@ def main(argv=None) -> int:
             small = minimize(s, args.impl)
             print(f"    minimal reproduction: python -m conformance --impl {args.impl} --scenario '{small.to_json()}'")
     elapsed = time.time() - start
-    rows = [("impl", args.impl), ("device", args.device), ("scenarios", len(seeds)),
-            ("passed", len(seeds) - len(failures)), ("failed", len(failures)), ("seconds", f"{elapsed:.1f}")]
+    ran.sort()
+    rows = [("impl", args.impl), ("device", args.device), ("scenarios", len(ran)),
+            ("passed", len(ran) - len(failures)), ("failed", len(failures)), ("seconds", f"{elapsed:.1f}")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))
 
     out_dir = args.out or (str(Path(__file__).parent / "results") if args.device == "cuda" else None)
@@ -95,8 +124,8 @@ def main(argv=None) -> int:
         result = {
             "device": args.device, "gpu": gpu, "torch": torch.__version__, "impl": args.impl,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "scenarios": len(seeds), "passed": len(seeds) - len(failures), "failed": len(failures),
-            "seeds": [seeds[0], seeds[-1]] if seeds else [], "seconds": round(elapsed, 1),
+            "scenarios": len(ran), "passed": len(ran) - len(failures), "failed": len(failures),
+            "seeds": _ranges(ran), "seconds": round(elapsed, 1),
             "failures": [{"seed": s.seed, "scenario": s.to_json(), "problems": pr} for s, pr in failures],
         }
         Path(out_dir).mkdir(parents=True, exist_ok=True)
