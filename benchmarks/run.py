@@ -12,12 +12,10 @@ with it.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +27,7 @@ import torch  # noqa: E402
 
 import actoffload as ao  # noqa: E402
 from actoffload.models import Block, GPTConfig  # noqa: E402
+from actoffload.provenance import describe  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -37,20 +36,6 @@ GiB = 1 << 30
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def env_info(device: torch.device) -> dict:
-    import triton
-
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "device": str(device),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 # ---------------------------------------------------------------- bus bandwidth
@@ -342,7 +327,7 @@ def main(argv=None) -> int:
     sections = set(args.only.split(",")) if args.only else {"bandwidth", "copies", "sweep", "steps", "bitwise", "hooks"}
     from actoffload.fast import FastOffloader
 
-    res = {"env": env_info(device), "quick": quick, "fast_pack_below": FastOffloader.pack_below}
+    res = {"env": describe(device), "quick": quick, "fast_pack_below": FastOffloader.pack_below}
     print(f"benchmarks on {res['env']['gpu']} (torch {res['env']['torch']}, triton {res['env']['triton']})", file=sys.stderr)
     res["pinned_bandwidth"] = bw = pinned_bandwidth(device, (16 if quick else 256) * MiB, 5 if quick else 20)
     if "copies" in sections:

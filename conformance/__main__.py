@@ -17,6 +17,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from actoffload.provenance import git_commit  # noqa: E402
+
 from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate  # noqa: E402
 
@@ -123,13 +125,14 @@ def main(argv=None) -> int:
         gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         result = {
             "device": args.device, "gpu": gpu, "torch": torch.__version__, "impl": args.impl,
+            "commit": git_commit(),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "scenarios": len(ran), "passed": len(ran) - len(failures), "failed": len(failures),
             "seeds": _ranges(ran), "seconds": round(elapsed, 1),
             "failures": [{"seed": s.seed, "scenario": s.to_json(), "problems": pr} for s, pr in failures],
         }
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(out_dir) / f"{gpu.replace(' ', '-')}-{result['date'][:10]}.json"
+        path = Path(out_dir) / f"{gpu.replace(' ', '-')}-{result['date'][:10]}-conformance.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0
