@@ -1,0 +1,52 @@
+"""Break each rule R1..R10 once, in a scratch copy, and check that the rule's ref tests notice.
+
+    python scripts/mutation_check.py        # prints CAUGHT / NOT CAUGHT per rule
+
+Each mutation disables the one piece of code that implements a rule (in ref/ or the
+shared engine and policy); the tests named after that rule must then fail.
+"""
+import shutil, subprocess, sys, os
+MUTATIONS = [
+    ("R1", "ref/offloader.py", "            host.copy_(m.source())  # blocking", "            host.copy_(m.source()); host[:1] ^= 1"),
+    ("R2", "actoffload/engine.py", '''        if open_name is not None:
+            raise RuntimeError(''', '''        if False:
+            raise RuntimeError('''),
+    ("R3", "actoffload/policy.py", '''        if any(parameters[i] for i in members):''', '''        if False:'''),
+    ("R4", "actoffload/policy.py", '''        elif flags & marks.VETO:''', '''        elif False:'''),
+    ("R5", "actoffload/policy.py", '''            for i in members[1:]:
+                reasons[i] = "alias"''', '''            for i in members[1:]:
+                reasons[i] = None'''),
+    ("R6", "actoffload/engine.py", '''        if now != s.version:''', '''        if False:'''),
+    ("R7", "actoffload/engine.py", '''            return multibuffer.rebuild(handle.cls, handle.state, buffers)''', '''            return buffers[0]'''),
+    ("R8", "actoffload/engine.py", '''        self.tensor: torch.Tensor | None = t.detach()''', '''        self.tensor: torch.Tensor | None = t'''),
+    ("R9", "ref/offloader.py", '''            m.storage = None''', '''            m.keep = m.storage'''),
+    ("R10", "actoffload/factory.py", '''    if impl not in IMPLS:''', '''    if impl not in IMPLS and False:'''),
+]
+root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for rule, path, old, new in MUTATIONS:
+    work = f"/tmp/mut_{rule}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(root, work, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
+    src = open(os.path.join(work, path)).read()
+    assert old in src, (rule, old)
+    open(os.path.join(work, path), "w").write(src.replace(old, new, 1))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    # load the scratch copy's packages by path: an installed actoffload would shadow them
+    prog = f"""
+import importlib.util, sys
+sys.path.insert(0, {work!r})
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path + "/__init__.py", submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
+load("actoffload", {work!r} + "/actoffload")
+for sub in ("triton_kernels", "ref", "fast"):
+    load("actoffload." + sub, {work!r} + "/" + sub)
+import actoffload.ref.offloader as r
+assert r.__file__.startswith({work!r}), r.__file__
+import pytest
+sys.exit(pytest.main(["-q", "-x", "-p", "no:cacheprovider", {work + '/tests'!r}, "-k", "{rule}_ and not fast"]))
+"""
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, cwd=work, env=env)
+    last = [l for l in r.stdout.splitlines() if "passed" in l or "failed" in l or "error" in l.lower()][-1:]
+    print(rule, "CAUGHT" if r.returncode == 1 else f"NOT CAUGHT rc={r.returncode}", last)
+    shutil.rmtree(work, ignore_errors=True)
