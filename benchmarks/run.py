@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import actoffload as ao  # noqa: E402
 from actoffload.models import Block, GPTConfig  # noqa: E402
 from actoffload.provenance import describe  # noqa: E402
+from workloads import SaveMany, tiny_op_stack  # noqa: E402  (benchmarks/ is the script's folder)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -72,18 +73,6 @@ def pinned_bandwidth(device, nbytes: int, reps: int) -> dict:
 
 
 # ---------------------------------------------------------------- copy throughput
-class _SaveMany(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, *tensors):
-        ctx.save_for_backward(*tensors)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        saved = ctx.saved_tensors
-        return (g,) + (None,) * len(saved)
-
-
 def _log_uniform_sizes(total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     sizes, acc = [], 0
@@ -130,7 +119,7 @@ def copy_throughput(device, sizes: list[int], reps: int) -> dict:
         sync()
         t0 = time.perf_counter()
         with off.group("g"):
-            y = _SaveMany.apply(x, *tensors)
+            y = SaveMany.apply(x, *tensors)
         off.synchronize()  # let the copy out finish, so backward really reloads (no reuse in place)
         y.sum().backward()
         sync()
@@ -284,25 +273,12 @@ def hook_overhead(device, n_ops: int, group_size: int, reps: int) -> dict:
     """Host microseconds per saved tensor (pack + unpack) on a stack of tiny ops."""
     x0 = torch.randn(256, device=device)
 
-    def run(off):
-        x = x0.clone().requires_grad_(True)
-        h = x
-        for g in range(n_ops // group_size):
-            if off is None:
-                for _ in range(group_size):
-                    h = h.sin()
-            else:
-                with off.group(str(g)):
-                    for _ in range(group_size):
-                        h = h.sin()  # saves its input: one saved tensor per op
-        h.sum().backward()
-
     def timed(off):
         out = []
         for _ in range(reps + 1):
             sync()
             t0 = time.perf_counter()
-            run(off)
+            tiny_op_stack(x0, off, n_ops, group_size)
             sync()
             out.append(time.perf_counter() - t0)
         return min(out[1:])  # host overhead: the least-disturbed repetition

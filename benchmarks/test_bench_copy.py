@@ -8,6 +8,7 @@ import torch
 
 import actoffload as ao
 from conftest import CUDA, sync
+from workloads import SaveMany
 
 KiB = 1 << 10
 MIXES = {
@@ -15,17 +16,6 @@ MIXES = {
     "1000x64KiB": ([64 * KiB] * 1000, [4 * KiB] * 20),
     "mixed_4KiB_16MiB": ([4 * KiB * 4**i for i in range(8)] * 4, [64, 4 * KiB, 64 * KiB] * 3),
 }
-
-
-class _SaveMany(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, *tensors):
-        ctx.save_for_backward(*tensors)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return (g,) + (None,) * len(ctx.saved_tensors)
 
 
 def _tensors(mix, device):
@@ -60,7 +50,7 @@ def test_bench_fast_group(benchmark, mix, pack_below, device):
 
     def out_and_back():
         with off.group("g"):
-            y = _SaveMany.apply(x, *tensors)
+            y = SaveMany.apply(x, *tensors)
         off.synchronize()
         y.sum().backward()
         sync()

@@ -5,22 +5,13 @@ import torch
 
 import actoffload as ao
 from conftest import CUDA, sync
+from workloads import tiny_op_stack
 
 OPS, GROUP = (2000, 100) if CUDA else (200, 50)
 
 
 def _run(device, off):
-    h = torch.randn(256, device=device).requires_grad_(True)
-    x = h
-    for g in range(OPS // GROUP):
-        if off is None:
-            for _ in range(GROUP):
-                x = x.sin()
-        else:
-            with off.group(str(g)):
-                for _ in range(GROUP):
-                    x = x.sin()  # saves its input: one saved tensor per op
-    x.sum().backward()
+    tiny_op_stack(torch.randn(256, device=device), off, OPS, GROUP)
     sync()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -74,3 +75,20 @@ def mlp_stack(n: int, d: int, device, dtype=torch.float32, seed: int = 0) -> tor
 def off_for(impl: str, device: str, **kw):
     kw.setdefault("min_offload_bytes", 0)
     return ao.Offloader(impl=impl, device=device, **kw)
+
+
+def train_steps(off, model, steps: int, device, batch: int = 32) -> list[dict]:
+    """Forward + backward ``steps`` times; after each forward, R9's host bound must hold and,
+    after each backward, no host byte may stay in use. Returns ``stats()`` after each forward."""
+    after_forward = []
+    for _ in range(steps):
+        x = torch.randn(batch, model[0][0].in_features, device=device, requires_grad=True)
+        y = run_groups(model, x, off).square().sum()
+        s = off.stats()
+        assert s["host_bytes_in_use"] <= 1.05 * s["offloaded_bytes"]
+        after_forward.append(s)
+        y.backward()
+        del y
+        gc.collect()
+        assert off.stats()["host_bytes_in_use"] == 0
+    return after_forward

@@ -8,7 +8,7 @@ import torch
 
 import actoffload as ao
 from actoffload.fast.pool import PinnedPool, size_class
-from helpers import DEVICES, assert_bitwise, grads_of, mlp_stack, run_groups, zero_grads
+from helpers import DEVICES, assert_bitwise, grads_of, mlp_stack, run_groups, train_steps, zero_grads
 
 
 @pytest.mark.parametrize("n", [1, 64, 65, 1000, 4096, 123457, 1 << 20, (1 << 30) + 7])
@@ -28,26 +28,13 @@ def test_pool_reuses_blocks_of_a_size_class():
     assert pool.trim() == size_class(5000) and pool.pooled == 0
 
 
-def _train_steps(off, model, steps, device):
-    peaks, allocs = [], []
-    for _ in range(steps):
-        x = torch.randn(64, 64, device=device, requires_grad=True)
-        y = run_groups(model, x, off).square().sum()
-        s = off.stats()
-        assert s["host_bytes_in_use"] <= 1.05 * s["offloaded_bytes"]
-        peaks.append(s["host_bytes_in_use"] + s["host_bytes_pooled"])
-        y.backward()
-        del y
-        gc.collect()
-        allocs.append(off.stats()["host_allocations"])
-    return peaks, allocs
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(device):
     model = mlp_stack(4, 64, device)
     off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1)
-    peaks, allocs = _train_steps(off, model, 20, device)
+    stats = train_steps(off, model, 20, device, batch=64)
+    allocs = [s["host_allocations"] for s in stats]
+    peaks = [s["host_bytes_in_use"] + s["host_bytes_pooled"] for s in stats]
     assert allocs[0] > 0 and allocs[-1] == allocs[0]
     assert max(peaks) == peaks[0]
     assert off.stats()["host_bytes_in_use"] == 0
