@@ -70,7 +70,7 @@ class FastOffloader(OffloaderBase):
         self._streams = CopyStreams(self.device)
         self._pool = PinnedPool(self._alloc_host)
         self._packer = Packer(self.device)
-        self._inflight: collections.deque = collections.deque()  # (done event, sources kept alive)
+        self._inflight: collections.deque = collections.deque()  # (record, staging buffer, spans) whose copy out may run
         self._inflight_lock = threading.Lock()
         self.counters = collections.Counter()
         # Set to a list to record (direction, bytes, start event, end event) of every copy
@@ -261,13 +261,13 @@ class FastOffloader(OffloaderBase):
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
 
     def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
-        dev = moved.dev
-        if dev is None:
+        dev = None
+        if moved.dev is None:
             dev = moved.weak.get(self.device) if moved.weak is not None else None
             if dev is None:  # a later backward (retain_graph) after the reload was freed
                 self._reload(group)
-                dev = moved.dev
-        else:
+        if moved.dev is not None:  # held for the uses still to come in this backward
+            dev = moved.dev
             moved.uses_left -= 1
             if moved.uses_left <= 0:  # from now on only the restored tensors keep it alive
                 moved.weak = WeakStorage(dev)
