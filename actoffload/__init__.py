@@ -8,10 +8,12 @@
 See docs/semantics.md for the rules (R1..R10) both implementations follow.
 """
 
+from . import ops
 from .engine import HostMemoryError
 from .factory import IMPLS, Offloader, resolve_impl
 from .grouped import GroupedTensor
 from .marks import mark_activation_offload, mark_not_offload
+from .ops import select_modules
 from .quantized import QuantizedTensor, quantize
 from .wrap import WrapHandle, wrap
 
@@ -26,7 +28,9 @@ __all__ = [
     "WrapHandle",
     "mark_activation_offload",
     "mark_not_offload",
+    "ops",
     "quantize",
     "resolve_impl",
+    "select_modules",
     "wrap",
 ]

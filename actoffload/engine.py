@@ -30,6 +30,11 @@ OPEN, PENDING, COMMITTED, RESIDENT, ABORTED = "open", "pending", "committed", "r
 _local = threading.local()  # .open: name of the group open on this thread (groups do not nest)
 
 
+def group_open() -> bool:
+    """Whether an offload group is open on this thread (ops skip offload work otherwise)."""
+    return getattr(_local, "open", None) is not None
+
+
 class HostMemoryError(MemoryError):
     """Pinned host memory ran out while committing a group; the group stays resident."""
 
