@@ -1,7 +1,10 @@
 """A small GPT-like model for the demo, the tests and the benchmarks.
 
-Reads top to bottom: config, attention, MLP, block, model. ``model.blocks`` is the
-list to hand to :func:`actoffload.wrap` (one offload group per block).
+Reads top to bottom: config, attention, MLP (dense, or mixture of experts), block,
+model. ``model.blocks`` is the list to hand to :func:`actoffload.wrap` (one offload
+group per block). Modules carry offload roles (``attn_norm``, ``qkv``, ``core_attn``,
+``attn_proj``, ``mlp_norm``; the experts ``expert_fc1``, ``moe_act``, ``expert_fc2``) for
+:func:`actoffload.select_modules`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .ops import GroupedMLP, select_in_forward
 
 
 @dataclass
@@ -25,9 +30,15 @@ class GPTConfig:
     # is deterministic on CUDA (SDPA's fused kernels are not, even without an offloader).
     attention: str = "sdpa"
     embedding: bool = True  # False: inputs are already [B, T, d_model] activations
+    n_experts: int = 0  # > 0: a mixture-of-experts MLP (router + GroupedMLP) in every block
+    top_k: int = 2
+    expert_activation: str = "swiglu"
+    expert_fp8: bool = False
 
 
 class Attention(nn.Module):
+    offload_roles = ("qkv", "core_attn", "attn_proj")
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -37,15 +48,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in qkv.split(C, dim=2))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            core = (qkv, y)
         else:
             scores = (q @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = probs @ v
+            core = (qkv, probs)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        select_in_forward(self, {"qkv": x, "core_attn": core, "attn_proj": y})
+        return self.proj(y)
 
 
 class MLP(nn.Module):
@@ -58,17 +74,43 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class MoE(nn.Module):
+    """Router (top-k, softmax weights) -> tokens sorted by expert -> GroupedMLP -> combine."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = GroupedMLP(cfg.n_experts, cfg.d_model, cfg.mlp_ratio * cfg.d_model,
+                                  activation=cfg.expert_activation, fp8=cfg.expert_fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        weights, experts = self.router(flat).topk(self.top_k, dim=-1)
+        weights = weights.softmax(dim=-1)
+        expert_of = experts.flatten()  # [N * k], slot i belongs to token i // k
+        order = torch.argsort(expert_of, stable=True)
+        sizes = torch.bincount(expert_of, minlength=self.experts.w1.shape[0]).tolist()
+        out_sorted = self.experts(flat[order // self.top_k], sizes)
+        out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+        return (out.view(B * T, self.top_k, C) * weights.unsqueeze(-1)).sum(1).view(B, T, C)
+
+
 class Block(nn.Module):
+    offload_roles = ("attn_norm", "mlp_norm")
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        mid = x + self.attn(self.ln1(x))
+        select_in_forward(self, {"attn_norm": x, "mlp_norm": mid})  # what the norms save
+        return mid + self.mlp(self.ln2(mid))
 
 
 class GPT(nn.Module):

@@ -9,8 +9,9 @@ activations, each under a role name:
 - ``expert_fc2``: the fc2 input ``[N, ffn]`` (a ``QuantizedTensor`` with ``fp8=True``).
 
 If any of its roles is selected (``select_modules``), only the selected tensors are
-candidates and the others are vetoed with ``mark_not_offload``; if none is, all three are
-candidates. With no offload group open the op does no marking work at all. A fused op
+candidates (and are opted in, so ``policy="marked"`` offloads exactly the selection
+model-wide) and the others are vetoed with ``mark_not_offload``; if none is, all three
+are candidates. With no offload group open the op does no marking work at all. A fused op
 that saved everything whenever offloading was on, ignoring the selection, is the bug
 this layout exists to avoid.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from .engine import group_open
 from .grouped import GroupedTensor
-from .marks import mark_not_offload
+from .marks import mark_activation_offload, mark_not_offload
 from .quantized import QuantizedTensor, quantize
 
 ROLES = ("attn_norm", "qkv", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "expert_fc2")
@@ -50,6 +51,28 @@ def _per_expert(x: torch.Tensor, sizes: list[int], weights: torch.Tensor) -> tor
     return torch.cat(outs) if outs else x.new_empty(0, weights.shape[-1])
 
 
+def mark_selection(selected: set[str] | frozenset[str], saved_by_role: dict[str, object]) -> None:
+    """Opt in the tensors of selected roles and veto the others (one op's saved tensors).
+
+    A role maps to a tensor or to a tuple of them (an op that saves several).
+    """
+
+    def tensors(keep: bool):
+        for role, ts in saved_by_role.items():
+            if (role in selected) == keep:
+                yield from (ts if isinstance(ts, tuple) else (ts,))
+
+    mark_activation_offload(*tensors(True))
+    mark_not_offload(*tensors(False))
+
+
+def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> None:
+    """For modules built from plain ops: apply ``module``'s selection to what it saves."""
+    selected = getattr(module, "offload_selected", None)
+    if selected and group_open():
+        mark_selection(selected, saved_by_role)
+
+
 class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, w1, w2, sizes, kind, fp8, selected):
@@ -65,7 +88,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
             "expert_fc2": zq if fp8 else GroupedTensor(z.detach(), sizes),
         }
         if selected and group_open():  # only then: no marking work outside offload groups
-            mark_not_offload(*(t for role, t in saved.items() if role not in selected))
+            mark_selection(selected, saved)
         ctx.save_for_backward(saved["expert_fc1"], saved["moe_act"], saved["expert_fc2"], w1, w2)
         ctx.sizes, ctx.kind = sizes, kind
         return y

@@ -1,0 +1,68 @@
+"""Per-role offload selection on the GPT models: MoE experts and attention/norm roles."""
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.models import GPT, GPTConfig
+from helpers import IMPLS, assert_bitwise, grads_of, off_for, zero_grads
+
+B, T, D = 2, 8, 16
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=40, seq_len=T, d_model=D, n_heads=2, n_layers=2, embedding=False, **kw)
+    return GPT(cfg)
+
+
+def _grads(model, x, off):
+    zero_grads(model, x)
+    handle = ao.wrap(model.blocks, off) if off is not None else None
+    model(x * 1).square().mean().backward()
+    if handle:
+        handle.remove()
+    return grads_of(model, x)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("roles", [set(), {"moe_act"}, {"expert_fc1", "moe_act"}, {"qkv", "expert_fc2"}])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_gpt_gradients_bitwise_equal_for_each_selection(impl, roles, fp8):
+    model = _model(n_experts=8, top_k=2, expert_fp8=fp8)  # 32 slots over 8 experts: uneven splits
+    ao.select_modules(model, roles)
+    x = torch.randn(B, T, D, requires_grad=True)
+    assert_bitwise(_grads(model, x, None), _grads(model, x, off_for(impl, "cpu", keep_last=0)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("role", ["expert_fc1", "moe_act", "expert_fc2"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_marked_policy_with_a_selection_offloads_exactly_that_role(impl, role, fp8):
+    model = _model(n_experts=4, top_k=2, expert_fp8=fp8)
+    ao.select_modules(model, {role})
+    off = off_for(impl, "cpu", keep_last=0, policy="marked", min_offload_bytes=64)
+    with ao.wrap(model.blocks, off):
+        y = model(torch.randn(B, T, D) * 1)
+    slots, ffn = B * T * 2, 4 * D
+    width = {"expert_fc1": D, "moe_act": 2 * ffn, "expert_fc2": ffn}[role]
+    per_element = 1 if (fp8 and role == "expert_fc2") else 4  # FP8 data; the scale stays (small)
+    for g in off.stats()["groups"].values():
+        assert g["offloaded"] == 1 and g["offloaded_bytes"] == slots * width * per_element
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_attention_roles_select_what_those_ops_save(impl, attention):
+    model = _model(attention=attention)
+    assert ao.select_modules(model, {"qkv", "attn_norm"}) == [
+        ("blocks.0", "attn_norm"), ("blocks.0.attn", "qkv"), ("blocks.1", "attn_norm"), ("blocks.1.attn", "qkv")]
+    off = off_for(impl, "cpu", keep_last=0, policy="marked")
+    with ao.wrap(model.blocks, off):
+        y = model(torch.randn(B, T, D) * 1)
+    for g in off.stats()["groups"].values():
+        # the block input (saved by ln1) and ln1's output (saved by the qkv projection)
+        assert g["offloaded"] == 2 and g["offloaded_bytes"] == 2 * B * T * D * 4
+        assert g["kept"].get("vetoed", 0) > 0  # core attention, projection, ln2 input
+    y.sum().backward()
