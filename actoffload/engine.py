@@ -400,7 +400,8 @@ class OffloaderBase:
                 g = ref()
                 if g is not None and g.state == PENDING:
                     self._plan(g, committed=False)
-            groups = {name: {**s, "kept": dict(s["kept"])} for name, s in self._latest.items()}
+            groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
+                      for name, s in self._latest.items()}
         in_use, pooled = self._host_bytes()
         out = {
             "impl": self.impl,

@@ -23,6 +23,7 @@ VETO = 2
 
 _lock = threading.Lock()
 _marks: dict[int, tuple[StorageWeakRef, int]] = {}
+_roles: dict[int, str] = {}  # storage -> the op role that opted it in (reporting only)
 _sweep_at = 1024  # sweep dead entries when the table grows past this
 
 
@@ -38,7 +39,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         ) from e
 
 
-def _mark(tensors, flag: int, fn: str) -> None:
+def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
     global _sweep_at
     for t in tensors:
         if t is None:
@@ -51,9 +52,12 @@ def _mark(tensors, flag: int, fn: str) -> None:
                 entry = _marks.get(key)
                 old = entry[1] if entry is not None and not entry[0].expired() else 0
                 _marks[key] = (StorageWeakRef(storage), old | flag)
+                if role is not None:
+                    _roles[key] = role
                 if len(_marks) > _sweep_at:
                     for k in [k for k, (ref, _) in _marks.items() if ref.expired()]:
                         del _marks[k]
+                        _roles.pop(k, None)
                     _sweep_at = max(1024, 2 * len(_marks))
 
 
@@ -86,6 +90,16 @@ def mark_not_offload(*tensors: torch.Tensor | None) -> None:
             y = attention(q, k, v)
     """
     _mark(tensors, VETO, "mark_not_offload")
+
+
+def opt_in_as(role: str, *tensors: torch.Tensor | None) -> None:
+    """Opt tensors in on behalf of an op role; ``stats()`` then reports their bytes by role."""
+    _mark(tensors, OPT_IN, "opt_in_as", role)
+
+
+def role_of(storage_key: int) -> str | None:
+    """The role that opted the live storage ``storage_key`` in, if any."""
+    return _roles.get(storage_key) if flags_of(storage_key) else None
 
 
 def flags_of(storage_key: int) -> int:

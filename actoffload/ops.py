@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .engine import group_open
 from .grouped import GroupedTensor
-from .marks import mark_activation_offload, mark_not_offload
+from .marks import mark_not_offload, opt_in_as
 from .quantized import QuantizedTensor, quantize
 
 ROLES = ("attn_norm", "qkv", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "expert_fc2")
@@ -52,18 +52,15 @@ def _per_expert(x: torch.Tensor, sizes: list[int], weights: torch.Tensor) -> tor
 
 
 def mark_selection(selected: set[str] | frozenset[str], saved_by_role: dict[str, object]) -> None:
-    """Opt in the tensors of selected roles and veto the others (one op's saved tensors).
-
-    A role maps to a tensor or to a tuple of them (an op that saves several).
+    """Opt in the tensors of selected roles (labelled with their role, for ``stats()``) and
+    veto the others. A role maps to a tensor or to a tuple of them (an op that saves several).
     """
-
-    def tensors(keep: bool):
-        for role, ts in saved_by_role.items():
-            if (role in selected) == keep:
-                yield from (ts if isinstance(ts, tuple) else (ts,))
-
-    mark_activation_offload(*tensors(True))
-    mark_not_offload(*tensors(False))
+    for role, ts in saved_by_role.items():
+        ts = ts if isinstance(ts, tuple) else (ts,)
+        if role in selected:
+            opt_in_as(role, *ts)
+        else:
+            mark_not_offload(*ts)
 
 
 def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> None:

@@ -55,18 +55,25 @@ class GroupPlan:
     reasons: list[str | None]
     spans: list[Span]
     nbytes: list[int]  # bytes each buffer covers (its own extent)
+    roles: dict[int, str] = field(default_factory=dict)  # span index -> the op role that selected it
 
     def summary(self) -> dict:
         kept: dict[str, int] = {}
         for r in self.reasons:
             if r is not None:
                 kept[r] = kept.get(r, 0) + 1
-        return {
+        by_role: dict[str, int] = {}
+        for i, role in self.roles.items():
+            by_role[role] = by_role.get(role, 0) + self.spans[i].nbytes
+        out = {
             "saved": len(self.reasons),
             "offloaded": sum(r is None for r in self.reasons),
             "offloaded_bytes": sum(s.nbytes for s in self.spans),
             "kept": kept,
         }
+        if by_role:
+            out["offloaded_bytes_by_role"] = by_role
+        return out
 
 
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
@@ -154,6 +161,7 @@ def plan_group(
             members.append(i)
 
     spans: list[Span] = []
+    roles: dict[int, str] = {}
     for key, members in by_storage.items():
         flags = marks.flags_of(key)
         if len(members) == 1:
@@ -173,10 +181,12 @@ def plan_group(
         elif not committed:
             reason = "keep_last"
         else:
+            if (role := marks.role_of(key)) is not None:
+                roles[len(spans)] = role
             spans.append(Span(key, start, end - start, list(members)))
             for i in members[1:]:
                 reasons[i] = "alias"
             continue
         for i in members:
             reasons[i] = reason
-    return GroupPlan(reasons, spans, nbytes)
+    return GroupPlan(reasons, spans, nbytes, roles)

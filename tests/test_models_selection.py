@@ -66,3 +66,16 @@ def test_attention_roles_select_what_those_ops_save(impl, attention):
         assert g["offloaded"] == 2 and g["offloaded_bytes"] == 2 * B * T * D * 4
         assert g["kept"].get("vetoed", 0) > 0  # core attention, projection, ln2 input
     y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stats_report_offloaded_bytes_by_role(impl):
+    model = _model(n_experts=4, top_k=2)
+    ao.select_modules(model, {"moe_act", "expert_fc1"})
+    off = off_for(impl, "cpu", keep_last=0, min_offload_bytes=64)  # the 40-byte offsets stay
+    with ao.wrap(model.blocks, off):
+        y = model(torch.randn(B, T, D) * 1)
+    slots, ffn = B * T * 2, 4 * D
+    for g in off.stats()["groups"].values():
+        assert g["offloaded_bytes_by_role"] == {"moe_act": slots * 2 * ffn * 4, "expert_fc1": slots * D * 4}
+    y.sum().backward()
