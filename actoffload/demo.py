@@ -19,6 +19,7 @@ import torch
 from . import factory
 from .memory import SavedTracker
 from .models import GPT, GPTConfig
+from .ops import select_modules
 from .wrap import wrap
 
 CPU_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=3)
@@ -32,6 +33,7 @@ class RunResult:
     loss_bits: list[torch.Tensor] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     offloaded_bytes: int = 0
+    offloaded_by_role: dict = field(default_factory=dict)
     resident_bytes: int = 0
     peak_bytes: int = 0
     error: str = ""
@@ -64,8 +66,10 @@ def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.devic
     off = None
     handle = None
     if impl is not None:
-        off = factory.Offloader(impl=impl, device=device, keep_last=args.keep_last, min_offload_bytes=args.min_offload_bytes)
+        off = factory.Offloader(impl=impl, device=device, keep_last=args.keep_last,
+                                min_offload_bytes=args.min_offload_bytes, policy=args.policy)
         handle = wrap(model.blocks, off)
+    select_modules(model, args.roles)
     params = list(model.parameters())
     try:
         if device.type == "cuda":
@@ -95,7 +99,12 @@ def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.devic
             res.losses.append(loss.item())
             res.loss_bits.append(loss.detach().cpu())
             if off is not None:
-                res.offloaded_bytes = off.stats()["offloaded_bytes"]
+                stats = off.stats()
+                res.offloaded_bytes = stats["offloaded_bytes"]
+                res.offloaded_by_role = {}
+                for g in stats["groups"].values():
+                    for role, n in g.get("offloaded_bytes_by_role", {}).items():
+                        res.offloaded_by_role[role] = res.offloaded_by_role.get(role, 0) + n
             del loss
         if device.type == "cuda":
             res.peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -120,6 +129,9 @@ def _mb(n: int) -> str:
 def format_table(results: list[RunResult], device: torch.device) -> str:
     base = results[0]
     head = ["config", "loss == none (bitwise)", "offloaded MB/step", "resident act. MB after fwd"]
+    by_role = any(r.offloaded_by_role for r in results)
+    if by_role:
+        head.append("offloaded MB/step by role")
     if device.type == "cuda":
         head += ["peak GPU MB", "step ms (median)", "x none"]
     rows = [head]
@@ -127,6 +139,8 @@ def format_table(results: list[RunResult], device: torch.device) -> str:
     for r in results:
         same = all(torch.equal(a, b) for a, b in zip(r.loss_bits, base.loss_bits))
         row = [r.name, "yes" if same else "NO", _mb(r.offloaded_bytes), _mb(r.resident_bytes)]
+        if by_role:
+            row.append(", ".join(f"{k} {_mb(v)}" for k, v in sorted(r.offloaded_by_role.items())) or "-")
         if device.type == "cuda":
             ms = statistics.median(r.step_s) * 1e3 if r.step_s else float("nan")
             row += [_mb(r.peak_bytes), f"{ms:.1f}", f"{ms / base_ms:.2f}"]
@@ -146,6 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--experts", type=int, default=0, help="> 0: a GPT-MoE with this many experts per block")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
+    p.add_argument("--offload-modules", default="", help="comma-separated roles to offload, e.g. moe_act,expert_fc1")
+    p.add_argument("--policy", default="all", choices=["all", "marked"],
+                   help="'marked' with --offload-modules offloads exactly those roles")
     p.add_argument("--min-offload-bytes", type=int, default=1 << 20)
 
 
@@ -162,7 +181,16 @@ def run(args) -> int:
         n_heads=defaults["n_heads"],
         n_layers=pick("layers", "n_layers"),
         attention="eager",  # deterministic everywhere, so losses can be compared bit for bit
+        n_experts=args.experts,
+        top_k=args.top_k,
     )
+    args.roles = {r for r in args.offload_modules.split(",") if r}
+    if args.roles:
+        from .ops import ROLES
+
+        unknown = args.roles - set(ROLES)
+        if unknown:
+            raise SystemExit(f"--offload-modules: unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.use_deterministic_algorithms(True)
     impls = args.impl.split(",") if args.impl else available_impls(device)
@@ -171,7 +199,9 @@ def run(args) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host memory stands in for GPU memory; small configuration)"
     print(
         f"actoffload demo on {where}: GPT d={cfg.d_model} layers={cfg.n_layers} seq={cfg.seq_len} "
-        f"batch={args.batch} {str(dtype).replace('torch.', '')}, {args.steps} steps, keep_last={args.keep_last}",
+        f"batch={args.batch} {str(dtype).replace('torch.', '')}, {args.steps} steps, keep_last={args.keep_last}"
+        + (f", {cfg.n_experts} experts top-{cfg.top_k}" if cfg.n_experts else "")
+        + (f", offload roles {sorted(args.roles)} (policy {args.policy})" if args.roles else ""),
         flush=True,
     )
     configs = [("none", None), ("none (again)", None)] + [(impl, impl) for impl in impls]
