@@ -188,6 +188,21 @@ class Grouped(Layer):
         return _GroupedScale.apply(x)
 
 
+class Experts(Layer):
+    """The fused MoE expert block on the flattened tokens, uneven splits with an empty expert."""
+
+    def __init__(self, d, selected=()):
+        super().__init__(d)
+        self.mlp = ao.ops.GroupedMLP(4, d, d, activation="swiglu")
+        ao.select_modules(self.mlp, set(selected))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        n = B * T
+        sizes = [n // 3, 0, n - n // 3 - n // 4, n // 4]
+        return x + self.mlp(x.reshape(n, D), sizes).reshape(B, T, D)
+
+
 def build(kind: str, d: int) -> Layer:
     if kind == "linear":
         return Linear(d)
@@ -205,4 +220,8 @@ def build(kind: str, d: int) -> Layer:
         return Quantized(d)
     if kind == "grouped":
         return Grouped(d)
+    if kind == "grouped_mlp":
+        return Experts(d)
+    if kind == "grouped_mlp_selected":
+        return Experts(d, selected={"moe_act"})
     raise ValueError(f"unknown layer kind {kind!r}")

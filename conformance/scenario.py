@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 LAYERS = (
     "linear", "layernorm", "rmsnorm", "attention", "gelu_mlp", "swiglu_mlp",
     "transpose", "slice", "reshape", "expand", "as_strided", "inplace_before_save",
-    "quantized", "grouped",
+    "quantized", "grouped", "grouped_mlp", "grouped_mlp_selected",
 )
 MARKS = (None, None, None, "veto_before", "veto_after", "optin_before", "optin_after")
 
