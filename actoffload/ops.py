@@ -47,8 +47,7 @@ def activation(kind: str, a: torch.Tensor) -> torch.Tensor:
 
 def _per_expert(x: torch.Tensor, sizes: list[int], weights: torch.Tensor) -> torch.Tensor:
     """Row block e of ``x`` times ``weights[e]``, for every expert, concatenated."""
-    outs = [chunk @ w for chunk, w in zip(torch.split(x, sizes), weights)]
-    return torch.cat(outs) if outs else x.new_empty(0, weights.shape[-1])
+    return torch.cat([chunk @ w for chunk, w in zip(torch.split(x, sizes), weights)])
 
 
 def mark_selection(selected: set[str] | frozenset[str], saved_by_role: dict[str, object]) -> None:
@@ -97,13 +96,13 @@ class _GroupedMLPFunction(torch.autograd.Function):
         x, a = x.data_buffer, a.data_buffer
         z = z.dequantize() if isinstance(z, QuantizedTensor) else z.data_buffer
         dys = torch.split(dy, sizes)
-        dz = torch.cat([g @ w.t() for g, w in zip(dys, w2)]) if sizes else dy.new_empty(0, w2.shape[1])
+        dz = torch.cat([g @ w.t() for g, w in zip(dys, w2)])
         dw2 = torch.stack([zc.t() @ g for zc, g in zip(torch.split(z, sizes), dys)])
         with torch.enable_grad():
             a_ = a.detach().requires_grad_(True)
             (da,) = torch.autograd.grad(activation(ctx.kind, a_), a_, dz)
         das = torch.split(da, sizes)
-        dx = torch.cat([g @ w.t() for g, w in zip(das, w1)]) if sizes else dy.new_empty(0, w1.shape[1])
+        dx = torch.cat([g @ w.t() for g, w in zip(das, w1)])
         dw1 = torch.stack([xc.t() @ g for xc, g in zip(torch.split(x, sizes), das)])
         return dx, dw1, dw2, None, None, None, None
 
@@ -127,6 +126,8 @@ class GroupedMLP(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, activation: str = "swiglu",
                  fp8: bool = False, dtype=None, device=None):
         super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"GroupedMLP needs at least one expert, got num_experts={num_experts}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; valid ones are: {', '.join(ACTIVATIONS)}")
         fc1_out = 2 * ffn_size if activation == "swiglu" else ffn_size
