@@ -25,7 +25,7 @@ class Boom(Exception):
 
 @dataclass
 class Outcome:
-    error: str | None = None  # class name of the error backward (or forward) raised
+    error: str | None = None  # class name of the error backward raised
     outputs: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     stats: dict | None = None
@@ -162,7 +162,7 @@ def run(s: Scenario, impl: str | None) -> Outcome:
                     losses[i].backward(retain_graph=s.retain_graph and i == 0)
                 if s.retain_graph:
                     losses[0].backward()
-            except (RuntimeError, TypeError, AssertionError) as e:
+            except Exception as e:  # any error is observable: compared by class with no offloader
                 out.error = type(e).__name__
             out.grads = [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
             out.grads += [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
