@@ -9,6 +9,7 @@ GPU memory and step time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -81,7 +82,7 @@ def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.devic
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             t0 = time.perf_counter()
             measure = step == len(batches) - 1  # measure residency once, outside the timed steps
-            with SavedTracker(off, exclude=params) if measure else _nothing() as tracker:
+            with SavedTracker(off, exclude=params) if measure else contextlib.nullcontext() as tracker:
                 loss = model.loss(x, y)
             if measure:
                 _sync(device)
@@ -112,14 +113,6 @@ def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.devic
         if handle is not None:
             handle.remove()
     return res
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _mb(n: int) -> str:

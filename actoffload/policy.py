@@ -54,7 +54,6 @@ class GroupPlan:
 
     reasons: list[str | None]
     spans: list[Span]
-    nbytes: list[int]  # bytes each buffer covers (its own extent)
     roles: dict[int, str] = field(default_factory=dict)  # span index -> the op role that selected it
 
     def summary(self) -> dict:
@@ -144,7 +143,6 @@ def plan_group(
     if parameters is None:
         parameters = [is_parameter(t) for t in tensors]
     reasons: list[str | None] = [None] * len(tensors)
-    nbytes = [0] * len(tensors)
     extents: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -152,8 +150,7 @@ def plan_group(
         if key is None:
             reasons[i] = "device"
             continue
-        extents[i] = first, end = byte_extent(t)
-        nbytes[i] = end - first
+        extents[i] = byte_extent(t)
         members = by_storage.get(key)
         if members is None:
             by_storage[key] = [i]
@@ -189,4 +186,4 @@ def plan_group(
             continue
         for i in members:
             reasons[i] = reason
-    return GroupPlan(reasons, spans, nbytes, roles)
+    return GroupPlan(reasons, spans, roles)

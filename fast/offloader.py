@@ -33,7 +33,7 @@ import torch
 
 from actoffload.engine import COMMITTED, Group, Moved, OffloaderBase, WeakStorage
 
-from .packing import Packer, round16
+from .packing import Packer
 from .pool import PinnedPool
 from .streams import CopyStreams
 
@@ -234,7 +234,7 @@ class FastOffloader(OffloaderBase):
         if not need:
             return
         for m in need:  # on the compute stream: its allocator reuses them after backward
-            m.dev = torch.empty(round16(m.nbytes), dtype=torch.uint8, device=self.device)
+            m.dev = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
         needed = set(map(id, need))
         packed = [(m, off) for m, off in zip(rec.packed, rec.packed_offsets) if id(m) in needed]
         large = [m for m in rec.large if id(m) in needed]
@@ -249,7 +249,7 @@ class FastOffloader(OffloaderBase):
                 stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
                 self._packer.unpack(table, stage)
             for m in large:
-                m.dev[: m.nbytes].copy_(m.host, non_blocking=True)
+                m.dev.copy_(m.host, non_blocking=True)
             self._timed("h2d", sum(m.nbytes for m in need), start)
         ready = self._streams.record(self._streams.h2d)
         for b in rec.blocks:

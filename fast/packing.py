@@ -17,11 +17,6 @@ import os
 import torch
 
 
-def round16(n: int) -> int:
-    """Device buffers are rounded up to 16 bytes so they can be viewed as any dtype."""
-    return (n + 15) // 16 * 16
-
-
 class Packer:
     """Packs flat uint8 spans into a staging buffer and unpacks them again."""
 

@@ -44,9 +44,6 @@ class CopyStreams:
         else:
             self.d2h = self.h2d = None
 
-    def current(self):
-        return torch.cuda.current_stream(self.device) if self.cuda else None
-
     def record(self, stream=None):
         """An event marking the work enqueued so far on ``stream`` (default: the current one)."""
         if not self.cuda:

@@ -26,10 +26,6 @@ import torch
 from actoffload.engine import Group, Moved, OffloaderBase, WeakStorage
 
 
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
 class RefOffloader(OffloaderBase):
     """Synchronous reference implementation; create it through ``actoffload.Offloader(impl="ref")``."""
 
@@ -57,8 +53,8 @@ class RefOffloader(OffloaderBase):
     def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
         dev = moved.reloaded.get(self.device) if moved.reloaded is not None else None
         if dev is None:
-            dev = torch.empty(_round16(moved.nbytes), dtype=torch.uint8, device=self.device)
-            dev[: moved.nbytes].copy_(moved.host)  # blocking
+            dev = torch.empty(moved.nbytes, dtype=torch.uint8, device=self.device)
+            dev.copy_(moved.host)  # blocking
             moved.reloaded = WeakStorage(dev)
         return dev
 
