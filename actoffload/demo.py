@@ -40,17 +40,6 @@ class RunResult:
     error: str = ""
 
 
-def available_impls(device: torch.device) -> list[str]:
-    impls = ["ref"]
-    try:
-        from actoffload.fast import FastOffloader  # noqa: F401
-
-        impls.append("fast")
-    except NotImplementedError:
-        pass
-    return impls
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -186,7 +175,7 @@ def run(args) -> int:
             raise SystemExit(f"--offload-modules: unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.use_deterministic_algorithms(True)
-    impls = args.impl.split(",") if args.impl else available_impls(device)
+    impls = args.impl.split(",") if args.impl else list(factory.IMPLS)
     for impl in impls:
         factory.resolve_impl(impl)  # a clear error for an unknown name
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host memory stands in for GPU memory; small configuration)"

@@ -17,15 +17,7 @@ DEVICES = [
 ]
 
 
-def fast_available() -> bool:
-    try:
-        from actoffload.fast import FastOffloader  # noqa: F401
-    except NotImplementedError:
-        return False
-    return True
-
-
-IMPLS = ["ref", pytest.param("fast", marks=pytest.mark.skipif(not fast_available(), reason="fast not built"))]
+IMPLS = list(ao.IMPLS)
 
 
 def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -38,6 +30,15 @@ def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor
 def zero_grads(model: torch.nn.Module, *inputs: torch.Tensor) -> None:
     for t in list(model.parameters()) + list(inputs):
         t.grad = None
+
+
+def reference_grads(model, x: torch.Tensor, loss=torch.sum) -> list[torch.Tensor]:
+    """Gradients of ``loss(run_groups(model, x))`` without an offloader; grads reset after."""
+    zero_grads(model, x)
+    loss(run_groups(model, x)).backward()
+    out = grads_of(model, x)
+    zero_grads(model, x)
+    return out
 
 
 def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from helpers import CUDA, DEVICES, IMPLS, mlp_stack, off_for, run_groups, train_steps
+from helpers import CUDA, IMPLS, mlp_stack, off_for, run_groups, train_steps
 
 
 def _resident_saved_bytes(off, run):

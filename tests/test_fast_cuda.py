@@ -7,19 +7,11 @@ import torch
 
 import actoffload as ao
 from actoffload.fast import FastOffloader
-from helpers import CUDA, assert_bitwise, grads_of, mlp_stack, run_groups, zero_grads
+from helpers import CUDA, assert_bitwise, grads_of, mlp_stack, reference_grads, run_groups, zero_grads
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
 
 SLEEP_CYCLES = 50_000_000  # ~25 ms at H100 clocks: far longer than the compute between copies
-
-
-def _expected(model, x):
-    zero_grads(model, x)
-    run_groups(model, x).square().sum().backward()
-    out = grads_of(model, x)
-    zero_grads(model, x)
-    return out
 
 
 def test_fast_training_step_has_no_host_synchronization():
@@ -46,7 +38,7 @@ def test_fast_slow_copy_streams_do_not_change_results(where, pack_below, monkeyp
     monkeypatch.setattr(FastOffloader, "pack_below", pack_below)
     model = mlp_stack(6, 256, "cuda")
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
-    expected = _expected(model, x)
+    expected = reference_grads(model, x, loss=lambda y: y.square().sum())
     off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, keep_last=1)
     streams = off._streams
     stream = streams.d2h if where == "d2h" else streams.h2d

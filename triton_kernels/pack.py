@@ -123,7 +123,6 @@ def copy_table(ptrs: list[int], offsets: list[int], sizes: list[int], packed: to
     (into ``packed`` if ``to_packed``). The caller keeps the memory behind ``ptrs``
     alive until the launch has run. One launch on the current stream.
     """
-    _check_runnable(packed, "pack" if to_packed else "unpack")
     prepared = make_table(ptrs, offsets, sizes, packed.numel(), packed.device, packed.data_ptr())
     launch_table(prepared, packed, to_packed)
 
