@@ -56,10 +56,10 @@ def test_fast_packed_and_direct_copies_give_identical_gradients(device, pack_bel
     spans = sum(g["offloaded"] for g in s["groups"].values())
     assert spans == 8  # group 0: fc1's and GELU's outputs (x is a leaf); 1, 2: their input too
     c = s["copies"]
-    # the last group may still be copying out when backward starts (CUDA): then it is used
-    # in place, not reloaded; on the CPU copies are synchronous and never in flight
+    # up to max_inflight groups may still be copying out when backward starts (CUDA): then
+    # they are used in place, not reloaded; on the CPU copies are synchronous, never in flight
     reused = c.get("reused_in_flight_groups", 0)
-    assert reused <= 1 and (device == "cuda" or reused == 0)
+    assert reused <= FastOffloader.max_inflight and (device == "cuda" or reused == 0)
     if pack_below:  # one packed copy per group out, one per reloaded group back
         assert c["packed_spans"] == 8 and c["d2h_copies"] == 3 and c["h2d_copies"] == 3 - reused
     else:  # one copy per span, each way
