@@ -20,6 +20,17 @@ DEVICES = [
 IMPLS = list(ao.IMPLS)
 
 
+@contextlib.contextmanager
+def deterministic():
+    """Deterministic kernels (CUDA's index backward and cuBLAS), restored afterwards."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
     """Every gradient (inputs first, then parameters), cloned."""
     out = [i.grad.clone() for i in inputs if i.grad is not None]
