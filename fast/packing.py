@@ -16,16 +16,21 @@ import os
 
 import torch
 
+from actoffload.triton_kernels.layout import packed_layout
+
 
 class Packer:
     """Packs flat uint8 spans into a staging buffer and unpacks them again."""
 
     def __init__(self, device: torch.device):
-        from actoffload.triton_kernels import pack as kernels
-
-        self._k = kernels
         self.device = device
+        # Decided before the kernels' module is imported: on a machine without a GPU that
+        # import turns the interpreter on, which only tests (and the curious) should pay for.
         self._reference = device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+        if not self._reference:
+            from actoffload.triton_kernels import pack as kernels
+
+            self._k = kernels
         if self._reference:
             self.name = "torch-reference"
         else:
@@ -33,7 +38,7 @@ class Packer:
 
     def layout(self, sizes: list[int]) -> tuple[list[int], int]:
         """16-byte aligned offsets of each span in the packed buffer, and its size."""
-        return self._k.packed_layout(sizes, align=16)
+        return packed_layout(sizes, align=16)
 
     def prepare(self, ptrs: list[int], offsets: list[int], sizes: list[int], total: int):
         """Host-side work of a pack or unpack, done before entering a copy stream."""

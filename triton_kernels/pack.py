@@ -27,6 +27,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from .layout import packed_layout  # noqa: E402,F401  (part of this module's interface)
+
 BLOCK = 1024  # words per block
 SPLIT = 8  # programs sharing one tensor
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -157,17 +159,3 @@ def unpack_reference(packed: torch.Tensor, dsts: list[torch.Tensor], offsets: li
     _check(dsts, packed, offsets, "unpack")
     for d, o in zip(dsts, offsets):
         d.copy_(packed[o : o + d.numel()])
-
-
-def packed_layout(sizes: list[int], align: int = 16) -> tuple[list[int], int]:
-    """Offsets of each size in a packed buffer, each aligned to ``align``; and the total.
-
-    >>> packed_layout([3, 16, 1])
-    ([0, 16, 32], 33)
-    """
-    offsets, total = [], 0
-    for n in sizes:
-        total = (total + align - 1) // align * align
-        offsets.append(total)
-        total += n
-    return offsets, total

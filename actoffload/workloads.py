@@ -1,4 +1,4 @@
-"""Workloads shared by benchmarks/run.py and the pytest-benchmark suites."""
+"""Workloads shared by ``actoffload bench`` and the pytest-benchmark suites in benchmarks/."""
 
 from __future__ import annotations
 

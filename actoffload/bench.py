@@ -1,12 +1,13 @@
-"""Measure fast against the bus, against no offload and against its peers; write JSON.
+"""``actoffload bench``: fast against the bus, against no offload and against its peers.
 
-    python benchmarks/run.py                 # on a GPU: every figure of the fast-path issue
-    python benchmarks/run.py --quick         # small sizes (CPU or GPU): checks the script works
+    actoffload bench                          # on a GPU: the whole matrix (about 4 min on an H100)
+    actoffload bench --quick                  # small sizes (CPU or GPU): checks that it runs
+    actoffload bench --compare OLD.json       # then print the change of every figure
 
-Writes ``benchmarks/results/<gpu>-<date>.json`` (``--out`` to change the folder) and
-prints a summary. Every ratio is of figures measured side by side in this one run on
-this one card; the pinned-copy bandwidth is measured first and everything is compared
-with it.
+Writes ``<gpu>-<date>-<commit>.json`` into ``--out`` (default: benchmarks/results when run
+from a checkout, else the current folder) and prints a summary. Every ratio is of figures
+measured side by side in this one run on this one card; the pinned-copy bandwidth is
+measured first and everything is compared with it.
 """
 
 from __future__ import annotations
@@ -15,20 +16,19 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
 
-import torch  # noqa: E402
-
-import actoffload as ao  # noqa: E402
-from actoffload.models import Block, GPTConfig  # noqa: E402
-from actoffload.provenance import describe  # noqa: E402
-from workloads import SaveMany, tiny_op_stack  # noqa: E402  (benchmarks/ is the script's folder)
+from . import factory
+from .determinism import use_deterministic
+from .models import Block, GPTConfig
+from .provenance import describe
+from .wrap import wrap
+from .workloads import SaveMany, tiny_op_stack
 
 # Training-step configurations, side by side: fast with its default and with one group in flight
 STEP_MODES = ("none", "fast", "fast:inflight=1", "save_on_cpu", "ref")
@@ -112,7 +112,7 @@ def copy_throughput(device, sizes: list[int], reps: int) -> dict:
     out["per_tensor_h2d_gbps"] = total / statistics.median(res["h2d"][1:]) / 1e9
     del hosts
 
-    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0, prefetch=0)
+    off = factory.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0, prefetch=0)
     x = torch.zeros(1, device=device, requires_grad=True)
     times = {"d2h": [], "h2d": []}
     wall = []
@@ -163,10 +163,10 @@ def run_steps(stack, cfg, batch, mode: str, device, dtype, steps: int, warmup: i
     off = handle = None
     impl, _, inflight = mode.partition(":inflight=")
     if impl in ("fast", "ref"):
-        off = ao.Offloader(impl=impl, device=device, keep_last=1)
+        off = factory.Offloader(impl=impl, device=device, keep_last=1)
         if inflight:
             off.max_inflight = int(inflight)  # a fast variant: more groups may copy out at once
-        handle = ao.wrap(stack, off)
+        handle = wrap(stack, off)
     times, resident = [], 0
     gc.collect()
     sync()
@@ -218,7 +218,7 @@ def run_steps(stack, cfg, batch, mode: str, device, dtype, steps: int, warmup: i
 def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
     """Gradients with each impl vs none, eager attention, deterministic algorithms."""
     cfg = GPTConfig(**{**cfg.__dict__, "attention": "eager"})
-    torch.use_deterministic_algorithms(True)
+    use_deterministic(True)
     try:
         stack = make_stack(cfg, device, dtype)
         gen = torch.Generator().manual_seed(2)
@@ -227,8 +227,8 @@ def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
         def grads(mode):
             off = handle = None
             if mode != "none":
-                off = ao.Offloader(impl=mode, device=device, keep_last=1)
-                handle = ao.wrap(stack, off)
+                off = factory.Offloader(impl=mode, device=device, keep_last=1)
+                handle = wrap(stack, off)
             inp = x.clone().requires_grad_(True)
             stack(inp).float().square().mean().backward()
             if handle:
@@ -244,7 +244,7 @@ def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
             result[impl] = all(torch.equal(a, b) for a, b in zip(base, grads(impl)))
         return result
     finally:
-        torch.use_deterministic_algorithms(False)
+        use_deterministic(False)
 
 
 def step_benchmark(name, cfg, batch, device, dtype, steps, warmup, bw, modes) -> dict:
@@ -288,21 +288,42 @@ def hook_overhead(device, n_ops: int, group_size: int, reps: int) -> dict:
     base = timed(None)
     res = {"ops": n_ops, "saved_tensors": n_ops, "none_s": base}
     for label, min_bytes in [("kept", 1 << 40), ("offloaded", 0)]:
-        off = ao.Offloader(impl="fast", device=device, min_offload_bytes=min_bytes, keep_last=1)
+        off = factory.Offloader(impl="fast", device=device, min_offload_bytes=min_bytes, keep_last=1)
         t = timed(off)
         res[f"fast_{label}_us_per_tensor"] = (t - base) / n_ops * 1e6
     return res
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes: check that the script runs")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    p.add_argument("--only", default="", help="comma list of sections: bandwidth,copies,sweep,steps,bitwise,hooks")
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small sizes: check that it runs (always so on CPU)")
+    p.add_argument("--out", default=None,
+                   help="folder for the results JSON (default: benchmarks/results in a checkout, else .)")
+    p.add_argument("--only", default="", help=f"comma list of sections: {','.join(SECTIONS)}")
+    p.add_argument("--compare", metavar="OLD.json", help="print the change of every figure against this results file")
+
+
+SECTIONS = ("bandwidth", "copies", "sweep", "steps", "bitwise", "hooks")
+
+
+def run(args) -> int:
+    sections = set(args.only.split(",")) if args.only else set(SECTIONS)
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--only: unknown section(s) {sorted(unknown)}; valid ones are: {', '.join(SECTIONS)}")
+    old = load_results(args.compare) if args.compare else None  # a bad file fails before the run
+    res = measure(sections, args.quick)
+    path = write_results(res, args.out)
+    print(json.dumps(summary(res), indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+    if old is not None:
+        print(format_comparison(old, res, args.compare, str(path)))
+    return 0
+
+
+def measure(sections: set[str], quick: bool) -> dict:
+    """Run the chosen sections of the matrix; returns the results dict."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type != "cuda"
-    sections = set(args.only.split(",")) if args.only else {"bandwidth", "copies", "sweep", "steps", "bitwise", "hooks"}
+    quick = quick or device.type != "cuda"
     from actoffload.fast import FastOffloader
 
     res = {"env": describe(device), "quick": quick, "fast_pack_below": FastOffloader.pack_below}
@@ -337,14 +358,70 @@ def main(argv=None) -> int:
     if "hooks" in sections:
         print("  hooks ...", file=sys.stderr, flush=True)
         res["hook_overhead"] = hook_overhead(device, 400 if quick else 4000, 100, 3 if quick else 10)
-    out_dir = Path(args.out)
+    return res
+
+
+def write_results(res: dict, out: str | None) -> Path:
+    """``<gpu>-<date>[-<commit>][-quick].json`` in ``out``."""
+    if out is None:
+        checkout = Path("benchmarks/results")
+        out = str(checkout) if checkout.is_dir() else "."
+    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = res["env"]["gpu"].replace(" ", "-").replace("/", "-")
-    path = out_dir / f"{gpu}-{res['env']['date'][:10]}{'-quick' if quick else ''}.json"
+    env = res["env"]
+    parts = [env["gpu"].replace(" ", "-").replace("/", "-"), env["date"][:10]]
+    parts += [env["commit"]] if env.get("commit") else []
+    parts += ["quick"] if res.get("quick") else []
+    path = out_dir / ("-".join(parts) + ".json")
     path.write_text(json.dumps(res, indent=1, default=float))
-    print(json.dumps(summary(res), indent=1))
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return path
+
+
+# ---------------------------------------------------------------- comparing runs
+def load_results(path: str) -> dict:
+    """A results JSON written by ``actoffload bench``; a clear error for anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"--compare: cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--compare: {path} is not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict) or "env" not in data:
+        raise SystemExit(f"--compare: {path} is not a results file of 'actoffload bench' (no 'env' key)")
+    return data
+
+
+def figures(res: dict, prefix: str = "") -> dict[str, float]:
+    """Every number of a results dict under a dotted name (lists, strings and flags left out)."""
+    out = {}
+    for k, v in res.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            if k != "env":
+                out.update(figures(v, name + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[name] = float(v)
+    return out
+
+
+def format_comparison(old: dict, new: dict, old_name: str = "old", new_name: str = "new") -> str:
+    """One line per figure both runs have: old, new and the change in percent."""
+    a, b = figures(old), figures(new)
+    common = [k for k in b if k in a]
+    head = (f"change from {old_name} ({old['env'].get('gpu')}, {old['env'].get('date', '')[:10]}) "
+            f"to {new_name} ({new['env'].get('gpu')}, {new['env'].get('date', '')[:10]})")
+    if old["env"].get("gpu") != new["env"].get("gpu"):
+        head += "\nnote: different devices; ratios within each run compare, absolute figures do not"
+    rows = [("figure", "old", "new", "change")]
+    for k in common:
+        change = "" if a[k] == 0 else f"{(b[k] - a[k]) / abs(a[k]) * 100:+.1f}%"
+        rows.append((k, f"{a[k]:.4g}", f"{b[k]:.4g}", change))
+    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows]
+    only = sorted(set(a) ^ set(b))
+    if only:
+        lines.append(f"({len(only)} figure(s) in one run only, e.g. {', '.join(only[:3])})")
+    return "\n".join(lines)
 
 
 def summary(res: dict) -> dict:
@@ -368,7 +445,3 @@ def summary(res: dict) -> dict:
     if "hook_overhead" in res:
         out["hook_overhead"] = res["hook_overhead"]
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main())
