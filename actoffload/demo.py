@@ -1,9 +1,15 @@
-"""``actoffload demo``: train a small GPT without and with offloading, side by side.
+"""``actoffload demo``: train a small GPT-MoE without and with offloading, side by side.
 
-Every configuration trains the same model from the same seed on the same batches;
-the table says whether each loss matched the run without an offloader bit for bit,
-how many bytes moved per step, what stayed resident after forward and, on CUDA, peak
-GPU memory and step time.
+Every configuration (no offload, no offload again, ``torch.autograd.graph.save_on_cpu``,
+``ref``, ``fast``) trains the same model from the same seed on the same batches. The
+table says whether each loss matched the run without an offloader bit for bit, how many
+bytes moved per step, what stayed resident after forward, peak GPU memory, step time,
+and the achieved bus bandwidth against this card's pinned-copy bandwidth measured in
+the same run.
+
+Each configuration runs ``--steps`` steps: all but the last two are timed; the second to
+last runs under the profiler (memory timeline for ``--plot``, bus copies for GB/s); the
+last measures what forward leaves resident (it waits for copies out to finish first).
 """
 
 from __future__ import annotations
@@ -18,26 +24,58 @@ from dataclasses import dataclass, field
 import torch
 
 from . import factory
+from .determinism import use_deterministic
 from .memory import SavedTracker
 from .models import GPT, GPTConfig
-from .ops import select_modules
+from .ops import ROLES, select_modules
+from .progress import Progress
+from .steptrace import StepProfiler, StepTrace
 from .wrap import wrap
 
-CPU_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=3)
-CUDA_DEFAULTS = dict(d_model=1024, n_layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=6)
+CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=3, experts=4)
+CUDA_DEFAULTS = dict(d_model=1024, layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=8, experts=8)
+BASELINES = ("save_on_cpu",)  # what users would use otherwise, beside our implementations
 
 
 @dataclass
 class RunResult:
     name: str
-    losses: list[float] = field(default_factory=list)
     loss_bits: list[torch.Tensor] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     offloaded_bytes: int = 0
     offloaded_by_role: dict = field(default_factory=dict)
+    offloaded_by_group: dict = field(default_factory=dict)
     resident_bytes: int = 0
     peak_bytes: int = 0
-    error: str = ""
+    trace: StepTrace | None = None
+
+    def step_ms(self) -> float | None:
+        return statistics.median(self.step_s) * 1e3 if self.step_s else None
+
+
+class CountingSaveOnCpu:
+    """``torch.autograd.graph.save_on_cpu``, counting what it copies (it keeps no stats).
+
+    ``on_save(tensor)`` is told about each saved tensor that stays where it is (on the
+    CPU, where save_on_cpu has nothing to move), so residency can be measured there.
+    """
+
+    def __init__(self, device: torch.device, on_save=None):
+        self.pin = device.type == "cuda"
+        self.on_save = on_save
+        self.copied_bytes = 0
+
+    def hooks(self):
+        inner = torch.autograd.graph.save_on_cpu(pin_memory=self.pin)
+
+        def pack(t):
+            if t.device.type != "cpu":
+                self.copied_bytes += t.numel() * t.element_size()
+            elif self.on_save is not None:
+                self.on_save(t)
+            return inner.pack_hook(t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, inner.unpack_hook)
 
 
 def _sync(device: torch.device) -> None:
@@ -45,22 +83,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.device, dtype) -> RunResult:
-    """Train ``args.steps`` steps; ``impl=None`` runs without an offloader."""
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.device, dtype) -> RunResult:
+    """Train ``args.steps`` steps; ``kind``: None (no offload), "save_on_cpu", or an impl."""
     res = RunResult(name)
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen) for _ in range(args.steps)]
-    off = None
-    handle = None
-    if impl is not None:
-        off = factory.Offloader(impl=impl, device=device, keep_last=args.keep_last,
+    params = list(model.parameters())
+    off = handle = baseline = None
+    if kind in BASELINES:
+        baseline = CountingSaveOnCpu(device)
+    elif kind is not None:
+        off = factory.Offloader(impl=kind, device=device, keep_last=args.keep_last,
                                 min_offload_bytes=args.min_offload_bytes, policy=args.policy)
         handle = wrap(model.blocks, off)
     select_modules(model, args.roles)
-    params = list(model.parameters())
+    profiled, measured = args.steps - 2, args.steps - 1
+    bar = Progress(args.steps, name)
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -68,131 +113,197 @@ def train(name: str, impl: str | None, cfg: GPTConfig, args, device: torch.devic
             batch = batch.to(device)
             x, y = batch[:, :-1], batch[:, 1:]
             _sync(device)
-            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            if baseline is not None:
+                baseline.copied_bytes = 0
+            prof = StepProfiler(device, memory=args.plot is not None) if step == profiled and (
+                device.type == "cuda" or args.plot) else None
+            tracker = SavedTracker(off, exclude=params) if step == measured else None
+            if baseline is not None and tracker is not None:
+                baseline.on_save = tracker.record
+            before = _allocated(device)
             t0 = time.perf_counter()
-            measure = step == len(batches) - 1  # measure residency once, outside the timed steps
-            with SavedTracker(off, exclude=params) if measure else contextlib.nullcontext() as tracker:
-                loss = model.loss(x, y)
-            if measure:
+            with prof.step() if prof else contextlib.nullcontext():
+                with StepProfiler.phase("forward"):
+                    with baseline.hooks() if baseline else (tracker or contextlib.nullcontext()):
+                        loss = model.loss(x, y)
+                if tracker is not None:  # what forward left resident, once its copies are done
+                    _sync(device)
+                    if off is not None and hasattr(off, "synchronize"):
+                        off.synchronize()  # copies in flight still hold their sources
+                    res.resident_bytes = _allocated(device) - before if device.type == "cuda" else tracker.resident_bytes()
+                with StepProfiler.phase("backward"):
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
                 _sync(device)
-                if off is not None and hasattr(off, "synchronize"):
-                    off.synchronize()  # in-flight copies still hold their sources
-                res.resident_bytes = (
-                    torch.cuda.memory_allocated(device) - before if device.type == "cuda" else tracker.resident_bytes()
-                )
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(device)
-            if not measure:
+            if step < profiled:
                 res.step_s.append(time.perf_counter() - t0)
-            res.losses.append(loss.item())
+            if prof:
+                res.trace = prof.trace
             res.loss_bits.append(loss.detach().cpu())
-            if off is not None:
-                stats = off.stats()
-                res.offloaded_bytes = stats["offloaded_bytes"]
-                res.offloaded_by_role = {}
-                for g in stats["groups"].values():
-                    for role, n in g.get("offloaded_bytes_by_role", {}).items():
-                        res.offloaded_by_role[role] = res.offloaded_by_role.get(role, 0) + n
             del loss
+            bar.update(step + 1)
+        if off is not None:
+            stats = off.stats()
+            res.offloaded_bytes = stats["offloaded_bytes"]  # the last step's: every step moves the same
+            for group_name, g in stats["groups"].items():
+                res.offloaded_by_group[group_name] = g["offloaded_bytes"]
+                for role, n in g.get("offloaded_bytes_by_role", {}).items():
+                    res.offloaded_by_role[role] = res.offloaded_by_role.get(role, 0) + n
+        if baseline is not None:
+            res.offloaded_bytes = baseline.copied_bytes
         if device.type == "cuda":
             res.peak_bytes = torch.cuda.max_memory_allocated(device)
     finally:
         if handle is not None:
             handle.remove()
+        bar.close()
     return res
 
 
+# ---------------------------------------------------------------------------- the table
 def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def format_table(results: list[RunResult], device: torch.device) -> str:
+def _gbps(trace: StepTrace | None, direction: str, pinned: float | None) -> str:
+    rate = trace.gbps(direction) if trace else None
+    if rate is None:
+        return "-"
+    return f"{rate:.1f} ({rate / pinned:.2f}x)" if pinned else f"{rate:.1f}"
+
+
+def format_table(results: list[RunResult], device: torch.device, pinned: dict | None = None) -> str:
+    """One row per configuration; ``pinned``: same-run pinned-copy GB/s (``d2h_gbps``, ``h2d_gbps``)."""
     base = results[0]
-    head = ["config", "loss == none (bitwise)", "offloaded MB/step", "resident act. MB after fwd"]
+    cuda = device.type == "cuda"
+    where = "GPU" if cuda else "host"
+    head = ["config", "loss == none (bitwise)", "offloaded MB/step", f"resident act. MB after fwd ({where})"]
     by_role = any(r.offloaded_by_role for r in results)
     if by_role:
         head.append("offloaded MB/step by role")
-    if device.type == "cuda":
-        head += ["peak GPU MB", "step ms (median)", "x none"]
+    head += ["peak GPU MB", "step ms (median)", "x none"]
+    if cuda:
+        head += ["D2H GB/s (x pinned)", "H2D GB/s (x pinned)"]
     rows = [head]
-    base_ms = statistics.median(base.step_s) * 1e3 if base.step_s else float("nan")
+    base_ms = base.step_ms()
+    pinned = pinned or {}
     for r in results:
-        same = all(torch.equal(a, b) for a, b in zip(r.loss_bits, base.loss_bits))
+        same = len(r.loss_bits) == len(base.loss_bits) and all(torch.equal(a, b) for a, b in zip(r.loss_bits, base.loss_bits))
         row = [r.name, "yes" if same else "NO", _mb(r.offloaded_bytes), _mb(r.resident_bytes)]
         if by_role:
             row.append(", ".join(f"{k} {_mb(v)}" for k, v in sorted(r.offloaded_by_role.items())) or "-")
-        if device.type == "cuda":
-            ms = statistics.median(r.step_s) * 1e3 if r.step_s else float("nan")
-            row += [_mb(r.peak_bytes), f"{ms:.1f}", f"{ms / base_ms:.2f}"]
+        ms = r.step_ms()
+        row += [_mb(r.peak_bytes) if cuda else "-", f"{ms:.1f}" if ms else "-",
+                f"{ms / base_ms:.2f}" if ms and base_ms else "-"]
+        if cuda:
+            row += [_gbps(r.trace, "d2h", pinned.get("d2h_gbps")), _gbps(r.trace, "h2d", pinned.get("h2d_gbps"))]
         rows.append(row)
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--impl", default=None, help="comma-separated implementations to compare (default: all built)")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--impl", default=None,
+                   help=f"comma-separated configurations beside no offload (default: all of "
+                        f"{','.join(BASELINES + tuple(factory.IMPLS))})")
+    p.add_argument("--steps", type=int, default=None, help="training steps per configuration (at least 2; 3 on CUDA)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None, help="model width (heads: width / 64 on CUDA)")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None, help="experts per block; 0: the dense GPT")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--keep-last", type=int, default=1)
-    p.add_argument("--experts", type=int, default=0, help="> 0: a GPT-MoE with this many experts per block")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     p.add_argument("--offload-modules", default="", help="comma-separated roles to offload, e.g. moe_act,expert_fc1")
     p.add_argument("--policy", default="all", choices=["all", "marked"],
                    help="'marked' with --offload-modules offloads exactly those roles")
     p.add_argument("--min-offload-bytes", type=int, default=1 << 20)
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="memory over one step per configuration and bytes per group (needs matplotlib)")
+
+
+def _configs(args) -> list[tuple[str, str | None]]:
+    chosen = args.impl.split(",") if args.impl else list(BASELINES) + list(factory.IMPLS)
+    for kind in chosen:
+        if kind not in BASELINES:
+            try:
+                factory.resolve_impl(kind)
+            except ValueError as e:
+                raise SystemExit(f"--impl: {e} (or a baseline: {', '.join(BASELINES)})") from None
+    return [("none", None), ("none (again)", None)] + [(k, k) for k in chosen]
 
 
 def run(args) -> int:
     device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible here; use --device cpu")
     defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    pick = lambda name, key=None: getattr(args, name) if getattr(args, name) is not None else defaults[key or name]  # noqa: E731
-    args.steps = max(2, pick("steps"))
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
+    args.steps = pick("steps")
+    least = 3 if device.type == "cuda" else 2  # timed steps, then the profiled and the measured one
+    if args.steps < least:
+        raise SystemExit(f"--steps: at least {least} on {device.type} (timed steps, one profiled, one measured)")
     args.batch = pick("batch")
+    d_model = pick("d_model")
     cfg = GPTConfig(
         vocab_size=defaults["vocab"],
         seq_len=pick("seq_len"),
-        d_model=pick("d_model"),
-        n_heads=defaults["n_heads"],
-        n_layers=pick("layers", "n_layers"),
+        d_model=d_model,
+        n_heads=max(1, d_model // 64) if device.type == "cuda" else defaults["n_heads"],
+        n_layers=pick("layers"),
         attention="eager",  # deterministic everywhere, so losses can be compared bit for bit
-        n_experts=args.experts,
+        n_experts=pick("experts"),
         top_k=args.top_k,
     )
+    if cfg.d_model % cfg.n_heads:
+        raise SystemExit(f"--d-model {cfg.d_model} must be a multiple of {cfg.n_heads} heads")
     args.roles = {r for r in args.offload_modules.split(",") if r}
-    if args.roles:
-        from .ops import ROLES
+    unknown = args.roles - set(ROLES)
+    if unknown:
+        raise SystemExit(f"--offload-modules: unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
+    if args.plot:
+        from .plot import require_matplotlib
 
-        unknown = args.roles - set(ROLES)
-        if unknown:
-            raise SystemExit(f"--offload-modules: unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
+        require_matplotlib()  # before minutes of training, not after
+    configs = _configs(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.use_deterministic_algorithms(True)
-    impls = args.impl.split(",") if args.impl else list(factory.IMPLS)
-    for impl in impls:
-        factory.resolve_impl(impl)  # a clear error for an unknown name
+    use_deterministic(True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host memory stands in for GPU memory; small configuration)"
+    model_name = f"GPT-MoE ({cfg.n_experts} experts, top-{cfg.top_k})" if cfg.n_experts else "GPT (dense)"
     print(
-        f"actoffload demo on {where}: GPT d={cfg.d_model} layers={cfg.n_layers} seq={cfg.seq_len} "
+        f"actoffload demo on {where}: {model_name} d={cfg.d_model} layers={cfg.n_layers} seq={cfg.seq_len} "
         f"batch={args.batch} {str(dtype).replace('torch.', '')}, {args.steps} steps, keep_last={args.keep_last}"
-        + (f", {cfg.n_experts} experts top-{cfg.top_k}" if cfg.n_experts else "")
         + (f", offload roles {sorted(args.roles)} (policy {args.policy})" if args.roles else ""),
         flush=True,
     )
-    configs = [("none", None), ("none (again)", None)] + [(impl, impl) for impl in impls]
-    results = []
-    for i, (name, impl) in enumerate(configs):
-        print(f"  [{i + 1}/{len(configs)}] {name} ...", end="", flush=True, file=sys.stderr)
-        results.append(train(name, impl, cfg, args, device, dtype))
-        print(" done", file=sys.stderr, flush=True)
-    print(format_table(results, device))
+    pinned = None
+    if device.type == "cuda":
+        from .bench import pinned_bandwidth
+
+        pinned = pinned_bandwidth(device, 256 << 20, 5)
+        print(f"pinned-copy bandwidth in this run: D2H {pinned['d2h_gbps']:.1f} GB/s, "
+              f"H2D {pinned['h2d_gbps']:.1f} GB/s", flush=True)
+    results = [train(name, kind, cfg, args, device, dtype) for name, kind in configs]
+    print(format_table(results, device, pinned))
     if device.type != "cuda":
-        print("(CPU run: 'resident' counts saved storages still alive after forward; no GPU memory or timing.)")
+        print("(CPU run: 'resident' counts saved storages still alive after forward, in host memory; "
+              "no GPU memory or bus figures.)")
+    else:
+        print("(GB/s: bytes each direction copied in one profiled step / time the copy engines were busy "
+              "with them; step ms: median of the timed steps.)")
+    if args.plot:
+        from .plot import save_plot
+
+        traces = {r.name: r.trace for r in results if r.trace is not None and r.name != "none (again)"}
+        save_plot(args.plot, traces, {r.name: r.offloaded_by_group for r in results},
+                  f"actoffload demo on {where.split(' (')[0]}: {model_name} d={cfg.d_model} layers={cfg.n_layers} "
+                  f"seq={cfg.seq_len} batch={args.batch}",
+                  "GPU memory allocated (GiB)" if device.type == "cuda" else "host memory allocated since the step began (GiB)",
+                  relative=device.type != "cuda")
+        print(f"wrote {args.plot}")
     return 0

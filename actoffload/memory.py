@@ -29,7 +29,8 @@ class SavedTracker:
         self._exclude = {p.untyped_storage()._cdata for p in exclude}
         self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def _record(self, t: torch.Tensor) -> None:
+    def record(self, t: torch.Tensor) -> None:
+        """Count the storage of ``t`` (once) unless it is excluded."""
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -40,7 +41,7 @@ class SavedTracker:
     def __enter__(self) -> "SavedTracker":
         # Outside groups a counting hook sees every save; inside a group the offloader's
         # hooks take precedence, so its pack is observed instead.
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (self._record(t), t)[1], lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (self.record(t), t)[1], lambda t: t)
         self._hooks.__enter__()
         if self._off is not None:
             pack = self._off._pack
@@ -50,7 +51,7 @@ class SavedTracker:
 
                 for b in multibuffer.buffers_of(t) if multibuffer.is_multibuffer(t) else [t]:
                     if b is not None:
-                        self._record(b)
+                        self.record(b)
                 return pack(group, t)
 
             self._off._pack = spy

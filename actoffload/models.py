@@ -93,7 +93,7 @@ class MoE(nn.Module):
         order = torch.argsort(expert_of, stable=True)
         sizes = torch.bincount(expert_of, minlength=self.experts.w1.shape[0]).tolist()
         out_sorted = self.experts(flat[order // self.top_k], sizes)
-        out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+        out = out_sorted[torch.argsort(order)]  # back to slot order (a gather: deterministic on CUDA too)
         return (out.view(B * T, self.top_k, C) * weights.unsqueeze(-1)).sum(1).view(B, T, C)
 
 

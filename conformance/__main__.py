@@ -132,7 +132,8 @@ def main(argv=None) -> int:
             "failures": [{"seed": s.seed, "scenario": s.to_json(), "problems": pr} for s, pr in failures],
         }
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(out_dir) / f"{gpu.replace(' ', '-')}-{result['date'][:10]}-conformance.json"
+        stem = "-".join([gpu.replace(" ", "-"), result["date"][:10]] + ([result["commit"]] if result["commit"] else []))
+        path = Path(out_dir) / f"{stem}-conformance.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0

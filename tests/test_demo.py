@@ -1,17 +1,34 @@
 """The demo command runs end to end on the CPU and reports what it promises."""
 
+import sys
+
 import pytest
 
 from actoffload import cli
 
 SMALL = ["demo", "--device", "cpu", "--steps", "2", "--d-model", "32", "--layers", "2", "--seq-len", "16", "--batch", "2"]
+CONFIGS = ["none", "none (again)", "save_on_cpu", "ref", "fast"]
 
 
-def test_demo_runs_and_every_loss_matches(capsys):
-    assert cli.main(SMALL) == 0
+def _rows(out: str) -> dict[str, str]:
+    return {name: line for line in out.splitlines() for name in CONFIGS if line.startswith(name + "  ")}
+
+
+@pytest.mark.parametrize("experts", ["0", "4"], ids=["dense", "moe"])
+def test_demo_runs_every_configuration_and_every_loss_matches(capsys, experts):
+    assert cli.main(SMALL + ["--experts", experts]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.split()[:1] in (["none"], ["ref"], ["fast"])]
-    assert len(rows) == 4 and all(" yes " in row for row in rows)
+    rows = _rows(out)
+    assert list(rows) == CONFIGS and all(" yes " in row for row in rows.values())
+    assert "GPT-MoE (4 experts" in out if experts == "4" else "GPT (dense)" in out
+    assert "(host)" in out  # CPU memory figures are labelled host-side
+
+
+def test_demo_impl_picks_the_configurations(capsys):
+    assert cli.main(SMALL + ["--impl", "fast"]) == 0
+    assert list(_rows(capsys.readouterr().out)) == ["none", "none (again)", "fast"]
+    with pytest.raises(SystemExit, match="--impl: .*'bogus'.*save_on_cpu"):
+        cli.main(SMALL + ["--impl", "bogus"])
 
 
 def test_demo_moe_reports_bytes_by_role(capsys):
@@ -22,6 +39,21 @@ def test_demo_moe_reports_bytes_by_role(capsys):
     assert "offloaded MB/step by role" in out and "moe_act" in out and "expert_fc1" in out
 
 
-def test_demo_rejects_an_unknown_role():
+def test_demo_rejects_an_unknown_role_and_too_few_steps():
     with pytest.raises(SystemExit, match="unknown role.*'bogus'"):
         cli.main(SMALL + ["--offload-modules", "bogus"])
+    with pytest.raises(SystemExit, match="--steps: at least 2"):
+        cli.main(SMALL[:3] + ["--steps", "1"])
+
+
+def test_demo_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra (pip install 'actoffload[plot]')")
+    png = tmp_path / "demo.png"
+    assert cli.main(SMALL + ["--impl", "ref,fast", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
+
+
+def test_demo_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*pip install 'actoffload\[plot\]'"):
+        cli.main(SMALL + ["--plot", str(tmp_path / "x.png")])
