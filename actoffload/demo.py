@@ -7,9 +7,11 @@ bytes moved per step, what stayed resident after forward, peak GPU memory, step 
 and the achieved bus bandwidth against this card's pinned-copy bandwidth measured in
 the same run.
 
-Each configuration runs ``--steps`` steps: all but the last two are timed; the second to
-last runs under the profiler (memory timeline for ``--plot``, bus copies for GB/s); the
-last measures what forward leaves resident (it waits for copies out to finish first).
+Each configuration runs ``--steps`` steps: the first warms up (pinned pools, kernels),
+the next ones are timed, the second to last runs under the profiler (memory timeline for
+``--plot``, bus copies for GB/s) and the last measures what forward leaves resident (it
+waits for copies out to finish first). On CUDA an untimed run without offloading goes
+first, so that no configuration pays for the GPU's and the allocator's first steps.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .progress import Progress
 from .steptrace import StepProfiler, StepTrace
 from .wrap import wrap
 
-CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=3, experts=4)
+CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=4, experts=4)
 CUDA_DEFAULTS = dict(d_model=1024, layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=8, experts=8)
 BASELINES = ("save_on_cpu",)  # what users would use otherwise, beside our implementations
 
@@ -136,7 +138,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 _sync(device)
-            if step < profiled:
+            if 0 < step < profiled:
                 res.step_s.append(time.perf_counter() - t0)
             if prof:
                 res.trace = prof.trace
@@ -166,8 +168,8 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def _gbps(trace: StepTrace | None, direction: str, pinned: float | None) -> str:
-    rate = trace.gbps(direction) if trace else None
+def _gbps(r: RunResult, direction: str, pinned: float | None) -> str:
+    rate = r.trace.gbps(direction) if r.trace and r.offloaded_bytes else None  # none's own tiny copies: no figure
     if rate is None:
         return "-"
     return f"{rate:.1f} ({rate / pinned:.2f}x)" if pinned else f"{rate:.1f}"
@@ -197,7 +199,7 @@ def format_table(results: list[RunResult], device: torch.device, pinned: dict | 
         row += [_mb(r.peak_bytes) if cuda else "-", f"{ms:.1f}" if ms else "-",
                 f"{ms / base_ms:.2f}" if ms and base_ms else "-"]
         if cuda:
-            row += [_gbps(r.trace, "d2h", pinned.get("d2h_gbps")), _gbps(r.trace, "h2d", pinned.get("h2d_gbps"))]
+            row += [_gbps(r, "d2h", pinned.get("d2h_gbps")), _gbps(r, "h2d", pinned.get("h2d_gbps"))]
         rows.append(row)
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -211,7 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=None,
                    help=f"comma-separated configurations beside no offload (default: all of "
                         f"{','.join(BASELINES + tuple(factory.IMPLS))})")
-    p.add_argument("--steps", type=int, default=None, help="training steps per configuration (at least 2; 3 on CUDA)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per configuration (at least 2; 4 on CUDA: warm-up, timed, profiled, measured)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--d-model", type=int, default=None, help="model width (heads: width / 64 on CUDA)")
@@ -245,9 +248,9 @@ def run(args) -> int:
     defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
     args.steps = pick("steps")
-    least = 3 if device.type == "cuda" else 2  # timed steps, then the profiled and the measured one
+    least = 4 if device.type == "cuda" else 2  # warm-up, timed, profiled, measured; the CPU shows no times
     if args.steps < least:
-        raise SystemExit(f"--steps: at least {least} on {device.type} (timed steps, one profiled, one measured)")
+        raise SystemExit(f"--steps: at least {least} on {device.type} (warm-up, timed steps, one profiled, one measured)")
     args.batch = pick("batch")
     d_model = pick("d_model")
     cfg = GPTConfig(
@@ -288,14 +291,17 @@ def run(args) -> int:
         pinned = pinned_bandwidth(device, 256 << 20, 5)
         print(f"pinned-copy bandwidth in this run: D2H {pinned['d2h_gbps']:.1f} GB/s, "
               f"H2D {pinned['h2d_gbps']:.1f} GB/s", flush=True)
+    if device.type == "cuda":
+        train("warm-up (not shown)", None, cfg, argparse.Namespace(**{**vars(args), "steps": least, "plot": None}),
+              device, dtype)
     results = [train(name, kind, cfg, args, device, dtype) for name, kind in configs]
     print(format_table(results, device, pinned))
     if device.type != "cuda":
         print("(CPU run: 'resident' counts saved storages still alive after forward, in host memory; "
               "no GPU memory or bus figures.)")
     else:
-        print("(GB/s: bytes each direction copied in one profiled step / time the copy engines were busy "
-              "with them; step ms: median of the timed steps.)")
+        print(f"(step ms: median of steps 2..{args.steps - 2}; GB/s: bytes copied each way in one profiled step / "
+              "time the copy engines were busy with them.)")
     if args.plot:
         from .plot import save_plot
 

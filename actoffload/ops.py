@@ -69,6 +69,17 @@ def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> No
         mark_selection(selected, saved_by_role)
 
 
+def _values(saved: torch.Tensor) -> torch.Tensor:
+    """A saved activation as a plain tensor. The op saves GroupedTensor and QuantizedTensor,
+    but saved-tensor hooks that copy into new tensors (``torch.autograd.graph.save_on_cpu``)
+    hand back plain tensors holding the same values."""
+    if isinstance(saved, QuantizedTensor):
+        return saved.dequantize()
+    if isinstance(saved, GroupedTensor):
+        return saved.data_buffer
+    return saved
+
+
 class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, w1, w2, sizes, kind, fp8, selected):
@@ -93,8 +104,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, a, z, w1, w2 = ctx.saved_tensors
         sizes = ctx.sizes
-        x, a = x.data_buffer, a.data_buffer
-        z = z.dequantize() if isinstance(z, QuantizedTensor) else z.data_buffer
+        x, a, z = _values(x), _values(a), _values(z)
         dys = torch.split(dy, sizes)
         dz = torch.cat([g @ w.t() for g, w in zip(dys, w2)])
         dw2 = torch.stack([zc.t() @ g for zc, g in zip(torch.split(z, sizes), dys)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -11,7 +12,11 @@ import torch
 
 
 def git_commit() -> str | None:
-    """The checked-out commit of the source tree this package runs from, if it is one."""
+    """The checked-out commit of the source tree this package runs from, if it is one.
+
+    ``ACTOFFLOAD_COMMIT`` overrides it, for copies of a tree whose .git is not current."""
+    if os.environ.get("ACTOFFLOAD_COMMIT"):
+        return os.environ["ACTOFFLOAD_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=10)

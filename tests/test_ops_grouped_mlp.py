@@ -1,5 +1,6 @@
 """GroupedMLP (the fused MoE expert block) and per-op offload selection (SPEC: Ops, R4, R7)."""
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -149,3 +150,34 @@ def test_grouped_mlp_rejects_bad_splits_and_activations():
         mlp(torch.randn(9, 16), [3, 3])
     with pytest.raises(ValueError, match="unknown activation 'relu'; valid ones are: swiglu, gelu, srelu"):
         GroupedMLP(2, 4, 4, activation="relu")
+
+
+def _copying_hooks(device):
+    """save_on_cpu on CUDA; on the CPU (where it moves nothing) hooks that copy the same way,
+    into a new plain tensor: the tensor subclasses the op saves come back as plain tensors."""
+    if device == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    def pack(t):
+        copy = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
+        copy.copy_(t)
+        return copy
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_mlp_under_save_on_cpu_style_hooks_gives_the_same_gradients(device, fp8):
+    mlp = _mlp(fp8=fp8, device=device)
+    x = torch.randn(9, 16, device=device, requires_grad=True)
+
+    def grads(hooks):
+        for t in (x, mlp.w1, mlp.w2):
+            t.grad = None
+        with hooks:
+            y = mlp(x * 1, [3, 0, 5, 1])
+        y.square().sum().backward()
+        return [x.grad.clone(), mlp.w1.grad.clone(), mlp.w2.grad.clone()]
+
+    assert_bitwise(grads(contextlib.nullcontext()), grads(_copying_hooks(device)))
