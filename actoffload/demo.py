@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -109,6 +108,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
     select_modules(model, args.roles)
     profiled, measured = args.steps - 2, args.steps - 1
     bar = Progress(args.steps, name)
+    finished = False
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -126,9 +126,8 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
             before = _allocated(device)
             t0 = time.perf_counter()
             with prof.step() if prof else contextlib.nullcontext():
-                with StepProfiler.phase("forward"):
-                    with baseline.hooks() if baseline else (tracker or contextlib.nullcontext()):
-                        loss = model.loss(x, y)
+                with StepProfiler.phase("forward"), _saving_hooks(baseline, tracker):
+                    loss = model.loss(x, y)
                 if tracker is not None:  # what forward left resident, once its copies are done
                     _sync(device)
                     if off is not None and hasattr(off, "synchronize"):
@@ -146,6 +145,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
             res.loss_bits.append(loss.detach().cpu())
             del loss
             bar.update(step + 1)
+        finished = True
         if off is not None:
             stats = off.stats()
             res.offloaded_bytes = stats["offloaded_bytes"]  # the last step's: every step moves the same
@@ -160,8 +160,16 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
     finally:
         if handle is not None:
             handle.remove()
-        bar.close()
+        bar.close("" if finished else "  (failed)")
     return res
+
+
+def _saving_hooks(baseline: CountingSaveOnCpu | None, tracker: SavedTracker | None):
+    """The saved-tensor hooks of one forward. Hooks do not nest (the innermost alone sees a
+    save), so save_on_cpu's report to the tracker themselves rather than sit inside it."""
+    if baseline is not None:
+        return baseline.hooks()
+    return tracker if tracker is not None else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------- the table

@@ -7,8 +7,8 @@ import time
 
 
 class Progress:
-    """``[#####.....] 3/6 label``, redrawn in place on a terminal, one line per update elsewhere
-    only at the end (logs stay short).
+    """``[#####.....] 3/6 steps  label``: redrawn in place on a terminal; elsewhere (logs)
+    written once, when closed.
 
     Example::
 
@@ -24,18 +24,21 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.perf_counter()
+        self.done = 0
         self.update(0)
 
-    def _line(self, done: int) -> str:
-        filled = self.width * done // max(1, self.total)
-        return f"  [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} steps  {self.label}"
+    def _line(self) -> str:
+        filled = self.width * self.done // max(1, self.total)
+        return f"  [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} steps  {self.label}"
 
     def update(self, done: int) -> None:
+        self.done = done
         if self.tty:
-            self.stream.write("\r" + self._line(done))
+            self.stream.write("\r" + self._line())
             self.stream.flush()
 
     def close(self, note: str = "") -> None:
+        """End the line with the elapsed time (and ``note``)."""
         end = f"  {time.perf_counter() - self.t0:.1f} s{note}"
-        self.stream.write(("\r" if self.tty else "") + self._line(self.total) + end + "\n")
+        self.stream.write(("\r" if self.tty else "") + self._line() + end + "\n")
         self.stream.flush()

@@ -57,3 +57,13 @@ def test_demo_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*pip install 'actoffload\[plot\]'"):
         cli.main(SMALL + ["--plot", str(tmp_path / "x.png")])
+
+
+def test_progress_bar_shows_how_far_it_got(capsys):
+    from actoffload.progress import Progress
+
+    bar = Progress(4, "fast", width=8)
+    bar.update(2)
+    bar.close("  (failed)")
+    line = capsys.readouterr().err  # not a terminal: one line, written at the end
+    assert line.startswith("  [####....] 2/4 steps  fast") and line.rstrip().endswith("(failed)")
