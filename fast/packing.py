@@ -27,13 +27,12 @@ class Packer:
         # Decided before the kernels' module is imported: on a machine without a GPU that
         # import turns the interpreter on, which only tests (and the curious) should pay for.
         self._reference = device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-        if not self._reference:
-            from actoffload.triton_kernels import pack as kernels
-
-            self._k = kernels
         if self._reference:
             self.name = "torch-reference"
         else:
+            from actoffload.triton_kernels import pack as kernels
+
+            self._k = kernels
             self.name = "triton" if device.type == "cuda" else "triton-interpreter"
 
     def layout(self, sizes: list[int]) -> tuple[list[int], int]:

@@ -110,3 +110,19 @@ def test_fast_in_flight_groups_are_bounded_and_reused_in_place(monkeypatch, max_
     del y
     gc.collect()
     assert len(off._inflight) == 0  # the reused group's sources went with its graph
+
+
+def test_fast_on_cpu_without_the_interpreter_packs_with_the_torch_reference(monkeypatch):
+    # a CPU user of fast should not pay for Triton's interpreter; tests turn it on
+    from actoffload.fast import FastOffloader
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(FastOffloader, "pack_below", 1 << 30)
+    model = mlp_stack(3, 48, "cpu")
+    x = torch.randn(16, 48, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0)
+    run_groups(model, x, off).sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+    s = off.stats()
+    assert s["packer"] == "torch-reference" and s["copies"]["packed_spans"] == 8
