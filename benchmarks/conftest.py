@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from actoffload.determinism import use_deterministic
+
 CUDA = torch.cuda.is_available()
 
 
@@ -18,4 +20,9 @@ def sync():
 
 @pytest.fixture(autouse=True)
 def _deterministic():
-    torch.use_deterministic_algorithms(True)
+    # use_deterministic also sets CUBLAS_WORKSPACE_CONFIG, without which deterministic
+    # mode makes every cuBLAS matmul raise on CUDA
+    before = torch.are_deterministic_algorithms_enabled()
+    use_deterministic(True)
+    yield
+    use_deterministic(before)

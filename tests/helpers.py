@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import actoffload as ao
+from actoffload.determinism import use_deterministic
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -24,11 +25,11 @@ IMPLS = list(ao.IMPLS)
 def deterministic():
     """Deterministic kernels (CUDA's index backward and cuBLAS), restored afterwards."""
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    use_deterministic(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        use_deterministic(before)
 
 
 def grads_of(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:

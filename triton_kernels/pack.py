@@ -51,9 +51,13 @@ def _copy_kernel(table_ptr, packed_ptr, TO_PACKED: tl.constexpr, BLOCK: tl.const
             tl.store(ptr + idx, tl.load(packed_ptr + offset + idx, mask=mask), mask=mask)
 
 
-def _check(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int], what: str) -> None:
+def _check_packed(packed: torch.Tensor, what: str) -> None:
     if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
         raise ValueError(f"{what}: the packed buffer must be a contiguous 1-D uint8 tensor")
+
+
+def _check(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: list[int], what: str) -> None:
+    _check_packed(packed, what)
     if len(tensors) != len(offsets):
         raise ValueError(f"{what}: {len(tensors)} tensors but {len(offsets)} offsets")
     for t, o in zip(tensors, offsets):
@@ -105,8 +109,7 @@ def launch_table(prepared, packed: torch.Tensor, to_packed: bool) -> None:
     if prepared is None:
         return
     table, word = prepared
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
-        raise ValueError("copy_table: the packed buffer must be a contiguous 1-D uint8 tensor")
+    _check_packed(packed, "copy_table")
     if packed.data_ptr() % word:
         raise ValueError(f"copy_table: the packed buffer is not aligned to the table's {word}-byte words")
     _check_runnable(packed, "pack" if to_packed else "unpack")
