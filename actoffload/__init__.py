@@ -8,21 +8,33 @@
 See docs/semantics.md for the rules (R1..R10) both implementations follow.
 """
 
-from . import ops
-from .engine import HostMemoryError
-from .factory import IMPLS, Offloader, resolve_impl
-from .grouped import GroupedTensor
-from .marks import mark_activation_offload, mark_not_offload
-from .ops import select_modules
-from .quantized import QuantizedTensor, quantize
-from .wrap import WrapHandle, wrap
+from pathlib import Path as _Path
 
-__version__ = "0.1.0"
+# In a source checkout, ref/, fast/ and triton_kernels/ sit beside this package (an
+# installed copy has them inside it as actoffload.ref, ...): find them there too, so that
+# running from the checkout works whether or not the package is also installed.
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "ref" / "offloader.py").is_file() and not (_Path(__file__).parent / "ref").is_dir():
+    __path__.append(str(_checkout))  # noqa: F821  (a package's own __path__)
+
+from . import ops  # noqa: E402
+from .grouped import GroupedTensor  # noqa: E402
+from .hostmem import HostMemoryError  # noqa: E402
+from .marks import mark_activation_offload, mark_not_offload  # noqa: E402
+from .observe import Observer  # noqa: E402
+from .offloader import Offloader  # noqa: E402
+from .ops import select_modules  # noqa: E402
+from .quantized import QuantizedTensor, quantize  # noqa: E402
+from .settings import IMPLS, resolve_impl  # noqa: E402
+from .wrap import WrapHandle, wrap  # noqa: E402
+
+__version__ = "0.2.0"
 
 __all__ = [
     "IMPLS",
     "GroupedTensor",
     "HostMemoryError",
+    "Observer",
     "Offloader",
     "QuantizedTensor",
     "WrapHandle",

@@ -1,31 +1,30 @@
 """Group lifecycle shared by every implementation: hooks, commit schedule, checks, stats.
 
-An implementation (``ref``, ``fast``) subclasses :class:`OffloaderBase` and supplies
-only *how bytes move*: :meth:`~OffloaderBase._move_out` at commit,
-:meth:`~OffloaderBase._device_bytes` at unpack, and optionally
-:meth:`~OffloaderBase._on_backward`. *What* moves is decided by
-:func:`actoffload.policy.plan_group`; *when* a group commits (R4's keep_last rule),
-the version check (R6), the multi-buffer protocol (R7) and lifetimes (R8) live here,
-once.
-
-Lifetimes: the graph owns the pack handles, handles own their group, a group owns
-its saved buffers and their host copies. The offloader keeps only weak references
-to groups, so freeing the graph frees everything (R8).
+An implementation (``ref``, ``fast``) subclasses :class:`actoffload.Offloader` and supplies
+only *how bytes move*: :meth:`Engine._move_out` at commit, :meth:`Engine._device_bytes` at
+unpack, and optionally :meth:`Engine._on_backward`. *What* moves is decided by
+:func:`actoffload.policy.plan_group`; *when* a group commits (R4's keep_last rule), the
+version check (R6), the multi-buffer protocol (R7), storages shared between groups (R5)
+and lifetimes (R8) live here, once.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from functools import partial
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import multibuffer, policy
+from . import compat, multibuffer, policy
+from .hostmem import HostMemory, HostMemoryError
+from .observe import Observer
+from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
 
-# Group states
-OPEN, PENDING, COMMITTED, RESIDENT, ABORTED = "open", "pending", "committed", "resident", "aborted"
+GroupT = TypeVar("GroupT", bound=Group)
+MovedT = TypeVar("MovedT", bound=Moved)
 
 _local = threading.local()  # .open: name of the group open on this thread (groups do not nest)
 
@@ -35,206 +34,142 @@ def group_open() -> bool:
     return getattr(_local, "open", None) is not None
 
 
-class HostMemoryError(MemoryError):
-    """Pinned host memory ran out while committing a group; the group stays resident."""
+def _modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        f"one of the tensors saved for backward in offload group {group.name!r} (shape {list(shape)}) "
+        f"was modified by an in-place operation after it was saved: version {saved} at save, {now} now "
+        "(R6). Use an out-of-place operation, or clone the tensor before modifying it."
+    )
 
 
-class SavedBuffer:
-    """One plain tensor saved in a group: resident (``tensor``) or moved (``moved``).
-
-    ``tensor`` is a ``detach()``ed alias: same storage and version counter, but no
-    ``grad_fn``. Holding the saved tensor itself would, for an op's output, close a
-    cycle through the C++ autograd node (tensor -> grad_fn -> handle -> group ->
-    tensor) that Python's garbage collector cannot see, and a graph freed without
-    backward would leak.
-    """
-
-    __slots__ = ("tensor", "is_parameter", "version", "guard", "moved", "dtype", "size", "stride", "offset")
-
-    def __init__(self, t: torch.Tensor):
-        self.is_parameter = policy.is_parameter(t)  # detach() forgets it
-        self.tensor: torch.Tensor | None = t.detach()
-        self.version = t._version
-        self.guard: torch.Tensor | None = None
-        self.moved: Moved | None = None
-
-
-class Moved:
-    """A span that was moved off the device; implementations hang their state on it.
-
-    ``storage`` is the device storage the span lives in, referenced until the
-    implementation has copied it out (and releases it).
-    """
-
-    def __init__(self, span: policy.Span, storage: torch.UntypedStorage, device: torch.device):
-        self.span = span
-        self.nbytes = span.nbytes
-        self.storage: torch.UntypedStorage | None = storage
-        self.device = device
-        self.host: torch.Tensor | None = None
-
-    def source(self) -> torch.Tensor:
-        """The span's bytes on the device, as a flat uint8 tensor sharing the storage."""
-        out = torch.empty(0, dtype=torch.uint8, device=self.device)
-        return out.set_(self.storage, self.span.start, (self.nbytes,), (1,))
-
-    def source_ptr(self) -> int:
-        return self.storage.data_ptr() + self.span.start
-
-
-class Group:
-    """The saved buffers of one forward of one group."""
-
-    def __init__(self, name: str, prev: "Group | None"):
-        self.name = name
-        self.saved: list[SavedBuffer] = []
-        self.state = OPEN
-        self.opened_after = 0  # groups of the same offloader opened since this one
-        self.moved: list[Moved] = []
-        self.summary: dict = {"saved": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": {}}
-        self.prev = weakref.ref(prev) if prev is not None else None  # group opened before this one
-
-    def add(self, t: torch.Tensor) -> SavedBuffer:
-        s = SavedBuffer(t)
-        self.saved.append(s)
-        return s
-
-
-class _Handle:
-    """What the pack hook returns for a plain tensor; the graph owns it."""
-
-    __slots__ = ("group", "saved")
-
-    def __init__(self, group: Group, saved: SavedBuffer):
-        self.group = group
-        self.saved = saved
-
-
-class _MultiHandle:
-    """What the pack hook returns for a multi-buffer tensor (R7)."""
-
-    __slots__ = ("group", "cls", "state", "saved")
-
-    def __init__(self, group: Group, cls: type, state: Any, saved: list[SavedBuffer | None]):
-        self.group = group
-        self.cls = cls
-        self.state = state
-        self.saved = saved
-
-
-class WeakStorage:
-    """A weak reference to a storage: ``get()`` gives it back while anything still uses it.
-
-    Restored tensors reach their reload buffer only through its storage (autograd
-    re-wraps what an unpack hook returns), so a weak reference to the storage, not to
-    a tensor object, is what tells whether a reload is still alive.
-    """
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, t: torch.Tensor):
-        self._ref = StorageWeakRef(t.untyped_storage())
-
-    def get(self, device: torch.device) -> torch.Tensor | None:
-        """A flat uint8 tensor over the whole storage, or ``None`` once it was freed."""
-        storage = torch.UntypedStorage._new_with_weak_ptr(self._ref.cdata)
-        if storage is None:
-            return None
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _version_guard(t: torch.Tensor) -> torch.Tensor:
-    """A storage-less tensor sharing ``t``'s version counter (R6 after ``t`` is dropped).
-
-    ``detach()`` shares the version counter; assigning ``.data`` swaps the storage out
-    but keeps the counter, so in-place writes to ``t`` or any view of it still show.
-    """
-    guard = t.detach()
-    guard.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return guard
-
-
-class GroupContext:
-    """Context manager returned by :meth:`OffloaderBase.group`."""
-
-    def __init__(self, offloader: "OffloaderBase", name: str):
-        self._offloader = offloader
-        self._name = name
-        self._group: Group | None = None
-        self._hooks = None
-
-    def __enter__(self) -> "GroupContext":
-        self._group, self._hooks = self._offloader._enter(self._name)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        group, hooks = self._group, self._hooks
-        self._group = self._hooks = None
-        self._offloader._exit(group, hooks, failed=exc_type is not None)
-        return False
-
-
-class OffloaderBase:
-    """Shared behaviour of every implementation; see ``actoffload.Offloader`` for the API."""
+class Engine(Generic[GroupT, MovedT]):
+    """The lifecycle of groups; see :class:`actoffload.Offloader` for the public API."""
 
     impl = "base"
 
-    def __init__(self, device, min_offload_bytes, policy_name, keep_last, prefetch):
+    def __init__(self, device: torch.device, min_offload_bytes: int, policy_name: str, keep_last: int,
+                 host: HostMemory):
         self.device = device
-        self._cuda = device.type == "cuda"
         self.min_offload_bytes = min_offload_bytes
         self.policy = policy_name
         self.keep_last = keep_last
-        self.prefetch = prefetch
+        self._host = host
         self._lock = threading.RLock()
-        self._pending: list[weakref.ref] = []  # exited, not yet committed, in open order
-        self._latest: dict[str, dict] = {}  # group name -> summary of its latest forward
-        self._last_group: weakref.ref | None = None
+        self._pending: list[weakref.ref[GroupT]] = []  # exited, not yet committed, in open order
+        # stats() window: the groups opened since a backward pass last began
+        self._window: dict[str, dict[str, Any]] = {}
+        self._backward_began = False
+        self._last_group: weakref.ref[GroupT] | None = None
+        self._owner: int | None = None  # the thread whose forwards open groups
+        self._observers: list[Observer] = []
+        # spans moved out and still alive, by storage: a later group saving the same storage
+        # reuses the copy (R5) instead of moving the bytes again
+        self._moved_by_storage: dict[int, list[tuple[weakref.ref[Moved], StorageWeakRef]]] = {}
 
-    # ------------------------------------------------------------------ groups
-    def group(self, name: str) -> GroupContext:
-        """A unit of saved activations offloaded and reloaded together (R2).
+    # ------------------------------------------------------------------ implementation
+    def _new_group(self, name: str, prev: GroupT | None, first_seq: int) -> GroupT:
+        raise NotImplementedError
 
-        Example::
+    def _new_moved(self, span: policy.Span, storage: torch.UntypedStorage) -> MovedT:
+        raise NotImplementedError
 
-            off = ao.Offloader()
-            for i, block in enumerate(blocks):
-                with off.group(f"block{i}"):
-                    x = block(x)
-            x.sum().backward()
+    def _move_out(self, group: GroupT, moved: list[MovedT]) -> None:
+        """Copy each span's ``source`` to host memory (setting ``host``); may finish later.
+        Raises :class:`HostMemoryError`, having moved nothing, if host memory is short."""
+        raise NotImplementedError
+
+    def _device_bytes(self, group: GroupT, moved: MovedT) -> torch.Tensor:
+        """The span's bytes back on the device, ready on the current stream.
+
+        A flat uint8 tensor of at least ``moved.nbytes`` bytes starting at the span's
+        first byte (a fresh buffer, or the original storage while it still lives).
         """
-        if not isinstance(name, str):
-            raise TypeError(f"group name must be a str, got {type(name).__name__}")
-        return GroupContext(self, name)
+        raise NotImplementedError
 
-    def _enter(self, name: str):
+    def _on_backward(self, group: GroupT) -> None:
+        """Called at every unpack; implementations may start reloads here."""
+
+    def _host_bytes(self) -> tuple[int, int]:
+        """``(in_use, pooled)`` host bytes."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ opening and closing
+    @compat.not_traced
+    def _enter(self, name: str) -> tuple[GroupT, Any] | None:
+        if compat.in_backward():
+            # Activation checkpointing re-runs a forward inside backward, under hooks of its
+            # own that must see what it saves: a group opened there does nothing.
+            return None
         open_name = getattr(_local, "open", None)
         if open_name is not None:
             raise RuntimeError(
                 f"cannot open group {name!r} inside group {open_name!r}: groups do not nest (R2); "
                 "close the outer group first, or wrap the inner modules instead of the outer one"
             )
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner is None:
+                self._owner = me
+        if self._owner != me:
+            raise RuntimeError(
+                f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "
+                f"{self._owner}: an Offloader is used from one thread. Create one ao.Offloader per thread."
+            )
         self._advance_schedule(opening=True)
-        prev = self._last_group() if self._last_group is not None else None
-        group = Group(name, prev)
-        self._last_group = weakref.ref(group)
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t, _g=group: self._pack(_g, t), self._unpack
-        )
+        with self._lock:
+            if self._backward_began:
+                self._window.clear()
+                self._backward_began = False
+            unique, k = name, 1
+            while unique in self._window:
+                k += 1
+                unique = f"{name}#{k}"
+            self._window[unique] = {}
+            prev = self._last_group() if self._last_group is not None else None
+            group = self._new_group(unique, prev, compat.sequence_nr())
+            self._last_group = weakref.ref(group)
+        if compat.mutation_on_saved_allowed():
+            hooks = self._delegating_hooks(group)
+        else:
+            hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
         hooks.__enter__()
         _local.open = name
         return group, hooks
 
-    def _exit(self, group: Group, hooks, failed: bool) -> None:
+    def _delegating_hooks(self, group: GroupT) -> torch.autograd.graph.saved_tensors_hooks:
+        """Under ``allow_mutation_on_saved_tensors()`` PyTorch's own hooks must see every save
+        (it clones a saved tensor before an in-place write), and it holds each one itself, so
+        nothing could be freed anyway: the group hands its saves on and stays resident."""
+        group.state = GroupState.INERT
+        outer = compat.current_saved_tensors_hooks()
+        assert outer is not None, "allow_mutation_on_saved_tensors installs saved-tensor hooks"
+        outer_pack, outer_unpack = outer
+
+        def pack(t: torch.Tensor) -> DelegatedHandle:
+            group.summary["saved"] += 1
+            group.summary["kept"]["inert"] = group.summary["saved"]
+            return DelegatedHandle(group, outer_pack(t), outer_unpack)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    @compat.not_traced
+    def _exit(self, entry: tuple[GroupT, Any] | None, failed: bool) -> None:
+        if entry is None:
+            return
+        group, hooks = entry
         _local.open = None
         hooks.__exit__(None, None, None)
+        group.end_seq = compat.sequence_nr()
         with self._lock:
             if failed:
                 # Never committed; it stays with its graph and is freed with it (R8).
-                group.state = ABORTED
+                group.state = GroupState.ABORTED
+                self._window.pop(group.name, None)
                 return
-            group.state = PENDING
-            self._latest[group.name] = group.summary
+            self._window[group.name] = group.summary
+            if group.state is GroupState.INERT:
+                return
+            group.state = GroupState.PENDING
             self._pending.append(weakref.ref(group))
         if self.keep_last == 0:
             self._advance_schedule(opening=False)
@@ -244,12 +179,12 @@ class OffloaderBase:
 
         Called when a group opens (``opening``) and, for ``keep_last=0``, when one exits.
         """
-        due: list[Group] = []
+        due: list[GroupT] = []
         with self._lock:
             waiting = []
             for ref in self._pending:
                 g = ref()
-                if g is None or g.state != PENDING:
+                if g is None or g.state is not GroupState.PENDING:
                     continue  # freed with its graph, or its backward already began
                 g.opened_after += opening
                 if g.opened_after >= self.keep_last:
@@ -260,7 +195,8 @@ class OffloaderBase:
         for g in due:
             self._commit(g)
 
-    def _plan(self, group: Group, committed: bool) -> policy.GroupPlan:
+    # ------------------------------------------------------------------ deciding
+    def _plan(self, group: GroupT, committed: bool) -> policy.GroupPlan:
         plan = policy.plan_group(
             [s.tensor for s in group.saved],
             parameters=[s.is_parameter for s in group.saved],
@@ -268,154 +204,242 @@ class OffloaderBase:
             min_offload_bytes=self.min_offload_bytes,
             policy=self.policy,
             committed=committed,
+            moved_earlier=(lambda key, aliases: self._moved_earlier(key, aliases) is not None) if committed else None,
         )
         group.summary.clear()
         group.summary.update(plan.summary())
         return plan
 
-    def _commit(self, group: Group) -> None:
+    def _commit(self, group: GroupT) -> None:
         """Decide (policy) and start moving what the plan says (implementation)."""
         plan = self._plan(group, committed=True)
-        moved = [Moved(span, group.saved[span.members[0]].tensor.untyped_storage(), self.device) for span in plan.spans]
+        tensors = [s.tensor for s in group.saved]
+        moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
         try:
             self._move_out(group, moved)
         except HostMemoryError:
-            group.state = RESIDENT
+            group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
             group.saved = []
             raise
-        for m in moved:
-            for i in m.span.members:
-                s = group.saved[i]
-                t = s.tensor
-                s.dtype, s.size, s.stride = t.dtype, tuple(t.shape), t.stride()
-                # offset inside the span, in elements: a whole number (policy.Span aligns start)
-                s.offset = (t.storage_offset() * t.element_size() - m.span.start) // t.element_size()
-                s.guard = _version_guard(t)
-                s.moved = m
-                s.tensor = None
-        group.moved = moved
-        group.state = COMMITTED
+        needed: list[Moved] = list(moved)
+        uses = [len(span.members) for span in plan.spans]
+        for span, m in zip(plan.spans, moved):
+            self._let_go(group, span, m)
+            m.guard = group.saved[span.members[0]].guard
+            m.version_at_copy = m.guard._version  # type: ignore[union-attr]  # the copy sees this version
+            self._remember(span.storage_key, m, tensors[span.members[0]])  # type: ignore[arg-type]
+        for span in plan.shared:
+            earlier = self._moved_earlier(span.storage_key, [tensors[i] for i in span.members])  # type: ignore[misc]
+            assert earlier is not None, "the plan saw this copy a moment ago"
+            self._let_go(group, span, earlier)
+            needed.append(earlier)
+            uses.append(len(span.members))
+        group.moved, group.uses = needed, uses
+        group.state = GroupState.COMMITTED
         group.saved = []  # decided: each buffer now lives exactly as long as its handle
+        for obs in self._observers:
+            obs.on_commit(group.name, dict(group.summary))
 
-    # ------------------------------------------------------------------ hooks
-    def _pack(self, group: Group, t: torch.Tensor):
-        if self._cuda and torch._C._cuda_isCurrentStreamCapturing():
-            raise RuntimeError(
-                "actoffload cannot offload inside a CUDA graph capture (R10): copies to host "
-                "memory cannot be captured; capture outside any offload group"
-            )
-        if type(t) is not torch.Tensor and multibuffer.is_multibuffer(t):
-            cls, state, buffers = multibuffer.split(t)
-            return _MultiHandle(group, cls, state, [None if b is None else group.add(b) for b in buffers])
-        return _Handle(group, group.add(t))
+    def _let_go(self, group: GroupT, span: policy.Span, m: Moved) -> None:
+        """Each member of ``span`` is from now on rebuilt from ``m`` (R5); the device tensor
+        is no longer held, only a guard of its version counter (R6)."""
+        for i in span.members:
+            s = group.saved[i]
+            t = s.tensor
+            assert t is not None
+            es = t.element_size()
+            s.view = MovedView(m, t.dtype, tuple(t.shape), tuple(t.stride()),
+                               (t.storage_offset() * es - m.span.start) // es, t.is_conj(), t.is_neg())
+            s.guard = compat.version_guard(t)
+            s.tensor = None
 
-    def _unpack(self, handle) -> torch.Tensor:
-        group = handle.group
-        if group.state == PENDING:
-            self._freeze(group)
-        self._on_backward(group)
-        if type(handle) is _MultiHandle:
-            buffers = [None if s is None else self._restore(group, s) for s in handle.saved]
-            return multibuffer.rebuild(handle.cls, handle.state, buffers)
-        return self._restore(group, handle.saved)
+    def _remember(self, key: int, m: Moved, t: torch.Tensor) -> None:
+        entry = (weakref.ref(m), compat.storage_weakref(t))
+        with self._lock:
+            live = [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
+            self._moved_by_storage[key] = live + [entry]
+        weakref.finalize(m, self._forget, key)
 
-    def _freeze(self, group: Group) -> None:
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            live = [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
+            if live:
+                self._moved_by_storage[key] = live
+            else:
+                self._moved_by_storage.pop(key, None)
+
+    def _moved_earlier(self, key: int, aliases: list[torch.Tensor]) -> Moved | None:
+        """A live copy of this very storage, made by an earlier group, that holds every byte of
+        ``aliases`` at a whole-element offset, with no in-place write since it was made."""
+        with self._lock:
+            entries = list(self._moved_by_storage.get(key, ()))
+        for ref, storage in entries:
+            m = ref()
+            if m is None or storage.expired() or not m.unchanged_since_copy():
+                continue  # a dead storage's address may now belong to another one
+            lo, hi = m.span.start, m.span.start + m.nbytes
+            fits = True
+            for t in aliases:
+                first, end = policy.byte_extent(t)
+                if first < lo or end > hi or (first - lo) % t.element_size():
+                    fits = False
+            if fits:
+                return m
+        return None
+
+    def _freeze(self, group: GroupT) -> None:
         """Backward began before the commit: the group stays resident (keep_last)."""
         with self._lock:
-            if group.state != PENDING:
+            if group.state is not GroupState.PENDING:
                 return
-            group.state = RESIDENT
+            group.state = GroupState.RESIDENT
         self._plan(group, committed=False)
         # Decided: each kept buffer is freed as soon as autograd releases its handle, node
         # by node, as without an offloader (not when the whole group's backward is over).
         group.saved = []
 
-    def _restore(self, group: Group, s: SavedBuffer) -> torch.Tensor:
-        now = (s.tensor if s.tensor is not None else s.guard)._version
-        if now != s.version:
+    # ------------------------------------------------------------------ hooks
+    @compat.not_traced
+    def _pack(self, group: GroupT, t: torch.Tensor) -> Handle | MultiHandle:
+        if compat.stream_is_capturing(self.device):
             raise RuntimeError(
-                f"one of the tensors saved for backward in offload group {group.name!r} "
-                f"(shape {list(s.size if s.tensor is None else s.tensor.shape)}) was modified by an "
-                f"in-place operation after it was saved: version {s.version} at save, {now} now (R6). "
-                "Use an out-of-place operation, or clone the tensor before modifying it."
+                "actoffload cannot offload inside a CUDA graph capture (R10): copies to host memory "
+                "cannot be captured. Capture outside any offload group (or capture only blocks that "
+                "run outside groups), or train this part without an offloader."
             )
+        if multibuffer.is_multibuffer(t):
+            return self._pack_multi(group, t)
+        return Handle(group, self._add(group, t))
+
+    def _pack_multi(self, group: GroupT, t: torch.Tensor) -> MultiHandle:
+        parts = multibuffer.split(t)
+        saved: list[SavedBuffer | MultiHandle | None] = []
+        for b in parts.buffers:
+            if b is None:
+                saved.append(None)
+            elif multibuffer.is_multibuffer(b):
+                saved.append(self._pack_multi(group, b))
+            else:
+                saved.append(self._add(group, b))
+        try:
+            guard: torch.Tensor | None = compat.version_guard(t)
+        except (NotImplementedError, RuntimeError, TypeError):
+            guard = None
+        return MultiHandle(group, parts.rebuild, saved, tuple(t.shape), t._version, guard)
+
+    def _add(self, group: GroupT, t: torch.Tensor) -> SavedBuffer:
+        s = SavedBuffer(t, policy.is_parameter(t))
+        group.saved.append(s)
+        for obs in self._observers:
+            obs.on_save(group.name, t)
+        return s
+
+    @compat.not_traced
+    def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:
+        if compat.in_backward():
+            self._backward_began = True
+        if isinstance(handle, DelegatedHandle):
+            return handle.unpack(handle.packed)
+        group: GroupT = handle.group  # type: ignore[assignment]
+        if group.state is GroupState.PENDING:
+            self._freeze(group)
+        self._on_backward(group)
+        return self._restore_handle(handle)
+
+    def _restore_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
+        group: GroupT = handle.group  # type: ignore[assignment]
+        if isinstance(handle, Handle):
+            return self._restore(group, handle.saved)
+        if handle.guard is not None and handle.guard._version != handle.version:
+            raise _modified_error(group, handle.shape, handle.version, handle.guard._version)
+        parts: list[torch.Tensor | None] = []
+        for p in handle.parts:
+            if p is None:
+                parts.append(None)
+            elif isinstance(p, MultiHandle):
+                parts.append(self._restore_handle(p))
+            else:
+                parts.append(self._restore(group, p))
+        return handle.rebuild(parts)
+
+    def _restore(self, group: GroupT, s: SavedBuffer) -> torch.Tensor:
+        held = s.tensor if s.tensor is not None else s.guard
+        assert held is not None
+        if held._version != s.version:
+            raise _modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)
         if s.tensor is not None:
             return s.tensor
-        dev = self._device_bytes(group, s.moved)
+        v = s.view
+        assert v is not None
+        dev = self._device_bytes(group, v.moved)  # type: ignore[arg-type]
         # dev starts at the span's first byte, which policy.Span aligns for every alias
-        out = torch.empty(0, dtype=s.dtype, device=dev.device)
-        return out.set_(dev.untyped_storage(), dev.storage_offset() // out.element_size() + s.offset, s.size, s.stride)
+        out = torch.empty(0, dtype=v.dtype, device=dev.device)
+        out = out.set_(dev.untyped_storage(), dev.storage_offset() // out.element_size() + v.offset, v.size, v.stride)
+        if v.conj:
+            out = out.conj()
+        if v.neg:
+            out = compat.neg_view(out)
+        return out
 
-    # ------------------------------------------------------------------ host memory
-    def _raw_host_alloc(self, nbytes: int) -> torch.Tensor:
-        """One host buffer, pinned when the device is CUDA (tests replace this to inject faults)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+    # ------------------------------------------------------------------ backward order
+    def _upcoming(self, group: GroupT, depth: int) -> list[GroupT]:
+        """Up to ``depth`` groups opened before ``group`` that the running backward pass will
+        reach next, in that order; never a group of another graph (another micro-batch).
 
-    def _alloc_host(self, nbytes: int) -> torch.Tensor:
-        """Allocate host memory or raise :class:`HostMemoryError` naming the size (R10)."""
-        try:
-            return self._raw_host_alloc(nbytes)
-        except (RuntimeError, MemoryError) as e:
-            raise HostMemoryError(
-                f"could not allocate {nbytes} bytes of host memory to offload into ({e}); the group "
-                "stays resident. Raise min_offload_bytes or keep_last, or free host memory."
-            ) from e
-
-    # ------------------------------------------------------------------ implementation
-    def _move_out(self, group: Group, moved: list[Moved]) -> None:
-        """Copy each span's ``source`` to host memory (setting ``host``); may finish later."""
-        raise NotImplementedError
-
-    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
-        """The span's bytes back on the device, ready on the current stream.
-
-        A flat uint8 tensor of at least ``moved.nbytes`` bytes starting at the span's
-        first byte (a fresh buffer, or the original storage while it still lives).
+        From the node now unpacking ``group``, a search back through the graph (towards the
+        forward's earlier nodes) finds a node the previous group's forward created, by its
+        autograd sequence number; the engine then says whether this pass executes it.
         """
-        raise NotImplementedError
-
-    def _on_backward(self, group: Group) -> None:
-        """Called at every unpack; implementations may start reloads here."""
-
-    def _host_bytes(self) -> tuple[int, int]:
-        """``(in_use, pooled)`` host bytes."""
-        raise NotImplementedError
-
-    def _extra_stats(self) -> dict:
-        return {}
+        out: list[GroupT] = []
+        frontier = [compat.current_node()]
+        if depth == 0 or frontier[0] is None:
+            return out
+        prev = group.previous()
+        while prev is not None and len(out) < depth:
+            found = _nodes_created_in(frontier, prev.first_seq, prev.end_seq)
+            if not found or not compat.will_execute(found[0]):
+                break
+            out.append(prev)  # type: ignore[arg-type]
+            frontier = found
+            prev = prev.previous()
+        return out
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> dict:
-        """What the latest forward of each group did, and host memory now.
-
-        Example::
-
-            s = off.stats()
-            s["groups"]["block0"]   # {'saved': 7, 'offloaded': 5, 'offloaded_bytes': ..., 'kept': {'parameter': 2}}
-            s["host_bytes_in_use"]  # 0 once every graph is freed
-        """
+    def _stats(self) -> dict[str, Any]:
         with self._lock:
             for ref in self._pending:  # not committed yet: report as keep_last would leave them
                 g = ref()
-                if g is not None and g.state == PENDING:
+                if g is not None and g.state is GroupState.PENDING:
                     self._plan(g, committed=False)
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in self._latest.items()}
+                      for name, s in self._window.items() if s}
         in_use, pooled = self._host_bytes()
-        out = {
+        return {
             "impl": self.impl,
             "groups": groups,
             "offloaded_bytes": sum(g["offloaded_bytes"] for g in groups.values()),
             "host_bytes_in_use": in_use,
             "host_bytes_pooled": pooled,
         }
-        out.update(self._extra_stats())
-        return out
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(device={str(self.device)!r}, min_offload_bytes={self.min_offload_bytes}, "
-            f"policy={self.policy!r}, keep_last={self.keep_last}, prefetch={self.prefetch})"
-        )
 
+def _nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list[Any]:
+    """Nodes reachable from ``frontier`` (towards inputs) whose sequence number lies in
+    ``[first_seq, end_seq)``, nearest first. Nodes older than ``first_seq`` cannot lead
+    into that range (a node's inputs are older than it), so the search stops there."""
+    seen: dict[int, Any] = {}  # id -> node: holding the node keeps its id from being reused
+    queue = list(frontier)
+    found = []
+    while queue:
+        node = queue.pop(0)
+        for nxt, _ in node.next_functions:
+            if nxt is None or id(nxt) in seen:
+                continue
+            seen[id(nxt)] = nxt
+            seq = nxt._sequence_nr()
+            if first_seq <= seq < end_seq:
+                found.append(nxt)
+            elif seq >= first_seq and seq < 1 << 62:  # AccumulateGrad nodes have the largest number
+                queue.append(nxt)
+    return found

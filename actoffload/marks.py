@@ -16,10 +16,11 @@ import threading
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import multibuffer
+from . import compat, multibuffer
 
 OPT_IN = 1
 VETO = 2
+PARAMETER = 4  # the storage of a parameter: never worth moving (R3)
 
 _lock = threading.Lock()
 _marks: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -29,7 +30,7 @@ _sweep_at = 1024  # sweep dead entries when the table grows past this
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if multibuffer.is_multibuffer(t):
-        return [s for b in multibuffer.buffers_of(t) if b is not None for s in _storages(b)]
+        return [s for b in multibuffer.split(t).buffers if b is not None for s in _storages(b)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError) as e:
@@ -47,7 +48,7 @@ def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn} takes tensors (or None), got {type(t).__name__}")
         for storage in _storages(t):
-            key = storage._cdata
+            key = storage._cdata  # what compat.storage_key returns for its tensors
             with _lock:
                 entry = _marks.get(key)
                 old = entry[1] if entry is not None and not entry[0].expired() else 0
@@ -95,6 +96,30 @@ def mark_not_offload(*tensors: torch.Tensor | None) -> None:
 def opt_in_as(role: str, *tensors: torch.Tensor | None) -> None:
     """Opt tensors in on behalf of an op role; ``stats()`` then reports their bytes by role."""
     _mark(tensors, OPT_IN, "opt_in_as", role)
+
+
+def mark_parameters(*tensors: torch.Tensor | None) -> None:
+    """Record tensors as parameters: any tensor over their storage stays resident (R3).
+
+    ``ao.wrap`` records its modules' parameters at every forward, and every parameter
+    registered on a module is recorded when it is registered, so a detached view of a
+    parameter (``F.linear(x, w.detach())`` saves ``w.detach().t()``, which has no
+    ``_base``) is recognised by its storage.
+    """
+    _mark(tensors, PARAMETER, "mark_parameters")
+
+
+def _on_parameter_registered(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
+    if param is None or param.device.type == "meta":
+        return
+    try:
+        mark_parameters(param)
+    except TypeError:  # a parameter type without storage or buffers: nothing to record
+        pass
+
+
+# Every parameter registered on any module from now on (models are usually built after import).
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
 def role_of(storage_key: int) -> str | None:

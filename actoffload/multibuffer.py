@@ -1,66 +1,99 @@
-"""The multi-buffer protocol (rule R7): one mechanism for every tensor made of several buffers.
+"""Tensors made of several buffers (rule R7): one mechanism for every such type.
 
-A tensor type that is made of several buffers (an FP8 tensor with its scale, a
-grouped tensor with its offsets) takes part by defining two methods::
+Two ways in, one path through the offloader:
 
-    t.prepare_for_saving() -> (buffers: list[Tensor | None], state)
-    type(t).restore_from_saved(state, buffers) -> Tensor
+- A type that defines ``t.prepare_for_saving() -> (buffers, state)`` and
+  ``type(t).restore_from_saved(state, buffers) -> Tensor`` (FP8 tensors with their
+  scale, grouped tensors with their offsets). ``prepare_for_saving`` may hand its
+  buffers over (clear them on the object it is called on), so it is only ever called
+  on ``copy.copy(t)``: the caller's object is never touched.
+- A wrapper subclass that speaks PyTorch's traceable-subclass protocol,
+  ``__tensor_flatten__`` / ``__tensor_unflatten__`` (DTensor, torchao's Float8 and NF4
+  tensors, TwoTensor): its inner tensors are its buffers.
 
-``prepare_for_saving`` may hand its buffers over (clear them on the object it is
-called on), so it is only ever called on ``copy.copy(t)``: the caller's object is
-never touched. Offloaders judge each buffer on its own and always rebuild the
-wrapper with ``restore_from_saved``, even when no buffer moved.
+Either way :func:`split` gives the buffers and a function that rebuilds the tensor from
+them; offloaders judge each buffer on its own (a buffer may itself be such a tensor)
+and always rebuild, also when no buffer moved.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Callable, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
-def is_multibuffer(t: torch.Tensor) -> bool:
-    """Whether ``t`` speaks the protocol (has both methods)."""
+class Split(NamedTuple):
+    """A multi-buffer tensor taken apart: ``rebuild(buffers)`` puts it back together."""
+
+    rebuild: Callable[[list[torch.Tensor | None]], torch.Tensor]
+    buffers: list[torch.Tensor | None]
+
+
+def speaks_r7(t: torch.Tensor) -> bool:
+    """Whether ``t`` has both methods of the explicit protocol."""
     return callable(getattr(t, "prepare_for_saving", None)) and callable(
         getattr(type(t), "restore_from_saved", None)
     )
 
 
-def split(t: torch.Tensor) -> tuple[type, Any, list[torch.Tensor | None]]:
-    """Take ``t`` apart into ``(type, state, buffers)`` without mutating ``t``.
+def is_multibuffer(t: torch.Tensor) -> bool:
+    """Whether ``t`` is made of several buffers that :func:`split` can take apart."""
+    return type(t) is not torch.Tensor and (speaks_r7(t) or is_traceable_wrapper_subclass(t))
+
+
+def split(t: torch.Tensor) -> Split:
+    """Take ``t`` apart into its buffers without mutating ``t``.
 
     >>> from actoffload import GroupedTensor
     >>> g = GroupedTensor.from_tensors([torch.ones(2, 3), torch.zeros(1, 3)])
-    >>> cls, state, buffers = split(g)
-    >>> rebuild(cls, state, buffers).split()[1].shape
+    >>> parts = split(g)
+    >>> parts.rebuild(parts.buffers).split()[1].shape
     torch.Size([1, 3])
     """
+    if speaks_r7(t):
+        return _split_r7(t)
+    if is_traceable_wrapper_subclass(t):
+        return _split_flattened(t)
+    raise TypeError(f"{type(t).__name__} is not made of buffers actoffload can take apart")
+
+
+def _split_r7(t: torch.Tensor) -> Split:
+    cls = type(t)
     try:
         shallow = copy.copy(t)
     except Exception as e:  # a type without __copy__ that copy.copy cannot handle
         raise TypeError(
-            f"{type(t).__name__} implements prepare_for_saving but cannot be shallow-copied; "
+            f"{cls.__name__} implements prepare_for_saving but cannot be shallow-copied; "
             "define __copy__ returning a new object that shares the same buffers"
         ) from e
     if shallow is t:
-        raise TypeError(f"{type(t).__name__}.__copy__ returned the same object; it must return a new one")
-    buffers, state = shallow.prepare_for_saving()
+        raise TypeError(f"{cls.__name__}.__copy__ returned the same object; it must return a new one")
+    buffers, state = shallow.prepare_for_saving()  # type: ignore[attr-defined]
     buffers = list(buffers)
     for b in buffers:
         if b is not None and not isinstance(b, torch.Tensor):
             raise TypeError(
-                f"{type(t).__name__}.prepare_for_saving returned a {type(b).__name__} among its "
+                f"{cls.__name__}.prepare_for_saving returned a {type(b).__name__} among its "
                 "buffers; it must return tensors or None"
             )
-    return type(t), state, buffers
+
+    def rebuild(parts: list[torch.Tensor | None]) -> torch.Tensor:
+        return cls.restore_from_saved(state, parts)  # type: ignore[attr-defined]
+
+    return Split(rebuild, buffers)
 
 
-def buffers_of(t: torch.Tensor) -> list[torch.Tensor | None]:
-    """The buffers ``t`` is made of (for marks, which apply to each buffer's storage)."""
-    return split(t)[2]
+def _split_flattened(t: torch.Tensor) -> Split:
+    cls = type(t)
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    names = list(names)
+    size, stride = t.size(), t.stride()
+    buffers: list[torch.Tensor | None] = [getattr(t, name) for name in names]
 
+    def rebuild(parts: list[torch.Tensor | None]) -> torch.Tensor:
+        return cls.__tensor_unflatten__(dict(zip(names, parts)), ctx, size, stride)  # type: ignore[attr-defined]
 
-def rebuild(cls: type, state: Any, buffers: list[torch.Tensor | None]) -> torch.Tensor:
-    """Put a multi-buffer tensor back together from its (possibly reloaded) buffers."""
-    return cls.restore_from_saved(state, buffers)
+    return Split(rebuild, buffers)

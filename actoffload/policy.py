@@ -12,20 +12,22 @@ cover moves in one piece; every alias is rebuilt from that copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from . import marks
+from . import compat, marks
 
-# Reported when several apply: the first in this order (SPEC "Stats").
-REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last")
+# Reported when several apply: the first in this order.
+REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last", "inert")
 POLICIES = ("all", "marked")
 
 try:  # fake tensors carry a device but no data
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 except ImportError:  # pragma: no cover - older torch
-    _FakeTensor = ()
+    _FakeTensor = ()  # type: ignore[assignment,misc]
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -49,11 +51,13 @@ class GroupPlan:
     """What to do with each saved buffer of a group.
 
     ``reasons[i]`` is ``None`` for the buffer counted as offloaded and a reason from
-    :data:`REASONS` for every other one; ``spans`` lists what moves.
+    :data:`REASONS` for every other one; ``spans`` lists what moves now, ``shared`` the
+    storages an earlier group already moved (their members come back from that copy).
     """
 
     reasons: list[str | None]
     spans: list[Span]
+    shared: list[Span] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)  # span index -> the op role that selected it
 
     def summary(self) -> dict:
@@ -90,6 +94,8 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
 def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a leaf that requires grad, or a view of one.
 
+    (A tensor over a known parameter's storage without being a view of it, such as
+    ``weight.detach().t()``, is recognised by its storage's mark in :func:`plan_group`.)
     ``F.linear`` saves ``weight.t()``, a view, not the Parameter. A leaf that requires
     grad (a parameter not wrapped in ``nn.Parameter``, an input the caller asked the
     gradient of) is held by autograd's AccumulateGrad node for as long as the graph
@@ -99,40 +105,50 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def on_device(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t`` is a plain strided tensor with real data on the compute ``device``."""
-    if t.is_meta or isinstance(t, _FakeTensor) or t.layout != torch.strided:
+def movable_kind(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor whose bytes can be moved and rebuilt exactly: a plain
+    strided tensor with real data of its own (not meta, fake, nested, sparse, quantized,
+    a ZeroTensor, a tensor subclass, or a tensor carrying a forward-mode tangent)."""
+    if type(t) not in _PLAIN_TYPES or t.layout != torch.strided or t.is_meta or t.is_nested:
         return False
-    if t.device.type != device.type:
+    if t.is_quantized or isinstance(t, _FakeTensor) or compat.is_zero_tensor(t) or compat.has_forward_grad(t):
+        return False
+    try:
+        compat.storage_key(t)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is movable (:func:`movable_kind`) and its data is on ``device``."""
+    if t.device.type != device.type or not movable_kind(t):
         return False
     if device.index is None or t.device.index is None:
         return True
     return t.device.index == device.index
 
 
-def storage_key(t: torch.Tensor) -> int | None:
-    """Identity of ``t``'s storage, or ``None`` for tensors with no storage of their own."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def plan_group(
-    tensors: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor | None],
     *,
     parameters: Sequence[bool] | None = None,
     device: torch.device,
     min_offload_bytes: int,
     policy: str,
     committed: bool,
+    moved_earlier: Callable[[int, list[torch.Tensor]], bool] | None = None,
 ) -> GroupPlan:
     """Decide, for one group, which saved buffers move and why the others stay.
 
     ``parameters[i]`` says whether ``tensors[i]`` is a parameter or a view of one; by
     default :func:`is_parameter` tells (callers holding ``detach()``ed aliases must
-    record it before detaching). ``committed=False`` plans a group whose backward began before its commit (or that
-    is still waiting for it): whatever would move is kept with reason ``keep_last``.
+    record it before detaching). ``committed=False`` plans a group whose backward began
+    before its commit (or that is still waiting for it): whatever would move is kept with
+    reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
+    copy of that storage can serve these aliases; if so they come back from it and count
+    as ``alias`` (the bytes were counted by the group that moved them). ``None`` entries
+    are buffers no longer held (reason ``device``).
 
     >>> x = torch.randn(1024, 1024)
     >>> plan = plan_group([x, x.t(), torch.ones(3)], device=torch.device("cpu"),
@@ -141,33 +157,30 @@ def plan_group(
     [None, 'alias', 'small']
     """
     if parameters is None:
-        parameters = [is_parameter(t) for t in tensors]
+        parameters = [t is not None and is_parameter(t) for t in tensors]
     reasons: list[str | None] = [None] * len(tensors)
     extents: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        key = storage_key(t) if on_device(t, device) else None
-        if key is None:
+        if t is None or not on_device(t, device):
             reasons[i] = "device"
             continue
         extents[i] = byte_extent(t)
-        members = by_storage.get(key)
-        if members is None:
-            by_storage[key] = [i]
-        else:
-            members.append(i)
+        by_storage.setdefault(compat.storage_key(t), []).append(i)
 
     spans: list[Span] = []
+    shared: list[Span] = []
     roles: dict[int, str] = {}
     for key, members in by_storage.items():
         flags = marks.flags_of(key)
         if len(members) == 1:
             start, end = extents[members[0]]
         else:
-            align = max(tensors[i].element_size() for i in members)
+            align = max(tensors[i].element_size() for i in members)  # type: ignore[union-attr]
             start = min(extents[i][0] for i in members) // align * align
             end = max(extents[i][1] for i in members)
-        if any(parameters[i] for i in members):
+        reason: str | None
+        if any(parameters[i] for i in members) or flags & marks.PARAMETER:
             reason = "parameter"
         elif flags & marks.VETO:
             reason = "vetoed"
@@ -177,6 +190,9 @@ def plan_group(
             reason = "small"
         elif not committed:
             reason = "keep_last"
+        elif moved_earlier is not None and moved_earlier(key, [tensors[i] for i in members]):  # type: ignore[misc]
+            shared.append(Span(key, start, end - start, list(members)))
+            reason = "alias"
         else:
             if (role := marks.role_of(key)) is not None:
                 roles[len(spans)] = role
@@ -186,4 +202,4 @@ def plan_group(
             continue
         for i in members:
             reasons[i] = reason
-    return GroupPlan(reasons, spans, roles)
+    return GroupPlan(reasons, spans, shared, roles)

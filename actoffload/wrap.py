@@ -1,43 +1,53 @@
-"""``wrap(modules, off)``: make each module an offload group, with module hooks."""
+"""``wrap(modules, off)``: make each module's forward an offload group."""
 
 from __future__ import annotations
 
-import sys
-from typing import Iterable, Sequence
+import functools
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .engine import OffloaderBase
+from . import compat
+from .marks import mark_parameters
+from .offloader import Offloader
 
 
 class WrapHandle:
-    """Returned by :func:`wrap`; ``remove()`` takes every hook off again."""
+    """Returned by :func:`wrap`; ``remove()`` gives every module its own forward back."""
 
-    def __init__(self, hooks: list):
-        self._hooks = hooks
+    def __init__(self, restores: list[Callable[[], None]]):
+        self._restores = restores
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        for restore in self._restores:
+            restore()
+        self._restores = []
 
-    def __enter__(self) -> "WrapHandle":
+    def __enter__(self) -> WrapHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.remove()
 
 
 def wrap(
     modules: torch.nn.Module | Iterable[torch.nn.Module],
-    off: OffloaderBase,
+    off: Offloader,
     names: Sequence[str] | None = None,
 ) -> WrapHandle:
     """Make each module's forward an offload group named by its index or by ``names``.
 
-    A single module is one group; a ``ModuleList``/``Sequential``/list gives one
-    group per element. Leaving a module's forward by an exception leaves its group
-    as if by ``with off.group(...)`` (R8).
+    A single module is one group; a ``ModuleList``/``Sequential``/list gives one group per
+    element. The module's forward runs inside ``off.group(name)``: leaving it by an
+    exception leaves the group as ``with`` would (R8), and a module called twice in one
+    forward is two groups (``stats()`` shows ``name`` and ``name#2``). The module's
+    parameters are recorded at every call, so any tensor over their storage stays
+    resident (R3), a detached view of a weight included.
+
+    Composes with: ``torch.compile`` of the blocks or of the whole model (the group
+    boundary is a graph break), FSDP2's ``fully_shard`` on the same modules, activation
+    checkpointing inside or around a wrapped module (a checkpoint's recomputation in
+    backward opens no group).
 
     Example::
 
@@ -46,7 +56,7 @@ def wrap(
         model(x).sum().backward()
         handle.remove()                              # model back as it was
     """
-    if not isinstance(off, OffloaderBase):
+    if not isinstance(off, Offloader):
         raise TypeError(f"wrap needs an offloader from actoffload.Offloader(...), got {type(off).__name__}")
     if isinstance(modules, torch.nn.Module) and not isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
         modules = [modules]
@@ -59,21 +69,35 @@ def wrap(
     names = list(names)
     if len(names) != len(modules):
         raise ValueError(f"wrap got {len(modules)} modules but {len(names)} names")
+    for m in modules:
+        if getattr(m.forward, "__actoffload_group__", None) is not None:
+            raise ValueError(f"{type(m).__name__} is already wrapped; remove() its handle before wrapping it again")
+    return WrapHandle([_wrap_one(m, off, name) for m, name in zip(modules, names)])
 
-    hooks = []
-    for module, name in zip(modules, names):
-        entered: list = []  # the open group context of this module's running forward
 
-        def pre(_module, _args, _name=name, _entered=entered):
-            ctx = off.group(_name)
-            ctx.__enter__()
-            _entered.append(ctx)
+def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[], None]:
+    had_own = "forward" in vars(module)
+    inner = module.forward
 
-        def post(_module, _args, _output, _entered=entered):
-            # always_call hooks run inside the module's `except` block on failure
-            if _entered:
-                _entered.pop().__exit__(*sys.exc_info())
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        _mark_parameters_of(module)
+        with off.group(name):
+            return inner(*args, **kwargs)
 
-        hooks.append(module.register_forward_pre_hook(pre))
-        hooks.append(module.register_forward_hook(post, always_call=True))
-    return WrapHandle(hooks)
+    forward.__actoffload_group__ = name  # type: ignore[attr-defined]
+    module.forward = forward  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if had_own:
+            module.forward = inner  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+    return restore
+
+
+@compat.not_traced
+def _mark_parameters_of(module: torch.nn.Module) -> None:
+    """At every call: a parameter's storage may have changed (``.data`` replaced, FSDP)."""
+    mark_parameters(*module.parameters())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actoffload.determinism import use_deterministic
+from actoffload.tools.determinism import use_deterministic
 
 CUDA = torch.cuda.is_available()
 

@@ -8,7 +8,7 @@ import torch
 
 import actoffload as ao
 from conftest import CUDA, sync
-from actoffload.workloads import SaveMany
+from actoffload.tools.workloads import SaveMany
 
 KiB = 1 << 10
 MIXES = {

@@ -5,7 +5,7 @@ import torch
 
 import actoffload as ao
 from conftest import CUDA, sync
-from actoffload.workloads import tiny_op_stack
+from actoffload.tools.workloads import tiny_op_stack
 
 OPS, GROUP = (2000, 100) if CUDA else (200, 50)
 

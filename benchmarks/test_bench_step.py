@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.models import Block, GPTConfig
+from actoffload.tools.models import Block, GPTConfig
 from conftest import CUDA, sync
 
 CFG, BATCH = (GPTConfig(d_model=1024, n_heads=8, n_layers=4, seq_len=1024), 8) if CUDA else (

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from actoffload.provenance import git_commit  # noqa: E402
+from actoffload.tools.provenance import git_commit  # noqa: E402
 
 from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate  # noqa: E402

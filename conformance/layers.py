@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import actoffload as ao
-from actoffload.models import Attention, GPTConfig
+from actoffload.tools.models import Attention, GPTConfig
 
 
 class Hooks:

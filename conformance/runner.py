@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 
 import actoffload as ao
-from actoffload.engine import OffloaderBase
+from actoffload import Offloader
 
 from .layers import Hooks, build
 from .scenario import Scenario
@@ -69,7 +69,7 @@ class _GroupModules(torch.nn.Module):
         return self.model[0].run_group(self.g, x, fail)
 
 
-def _forward(model: Model, s: Scenario, x: torch.Tensor, off: OffloaderBase | None, wrapped, fail_in=None):
+def _forward(model: Model, s: Scenario, x: torch.Tensor, off: Offloader | None, wrapped, fail_in=None):
     for g in range(len(s.groups)):
         fail = fail_in == g
         if wrapped is not None:
@@ -85,7 +85,7 @@ def _forward(model: Model, s: Scenario, x: torch.Tensor, off: OffloaderBase | No
 @contextlib.contextmanager
 def _delayed(off, s: Scenario):
     """Make one stream lag far behind, so a missing wait shows up as a wrong result."""
-    if s.delay is None or s.device != "cuda" or off is None or not hasattr(off, "_streams"):
+    if s.delay is None or s.device != "cuda" or off is None or off.impl != "fast":
         yield
         return
     streams = off._streams
@@ -127,10 +127,11 @@ def run(s: Scenario, impl: str | None) -> Outcome:
     inputs = [torch.randn(s.batch, s.seq, s.width, device=device, dtype=dtype) for _ in range(s.microbatches)]
     off = None
     if impl is not None:
+        fast_settings = {"prefetch": s.prefetch, "max_inflight": s.max_inflight}
+        if s.pack_below is not None:
+            fast_settings["pack_below"] = s.pack_below
         off = ao.Offloader(impl=impl, device=device, policy=s.policy, keep_last=s.keep_last,
-                           prefetch=s.prefetch, min_offload_bytes=s.min_offload_bytes)
-        if impl == "fast" and s.pack_below is not None:
-            off.pack_below = s.pack_below
+                           min_offload_bytes=s.min_offload_bytes, **(fast_settings if impl == "fast" else {}))
     handles, wrapped = [], None
     if off is not None and s.use_wrap:
         wrapped = [_GroupModules(model, g) for g in range(len(s.groups))]
@@ -150,7 +151,7 @@ def run(s: Scenario, impl: str | None) -> Outcome:
             losses = [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
             out.outputs = [loss.detach().clone() for loss in losses]
             if device.type == "cuda":
-                if hasattr(off, "synchronize"):
+                if off is not None:
                     off.synchronize()  # resident once the copies out have finished
                 torch.cuda.synchronize()
                 gc.collect()
@@ -173,8 +174,7 @@ def run(s: Scenario, impl: str | None) -> Outcome:
     gc.collect()
     if off is not None:
         out.stats = off.stats()["groups"]
-        if hasattr(off, "synchronize"):
-            off.synchronize()
+        off.synchronize()
         out.host_bytes_after_free = _host_bytes_once_released(off)
     return out
 

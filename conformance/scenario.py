@@ -31,7 +31,8 @@ class Scenario:
     checkpoint: list[str] = field(default_factory=list)  # "g.i" layers run under torch.utils.checkpoint
     policy: str = "all"
     keep_last: int = 1
-    prefetch: int = 1
+    prefetch: int = 1  # fast only
+    max_inflight: int = 1  # fast only
     min_offload_bytes: int = 0
     pack_below: int | None = None  # fast only: None keeps its default
     use_wrap: bool = False
@@ -54,7 +55,7 @@ class Scenario:
 
     def __str__(self) -> str:
         opts = [f"seed={self.seed}", self.dtype, f"groups={'|'.join(','.join(g) for g in self.groups)}",
-                f"policy={self.policy}", f"keep_last={self.keep_last}", f"prefetch={self.prefetch}",
+                f"policy={self.policy}", f"keep_last={self.keep_last}", f"prefetch={self.prefetch}", f"inflight={self.max_inflight}",
                 f"min_bytes={self.min_offload_bytes}", f"mb={self.microbatches}{self.backward_order}"]
         for name in ("marks", "checkpoint", "pack_below", "retain_graph", "raise_in_group", "inplace_after_save", "delay", "use_wrap"):
             value = getattr(self, name)
@@ -84,6 +85,7 @@ def generate(seed: int, device: str = "cpu") -> Scenario:
         policy=rng.choice(["all", "all", "all", "marked"]),
         keep_last=rng.choice([0, 0, 1, 1, 2]),
         prefetch=rng.choice([0, 1, 2]),
+        max_inflight=rng.choice([0, 1, 2]),
         min_offload_bytes=rng.choice([0, 0, 0, 0, 512, 4096, 1 << 20]),
         pack_below=rng.choice([None, None, 0, 1 << 10]),
         use_wrap=rng.random() < 0.3,

@@ -12,14 +12,16 @@ schedule that ties them together:
   read it; at most ``max_inflight`` groups wait that way, older ones make the compute
   stream wait on their event instead (stream-ordered, still no host synchronization).
 - **Backward**: the first unpack of a group starts its reload (if not prefetched) and
-  the reload of the ``prefetch`` groups opened before it. Reload buffers are allocated
-  on the compute stream (so its allocator reuses them when backward frees them); the
-  reload stream first waits for that allocation point and for the group's offload copy.
-  Every restored tensor makes the consuming stream wait on the reload's event: a
-  reload is never used before it completes.
-- **Lifetime**: a group's pool blocks go back to the pool when the group is freed with
-  its graph; a block's fence (its last reload) orders its next reuse. A reload is held
-  strongly until each of its saved buffers has been unpacked once, then only weakly,
+  the reload of the next ``prefetch`` groups this backward pass will reach. Reload
+  buffers are allocated on the compute stream (so its allocator reuses them when
+  backward frees them); the reload stream first waits for that allocation point and for
+  the span's offload copy. Every restored tensor makes the consuming stream wait on the
+  reload's event: a reload is never used before it completes. Spans whose copy out is
+  still in flight are used in place instead (no bus, no wait).
+- **Lifetime**: a commit's pool blocks go back to the pool when nothing uses its spans
+  any more (its group, and any later group that shares a span, are freed); a block's
+  fence (its last reload) orders its next reuse. A reload is held strongly until each
+  saved buffer of the group that asked for it has been unpacked once, then only weakly,
   so ``retain_graph`` backwards reuse it while it lives and reload it otherwise.
 """
 
@@ -28,134 +30,183 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from typing import Any
 
 import torch
 
-from actoffload.engine import COMMITTED, Group, Moved, OffloaderBase, WeakStorage
+from actoffload.observe import wants_copies
+from actoffload.offloader import Offloader
+from actoffload.policy import Span
+from actoffload.records import Group, GroupState, Moved
+from actoffload.settings import check_choice, check_count
+from actoffload.storageref import WeakStorage
 
-from .packing import Packer
-from .pool import PinnedPool
+from .packing import PACKERS, Packer
+from .pool import Block, PinnedPool
 from .streams import CopyStreams
 
 
-class _Offloaded:
-    """Fast's record of one committed group: pool blocks, packed layout, copy state."""
+class _Copied:
+    """One commit's copy out: the pool blocks it filled and the event of its last copy.
 
-    __slots__ = ("blocks", "packed", "packed_offsets", "packed_total", "large", "done", "inflight", "reloading")
+    Every span it moved holds it (``FastMoved.copied``), so its blocks stay out of the
+    pool exactly as long as some group may still reload from them.
+    """
 
-    def __init__(self):
-        self.blocks = []
-        self.packed: list[Moved] = []  # small spans, moved in one packed copy
-        self.packed_offsets: list[int] = []
-        self.packed_total = 0
-        self.large: list[Moved] = []  # spans moved one copy each
-        self.done = None  # event: every offload copy of the group has finished
+    __slots__ = ("blocks", "packed_total", "done", "inflight", "__weakref__")
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self.packed_total = 0  # bytes of the packed block (blocks[0]) in use; 0: nothing packed
+        self.done: Any = None  # event: every copy of this commit has finished
         self.inflight = True  # its sources are still referenced (copy maybe not finished)
-        self.reloading = False  # its reload was enqueued (or its sources reused)
 
 
-class FastOffloader(OffloaderBase):
-    """Stream-overlapped implementation; create it through ``actoffload.Offloader(impl="fast")``."""
+class FastMoved(Moved):
+    """A span in fast: where its host bytes are, and its reload (if any)."""
+
+    def __init__(self, span: Span, storage: torch.UntypedStorage, device: torch.device):
+        super().__init__(span, storage, device)
+        self.copied: _Copied | None = None
+        self.packed_offset: int | None = None  # its offset in the packed block, if packed
+        self.dev: torch.Tensor | None = None  # reload (or in-place source) held for uses to come
+        self.weak: WeakStorage | None = None  # the same, once only restored tensors hold it
+        self.ready: Any = None  # event after which ``dev`` holds the bytes
+        self.uses_left = 0
+
+
+class FastGroup(Group):
+    """A group in fast: whether its backward began, and whether its reload was started."""
+
+    def __init__(self, name: str, prev: Group | None, first_seq: int):
+        super().__init__(name, prev, first_seq)
+        self.reached = False  # its backward began (first unpack seen)
+        self.reloading = False  # its reload was enqueued (or its sources used in place)
+
+
+class FastOffloader(Offloader[FastGroup, FastMoved]):
+    """Stream-overlapped implementation; create it with ``ao.Offloader(impl="fast")``.
+
+    Its own settings, with what they cost:
+
+    - ``max_inflight`` (default 1): groups whose copy out may still hold their device
+      memory while compute runs on. Each costs up to one group's activations of device
+      memory at the peak; more lets compute run further ahead of a slower bus (on a
+      bus-bound d=2048 stack on an H100, 2 was 12% faster than 1) and lets backward use
+      more of the last groups in place. 0 makes compute wait for every copy out.
+    - ``prefetch`` (default 1): groups reloaded ahead of the one backward is in. Each
+      costs up to one group's activations of device memory; 0 makes each group's
+      backward wait for its own reload.
+    - ``pack_below`` (default 4 MiB): spans smaller than this are gathered into one
+      buffer by a Triton kernel and cross the bus in one copy (per-tensor copies reach
+      full bus speed only from about 1-4 MiB). Costs one staging buffer of that group's
+      packed bytes while it copies.
+    - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
+      CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
+      testing the kernels) or ``"torch"`` (the reference everywhere).
+
+    Example::
+
+        off = ao.Offloader(impl="fast", max_inflight=1, prefetch=1)
+    """
 
     impl = "fast"
-    pack_below = 4 << 20  # spans smaller than this share one packed copy (benchmarks/ chose it)
-    # Groups whose copy out may still hold their device memory. More lets compute run
-    # further ahead of a slower bus (d=2048 stack on an H100: 2 is 12% faster than 1) and
-    # lets backward use more of the last groups in place; fewer lowers peak memory
-    # (there: 3.76 vs 2.97 GiB, against 8.76 without offloading). Set per offloader.
-    max_inflight = 2
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
+                 pack_below: int = 4 << 20, packer: str = "auto", **settings: Any):
+        super().__init__(impl, **settings)
+        self.max_inflight = check_count("max_inflight", max_inflight)
+        self.prefetch = check_count("prefetch", prefetch)
+        self.pack_below = check_count("pack_below", pack_below)
         self._streams = CopyStreams(self.device)
-        self._pool = PinnedPool(self._alloc_host)
-        self._packer = Packer(self.device)
-        self._inflight: collections.deque = collections.deque()  # (record, staging buffer, spans) whose copy out may run
+        self._pool = PinnedPool(self._host.allocate)
+        self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
+        # (copy record, staging buffer, spans) whose copy out may still run
+        self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = threading.Lock()
-        self.counters = collections.Counter()
-        # Set to a list to record (direction, bytes, start event, end event) of every copy
-        # batch, timed on the copy stream itself (benchmarks/ reads it; CUDA only).
-        self.copy_timings: list | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
 
-    def _timing_event(self):
-        if self.copy_timings is None or self.device.type != "cuda":
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
+                "pack_below": self.pack_below, "packer": self._packer.name}
+
+    def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:
+        return FastGroup(name, prev, first_seq)
+
+    def _new_moved(self, span: Span, storage: torch.UntypedStorage) -> FastMoved:
+        return FastMoved(span, storage, self.device)
+
+    # ------------------------------------------------------------------ copy timing (observers)
+    def _timing_event(self) -> Any:
+        if self.device.type != "cuda" or not any(wants_copies(o) for o in self._observers):
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def _timed(self, direction: str, nbytes: int, start) -> None:
+    def _report_copy(self, direction: str, nbytes: int, start: Any) -> None:
         if start is not None:
-            self.copy_timings.append((direction, nbytes, start, self._timing_event()))
-
-    # ------------------------------------------------------------------ host memory
-    def _raw_host_alloc(self, nbytes: int) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8)
-        # Pin exactly nbytes: PyTorch's pinned allocator rounds to a power of two.
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))
-        weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
-        return host
-
-    def _release_blocks(self, blocks) -> None:
-        for b in blocks:
-            self._pool.put(b)
-
-    def _group_freed(self, rec: "_Offloaded") -> None:
-        """The graph let the group go: its host blocks return to the pool, and sources it
-        still holds (reused in place by backward) are released once their copy is ordered."""
-        self._release_blocks(rec.blocks)
-        if rec.inflight:
-            with self._inflight_lock:
-                for entry in [e for e in self._inflight if e[0] is rec]:
-                    self._inflight.remove(entry)
-                    self._streams.wait(rec.done)  # the memory is reused only after the copy
-                    self._release_sources(entry)
+            end = self._timing_event()
+            for obs in self._observers:
+                if wants_copies(obs):
+                    obs.on_copy(direction, nbytes, start, end)
 
     # ------------------------------------------------------------------ offload
-    def _move_out(self, group: Group, moved: list[Moved]) -> None:
-        rec = _Offloaded()
-        rec.packed = [m for m in moved if m.nbytes < self.pack_below]
-        rec.large = [m for m in moved if m.nbytes >= self.pack_below]
-        rec.packed_offsets, rec.packed_total = self._packer.layout([m.nbytes for m in rec.packed])
-        sizes = ([rec.packed_total] if rec.packed else []) + [m.nbytes for m in rec.large]
+    def _move_out(self, group: FastGroup, moved: list[FastMoved]) -> None:
+        rec = _Copied()
+        packed = [m for m in moved if m.nbytes < self.pack_below]
+        large = [m for m in moved if m.nbytes >= self.pack_below]
+        offsets, rec.packed_total = self._packer.layout([m.nbytes for m in packed])
+        sizes = ([rec.packed_total] if packed else []) + [m.nbytes for m in large]
         try:  # all host memory first: all or nothing (R10)
             for n in sizes:
                 rec.blocks.append(self._pool.get(n))
         except MemoryError:
-            self._release_blocks(rec.blocks)
+            for b in rec.blocks:
+                self._pool.put(b)
             raise
-        large_blocks = rec.blocks[1:] if rec.packed else rec.blocks
-        for m, block in zip(rec.large, large_blocks):
+        weakref.finalize(rec, self._pool.put_all, list(rec.blocks))
+        for m, off in zip(packed, offsets):
+            m.copied, m.packed_offset = rec, off
+            m.host = rec.blocks[0].tensor[off : off + m.nbytes]
+        for m, block in zip(large, rec.blocks[1:] if packed else rec.blocks):
+            m.copied = rec
             m.host = block.tensor[: m.nbytes]
-        sources = [m.source() for m in rec.large]
-        if rec.packed:  # host work first, off the copy stream's timeline
-            table = self._packer.prepare([m.source_ptr() for m in rec.packed], rec.packed_offsets,
-                                         [m.nbytes for m in rec.packed], rec.packed_total)
+        sources = [m.source() for m in large]
+        table = None
+        if packed:  # host work first, off the copy stream's timeline
+            table = self._packer.prepare([m.source() for m in packed], offsets, rec.packed_total)
         with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
             start = self._timing_event()
             stage = None
-            if rec.packed:
+            if packed:
                 stage = self._packer.pack(table, rec.packed_total)
                 rec.blocks[0].tensor[: rec.packed_total].copy_(stage, non_blocking=True)
-            for m, src in zip(rec.large, sources):
-                m.host.copy_(src, non_blocking=True)
-            self._timed("d2h", sum(m.nbytes for m in moved), start)
+            for m, src in zip(large, sources):
+                m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
+            self._report_copy("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
-        for m in moved:
-            m.dev = m.weak = m.ready = None
-            m.uses_left = 0
-        self.counters["d2h_copies"] += len(rec.large) + bool(rec.packed)
-        self.counters["packed_spans"] += len(rec.packed)
+        self.counters["d2h_copies"] += len(large) + bool(packed)
+        self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
-        group.fast = rec
-        weakref.finalize(group, self._group_freed, rec)
+        weakref.finalize(group, self._group_freed, weakref.ref(rec))
         with self._inflight_lock:
-            # the sources (kept alive through each Moved's storage) and the staging buffer
+            # the sources (kept alive through each span's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))
         self._reap()
+
+    def _group_freed(self, rec_ref: weakref.ref[_Copied]) -> None:
+        """The graph let the group go: sources its copy still holds are released once the
+        compute stream is ordered after the copy (their memory is reused only after it)."""
+        rec = rec_ref()
+        if rec is None or not rec.inflight:
+            return
+        with self._inflight_lock:
+            for entry in [e for e in self._inflight if e[0] is rec]:
+                self._inflight.remove(entry)
+                self._streams.wait(rec.done)
+                self._release_sources(entry)
 
     def _reap(self) -> None:
         """Release the sources of finished copies; at most ``max_inflight`` groups keep theirs.
@@ -173,7 +224,7 @@ class FastOffloader(OffloaderBase):
                 self._release_sources(entry)
 
     @staticmethod
-    def _release_sources(entry) -> None:
+    def _release_sources(entry: tuple[_Copied, torch.Tensor | None, list[FastMoved]]) -> None:
         rec, _stage, moved = entry
         rec.inflight = False
         for m in moved:
@@ -188,60 +239,79 @@ class FastOffloader(OffloaderBase):
                 self._release_sources(entry)
 
     # ------------------------------------------------------------------ reload
-    def _on_backward(self, group: Group) -> None:
-        if group.__dict__.get("fast_reached"):
-            return  # the common case: every unpack after the group's first
-        group.fast_reached = True
+    def _on_backward(self, group: FastGroup) -> None:
+        with self._lock:
+            if group.reached:
+                return  # the common case: every unpack after the group's first
+            group.reached = True
         self._reap()  # first free what finished copies no longer need, then allocate reloads
         self._start_reload(group)
-        prev = group.prev() if group.prev is not None else None
-        for _ in range(self.prefetch):
-            if prev is None:
-                break
-            if self._start_reload(prev):
+        for ahead in self._upcoming(group, self.prefetch):
+            if self._start_reload(ahead):
                 self.counters["prefetched_groups"] += 1
-            prev = prev.prev() if prev.prev is not None else None
 
-    def _start_reload(self, group: Group) -> bool:
+    def _start_reload(self, group: FastGroup) -> bool:
         """Bring a committed group back once (first touch or prefetch); True if started now."""
-        rec = getattr(group, "fast", None)
-        if group.state != COMMITTED or rec is None or rec.reloading:
-            return False
-        rec.reloading = True
-        if rec.inflight:
-            # Its copy out may not even have finished: the data is still on the device,
+        with self._lock:
+            if group.state is not GroupState.COMMITTED or group.reloading:
+                return False
+            group.reloading = True
+        in_place = [m for m in group.moved if m.storage is not None]
+        if in_place:
+            # Their copy out may not even have finished: the data is still on the device,
             # produced on the compute stream, so use it in place (no bus, no wait). Each
             # span is then freed as soon as backward is done with it, as without an
             # offloader; record_stream (once per span, bounded) makes the allocator hold
             # its memory back until the copy reading it has finished.
-            for m in group.moved:
-                m.dev, m.ready, m.uses_left = m.source(), None, len(m.span.members)
+            for m in in_place:
+                assert isinstance(m, FastMoved)
+                m.dev, m.ready = m.source(), None
                 if self._streams.cuda:
                     m.dev.record_stream(self._streams.d2h)
+            records = {id(m.copied) for m in in_place if isinstance(m, FastMoved)}
             with self._inflight_lock:
-                for entry in [e for e in self._inflight if e[0] is rec]:
+                for entry in [e for e in self._inflight if id(e[0]) in records]:
                     self._inflight.remove(entry)
                     self._release_sources(entry)
             self.counters["reused_in_flight_groups"] += 1
-        else:
-            self._reload(group)
+        for m, uses in zip(group.moved, group.uses):
+            if isinstance(m, FastMoved) and m.dev is not None:
+                m.uses_left += uses  # held (in place, or reloaded for another group): more uses come
+        self._reload(group)
         return True
 
-    def _reload(self, group: Group) -> None:
-        """Enqueue the reload of every span of ``group`` not currently on the device."""
-        rec: _Offloaded = group.fast
-        need = [m for m in group.moved if m.dev is None and (m.weak is None or m.weak.get(self.device) is None)]
+    def _reload(self, group: FastGroup) -> None:
+        """Enqueue the reload of every span of ``group`` that is neither held nor still alive,
+        to be held until each of the group's buffers it serves was unpacked once."""
+        need: list[FastMoved] = []
+        for m, uses in zip(group.moved, group.uses):
+            assert isinstance(m, FastMoved)
+            if m.dev is None and (m.weak is None or m.weak.get(self.device) is None):
+                need.append(m)
+                m.uses_left = uses
         if not need:
             return
         for m in need:  # on the compute stream: its allocator reuses them after backward
             m.dev = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
-        needed = set(map(id, need))
-        packed = [(m, off) for m, off in zip(rec.packed, rec.packed_offsets) if id(m) in needed]
-        large = [m for m in rec.large if id(m) in needed]
-        if packed:  # host work first, off the copy stream's timeline
-            table = self._packer.prepare([m.dev.data_ptr() for m, _ in packed], [o for _, o in packed],
-                                         [m.nbytes for m, _ in packed], rec.packed_total)
+        by_copy: dict[int, list[FastMoved]] = {}
+        for m in need:
+            by_copy.setdefault(id(m.copied), []).append(m)
         allocated = self._streams.record()
+        for spans in by_copy.values():
+            self._reload_from(spans[0].copied, spans, allocated)  # type: ignore[arg-type]
+        self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
+
+    def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any) -> None:
+        packed = [m for m in need if m.packed_offset is not None]
+        large = [m for m in need if m.packed_offset is None]
+        if 2 * sum(m.nbytes for m in packed) < rec.packed_total:
+            # a few spans of another group's packed copy (a shared storage): copy just them
+            large, packed = large + packed, []
+        table = None
+        if packed:  # host work first, off the copy stream's timeline
+            table = self._packer.prepare([m.dev for m in packed],  # type: ignore[misc]
+                                         [m.packed_offset for m in packed],  # type: ignore[misc]
+                                         rec.packed_total)
         with self._streams.on_h2d(allocated, rec.done):
             start = self._timing_event()
             if packed:
@@ -249,18 +319,16 @@ class FastOffloader(OffloaderBase):
                 stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
                 self._packer.unpack(table, stage)
             for m in large:
-                m.dev.copy_(m.host, non_blocking=True)
-            self._timed("h2d", sum(m.nbytes for m in need), start)
+                m.dev.copy_(m.host, non_blocking=True)  # type: ignore[union-attr,arg-type]
+            self._report_copy("h2d", sum(m.nbytes for m in need), start)
         ready = self._streams.record(self._streams.h2d)
         for b in rec.blocks:
             b.fence = ready  # the next writer of this host block waits for this read
         for m in need:
             m.ready = ready
-            m.uses_left = len(m.span.members)
         self.counters["h2d_copies"] += len(large) + bool(packed)
-        self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
 
-    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
+    def _device_bytes(self, group: FastGroup, moved: FastMoved) -> torch.Tensor:
         dev = None
         if moved.dev is None:
             dev = moved.weak.get(self.device) if moved.weak is not None else None
@@ -273,16 +341,13 @@ class FastOffloader(OffloaderBase):
                 moved.weak = WeakStorage(dev)
                 moved.dev = None
         self._streams.wait(moved.ready)  # never used before the reload completes
+        assert dev is not None
         return dev
 
     # ------------------------------------------------------------------ stats
     def _host_bytes(self) -> tuple[int, int]:
         return self._pool.in_use, self._pool.pooled
 
-    def _extra_stats(self) -> dict:
-        return {
-            "host_allocations": self._pool.allocations,
-            "packer": self._packer.name,
-            "pack_below": self.pack_below,
-            "copies": dict(self.counters),
-        }
+    def _stats(self) -> dict[str, Any]:
+        return {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
+                "pack_below": self.pack_below, "copies": dict(self.counters)}

@@ -83,6 +83,10 @@ class PinnedPool:
             self.in_use -= block.size
             self.pooled += block.size
 
+    def put_all(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            self.put(b)
+
     def trim(self) -> int:
         """Free every pooled block; returns the bytes released."""
         with self._lock:

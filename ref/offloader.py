@@ -1,62 +1,67 @@
 """The reference offloader: the oracle that defines actoffload's semantics.
 
-Plain and synchronous on purpose. Rule by rule (SPEC.md), where each one lives:
+Plain and synchronous on purpose. Rule by rule (``docs/semantics.md``), where each one
+lives:
 
-- R2 scope, nesting, R4's commit schedule, R6 version check, R7 multi-buffer
-  protocol, R8 lifetimes: ``actoffload.engine.OffloaderBase`` (shared with fast).
+- R2 scope, nesting, R4's commit schedule, R5's storages shared between groups, R6
+  version check, R7 multi-buffer protocol, R8 lifetimes: ``actoffload.engine`` (shared
+  with fast).
 - R3 eligibility, R4 marks, R5 alias spans: ``actoffload.policy.plan_group``.
-- The moves themselves, below: at commit each span is copied to host memory
-  (pinned when the device is CUDA) and waits there; at unpack it is copied back.
-  Copies are blocking, so nothing here can race.
+- The moves themselves, below: at commit each span is copied to host memory (pinned
+  when the device is CUDA) and waits there; at unpack it is copied back. Copies are
+  blocking, so nothing here can race.
 - R5, R8: a reload is cached only through a weak reference to its storage, so every
   alias restored while it lives shares it, and it lives exactly as long as a restored
   tensor uses it; a second backward (``retain_graph``) reloads again.
-- R9: host bytes in use are counted when allocated and uncounted when freed.
-- R10: host allocation failure raises :class:`~actoffload.engine.HostMemoryError`
-  and the group stays resident.
+- R9, R10: host memory comes from ``actoffload.hostmem.HostMemory``, which counts it
+  while it lives and raises :class:`~actoffload.HostMemoryError` (the group stays
+  resident) when it cannot be had.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 
-from actoffload.engine import Group, Moved, OffloaderBase, WeakStorage
+from actoffload.offloader import Offloader
+from actoffload.policy import Span
+from actoffload.records import Group, Moved
+from actoffload.storageref import WeakStorage
 
 
-class RefOffloader(OffloaderBase):
-    """Synchronous reference implementation; create it through ``actoffload.Offloader(impl="ref")``."""
+class RefMoved(Moved):
+    """A span in ref: its host copy, and a weak reference to its latest reload."""
+
+    def __init__(self, span: Span, storage: torch.UntypedStorage, device: torch.device):
+        super().__init__(span, storage, device)
+        self.reloaded: WeakStorage | None = None
+
+
+class RefOffloader(Offloader[Group, RefMoved]):
+    """Synchronous reference implementation; create it with ``ao.Offloader(impl="ref")``."""
 
     impl = "ref"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._host_lock = threading.Lock()
-        self._host_in_use = 0
+    def _new_group(self, name: str, prev: Group | None, first_seq: int) -> Group:
+        return Group(name, prev, first_seq)
 
-    def _count_host(self, delta: int) -> None:
-        with self._host_lock:
-            self._host_in_use += delta
+    def _new_moved(self, span: Span, storage: torch.UntypedStorage) -> RefMoved:
+        return RefMoved(span, storage, self.device)
 
-    def _move_out(self, group: Group, moved: list[Moved]) -> None:
-        hosts = [self._alloc_host(m.nbytes) for m in moved]  # all or nothing (R10)
+    def _move_out(self, group: Group, moved: list[RefMoved]) -> None:
+        hosts = [self._host.allocate(m.nbytes) for m in moved]  # all or nothing (R10)
         for m, host in zip(moved, hosts):
             host.copy_(m.source())  # blocking
             m.storage = None
             m.host = host
-            m.reloaded = None
-            self._count_host(m.nbytes)
-            weakref.finalize(host, self._count_host, -m.nbytes)
 
-    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
+    def _device_bytes(self, group: Group, moved: RefMoved) -> torch.Tensor:
         dev = moved.reloaded.get(self.device) if moved.reloaded is not None else None
         if dev is None:
+            assert moved.host is not None
             dev = torch.empty(moved.nbytes, dtype=torch.uint8, device=self.device)
             dev.copy_(moved.host)  # blocking
             moved.reloaded = WeakStorage(dev)
         return dev
 
     def _host_bytes(self) -> tuple[int, int]:
-        return self._host_in_use, 0
+        return self._host.allocated, 0

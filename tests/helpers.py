@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.determinism import use_deterministic
+from actoffload.tools.determinism import use_deterministic
 
 CUDA = torch.cuda.is_available()
 DEVICES = [

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.engine import HostMemoryError
+from actoffload import HostMemoryError
 from helpers import CUDA, DEVICES, IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, reference_grads
 
 
@@ -26,20 +26,56 @@ def test_R10_environment_selects_the_implementation(monkeypatch):
     assert ao.resolve_impl() == ("fast" if CUDA else "ref")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"policy": "some"}, "unknown policy 'some'; valid policies are: all, marked"),
         ({"keep_last": -1}, "keep_last must be an int >= 0, got -1"),
-        ({"prefetch": 1.5}, "prefetch must be an int >= 0, got 1.5"),
+        ({"keep_last": True}, "keep_last must be an int >= 0, got True"),
         ({"min_offload_bytes": "1M"}, "min_offload_bytes must be an int >= 0, got '1M'"),
         ({"device": "gpu0"}, "device 'gpu0' is not a torch device"),
         ({"device": "meta"}, "device meta is not supported"),
+        ({"host_budget": "12 parsecs"}, "host_budget '12 parsecs' is not a size"),
+        ({"host_budget": 0}, "host_budget must be positive, got 0"),
     ],
 )
-def test_R10_bad_arguments_name_the_problem(kwargs, message):
+def test_R10_bad_arguments_name_the_problem(impl, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ao.Offloader(impl="ref", **{"device": "cpu", **kwargs})
+        ao.Offloader(impl=impl, **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prefetch": 1.5}, "prefetch must be an int >= 0, got 1.5"),
+        ({"max_inflight": -1}, "max_inflight must be an int >= 0, got -1"),
+        ({"pack_below": None}, "pack_below must be an int >= 0, got None"),
+        ({"packer": "cuda"}, "unknown packer 'cuda'; valid packers are: auto, triton, torch"),
+    ],
+)
+def test_R10_bad_fast_settings_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ao.Offloader(impl="fast", device="cpu", **kwargs)
+
+
+def test_R10_a_setting_of_the_other_implementation_says_whose_it_is():
+    with pytest.raises(TypeError, match="max_inflight is a setting of the 'fast' implementation; impl 'ref'"):
+        ao.Offloader(impl="ref", device="cpu", max_inflight=2)
+    with pytest.raises(TypeError, match="unknown setting 'prefetch_depth'; valid ones for impl 'fast' are: .*prefetch"):
+        ao.Offloader(impl="fast", device="cpu", prefetch_depth=2)
+
+
+@pytest.mark.parametrize("size, expected", [(4096, 4096), ("4096", 4096), ("1.5 KiB", 1536), ("2GB", 2 * 10**9)])
+def test_R10_host_budget_takes_bytes_or_a_size(size, expected):
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=size).settings["host_budget"] == expected
+
+
+def test_R10_implementation_class_refuses_another_impl_name():
+    from actoffload.fast import FastOffloader
+
+    with pytest.raises(ValueError, match="FastOffloader is the 'fast' implementation, not 'ref'"):
+        FastOffloader(impl="ref", device="cpu")
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message when CUDA is missing")
@@ -65,22 +101,24 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_R10_host_memory_exhaustion_raises_and_keeps_data(impl, device, monkeypatch):
+def test_R10_host_memory_exhaustion_raises_and_keeps_data(impl, device):
     model = mlp_stack(2, 32, device)
     x = torch.randn(8, 32, device=device, requires_grad=True)
     expected = reference_grads(model, x)
 
-    off = off_for(impl, device, keep_last=0)
+    failing = [True]
 
-    def no_memory(*args, **kwargs):
-        raise RuntimeError("pinned memory exhausted (simulated)")
+    def allocator(nbytes, pinned):  # injected: fails while failing[0] is set
+        if failing[0]:
+            raise RuntimeError("pinned memory exhausted (simulated)")
+        return torch.empty(nbytes, dtype=torch.uint8)
 
-    monkeypatch.setattr(off, "_raw_host_alloc", no_memory)  # every host allocation fails
+    off = off_for(impl, device, keep_last=0, host_allocator=allocator)
     with pytest.raises(MemoryError, match="could not allocate .* host memory") as info:
         with off.group("0"):
             h = model[0](x)
     assert isinstance(info.value, HostMemoryError)
-    monkeypatch.undo()
+    failing[0] = False
     assert off.stats()["groups"]["0"]["offloaded"] == 0  # stayed resident
     with off.group("1"):
         y = model[1](h)
@@ -102,3 +140,28 @@ def test_R10_cuda_graph_capture_raises(impl):
         with torch.cuda.graph(graph, stream=s):
             with off.group("g"):
                 lin(x)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_host_budget_exceeded_raises_and_keeps_data(impl):
+    model = mlp_stack(2, 64, "cpu")
+    x = torch.randn(16, 64, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = off_for(impl, "cpu", keep_last=0, host_budget=1024)  # less than one activation
+    with pytest.raises(HostMemoryError, match="would exceed the host budget of 1,024 bytes"):
+        with off.group("0"):
+            h = model[0](x)
+    with pytest.raises(HostMemoryError):
+        with off.group("1"):
+            y = model[1](h)
+    assert off.stats()["offloaded_bytes"] == 0 and off.stats()["host_bytes_in_use"] == 0
+    y.sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_host_allocator_returning_the_wrong_thing_is_named(impl):
+    off = off_for(impl, "cpu", keep_last=0, host_allocator=lambda n, pinned: torch.empty(n))  # float32
+    with pytest.raises(TypeError, match="must return a 1-D uint8 CPU tensor of exactly"):
+        with off.group("0"):
+            (torch.randn(64, 64, requires_grad=True) * 2).exp()

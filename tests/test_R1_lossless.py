@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.models import GPT, GPTConfig
+from actoffload.tools.models import GPT, GPTConfig
 from helpers import DEVICES, IMPLS, assert_bitwise, grads_of, off_for, zero_grads
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actoffload import bench, cli
+from actoffload.tools import bench, cli
 
 
 def _results(gpu="cpu", **figures):

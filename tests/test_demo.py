@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from actoffload import cli
+from actoffload.tools import cli
 
 SMALL = ["demo", "--device", "cpu", "--steps", "2", "--d-model", "32", "--layers", "2", "--seq-len", "16", "--batch", "2"]
 CONFIGS = ["none", "none (again)", "save_on_cpu", "ref", "fast"]
@@ -60,7 +60,7 @@ def test_demo_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
 
 
 def test_progress_bar_shows_how_far_it_got(capsys):
-    from actoffload.progress import Progress
+    from actoffload.tools.progress import Progress
 
     bar = Progress(4, "fast", width=8)
     bar.update(2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actoffload.steptrace import StepProfiler, StepTrace, parse_trace
+from actoffload.tools.steptrace import StepProfiler, StepTrace, parse_trace
 
 CUDA_DEVICE = torch.device("cuda")
 

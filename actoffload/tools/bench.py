@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from . import factory
+import actoffload as ao
 from .determinism import use_deterministic
 from .models import Block, GPTConfig
 from .provenance import describe
-from .wrap import wrap
+from ..wrap import wrap
 from .workloads import SaveMany, tiny_op_stack
 
 # Training-step configurations, side by side: fast with its default and with one group in flight
@@ -112,7 +112,7 @@ def copy_throughput(device, sizes: list[int], reps: int) -> dict:
     out["per_tensor_h2d_gbps"] = total / statistics.median(res["h2d"][1:]) / 1e9
     del hosts
 
-    off = factory.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0, prefetch=0)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0, prefetch=0)
     x = torch.zeros(1, device=device, requires_grad=True)
     times = {"d2h": [], "h2d": []}
     wall = []
@@ -163,7 +163,7 @@ def run_steps(stack, cfg, batch, mode: str, device, dtype, steps: int, warmup: i
     off = handle = None
     impl, _, inflight = mode.partition(":inflight=")
     if impl in ("fast", "ref"):
-        off = factory.Offloader(impl=impl, device=device, keep_last=1)
+        off = ao.Offloader(impl=impl, device=device, keep_last=1)
         if inflight:
             off.max_inflight = int(inflight)  # a fast variant: more groups may copy out at once
         handle = wrap(stack, off)
@@ -227,7 +227,7 @@ def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
         def grads(mode):
             off = handle = None
             if mode != "none":
-                off = factory.Offloader(impl=mode, device=device, keep_last=1)
+                off = ao.Offloader(impl=mode, device=device, keep_last=1)
                 handle = wrap(stack, off)
             inp = x.clone().requires_grad_(True)
             stack(inp).float().square().mean().backward()
@@ -288,7 +288,7 @@ def hook_overhead(device, n_ops: int, group_size: int, reps: int) -> dict:
     base = timed(None)
     res = {"ops": n_ops, "saved_tensors": n_ops, "none_s": base}
     for label, min_bytes in [("kept", 1 << 40), ("offloaded", 0)]:
-        off = factory.Offloader(impl="fast", device=device, min_offload_bytes=min_bytes, keep_last=1)
+        off = ao.Offloader(impl="fast", device=device, min_offload_bytes=min_bytes, keep_last=1)
         t = timed(off)
         res[f"fast_{label}_us_per_tensor"] = (t - base) / n_ops * 1e6
     return res

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import GroupedMLP, select_in_forward
+from ..ops import GroupedMLP, select_in_forward
 
 
 @dataclass

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import factory
+import actoffload as ao
 from .determinism import use_deterministic
-from .memory import SavedTracker
+from .saved_tracker import SavedTracker
 from .models import GPT, GPTConfig
-from .ops import ROLES, select_modules
+from ..ops import ROLES, select_modules
 from .progress import Progress
 from .steptrace import StepProfiler, StepTrace
-from .wrap import wrap
+from ..wrap import wrap
 
 CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=4, experts=4)
 CUDA_DEFAULTS = dict(d_model=1024, layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=8, experts=8)
@@ -102,7 +102,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
     if kind in BASELINES:
         baseline = CountingSaveOnCpu(device)
     elif kind is not None:
-        off = factory.Offloader(impl=kind, device=device, keep_last=args.keep_last,
+        off = ao.Offloader(impl=kind, device=device, keep_last=args.keep_last,
                                 min_offload_bytes=args.min_offload_bytes, policy=args.policy)
         handle = wrap(model.blocks, off)
     select_modules(model, args.roles)
@@ -224,7 +224,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--impl", default=None,
                    help=f"comma-separated configurations beside no offload (default: all of "
-                        f"{','.join(BASELINES + tuple(factory.IMPLS))})")
+                        f"{','.join(BASELINES + tuple(ao.IMPLS))})")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per configuration (at least 2; 4 on CUDA: warm-up, timed, profiled, measured)")
     p.add_argument("--batch", type=int, default=None)
@@ -243,11 +243,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(args) -> list[tuple[str, str | None]]:
-    chosen = args.impl.split(",") if args.impl else list(BASELINES) + list(factory.IMPLS)
+    chosen = args.impl.split(",") if args.impl else list(BASELINES) + list(ao.IMPLS)
     for kind in chosen:
         if kind not in BASELINES:
             try:
-                factory.resolve_impl(kind)
+                ao.resolve_impl(kind)
             except ValueError as e:
                 raise SystemExit(f"--impl: {e} (or a baseline: {', '.join(BASELINES)})") from None
     return [("none", None), ("none (again)", None)] + [(k, k) for k in chosen]

@@ -1,0 +1,119 @@
+"""Every private PyTorch API actoffload relies on, in one place.
+
+Supported torch: the range in ``pyproject.toml``; CI runs the suite on its newest
+release and the rule tests on its oldest. Each function below has a test of its own in
+``tests/test_compat.py``, so a torch release that changes one of them fails there, by
+name, rather than somewhere deep in a training step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------- storages
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage: the address of its StorageImpl (raises without one)."""
+    return t.untyped_storage()._cdata
+
+
+def storage_weakref(t: torch.Tensor) -> StorageWeakRef:
+    """A weak reference to ``t``'s storage (``.expired()`` once it was freed)."""
+    return StorageWeakRef(t.untyped_storage())
+
+
+def storage_from_weakref(ref: StorageWeakRef) -> torch.UntypedStorage | None:
+    """The storage behind ``ref`` while it lives, else ``None``."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+
+
+# ---------------------------------------------------------------- version counters
+def version_guard(t: torch.Tensor) -> torch.Tensor:
+    """A storage-less tensor sharing ``t``'s version counter (R6 after ``t`` is dropped).
+
+    ``detach()`` shares the version counter; assigning ``.data`` swaps the storage out
+    but keeps the counter, so in-place writes to ``t`` or any view of it still show. A
+    wrapper subclass's detached copy also holds its inner tensors as attributes: those
+    are dropped too, so the guard holds no memory.
+    """
+    guard = t.detach()
+    guard.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    if type(guard) is not torch.Tensor:
+        vars(guard).clear()
+    return guard
+
+
+# ---------------------------------------------------------------- tensor kinds
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """A ZeroTensor (forward-mode AD's implicit zeros): it has no data to move."""
+    return t._is_zerotensor()
+
+
+def has_forward_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a forward-mode tangent at the current dual level."""
+    level = torch.autograd.forward_ad._current_level
+    return level >= 0 and t._fw_grad(level) is not None
+
+
+def neg_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its negative bit set (the lazy negation ``conj().imag`` produces)."""
+    return torch._neg_view(t)
+
+
+# ---------------------------------------------------------------- autograd
+def sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass (checkpoint recomputes there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def current_node() -> Any:
+    """The autograd node whose backward is running on this thread (``None`` outside one)."""
+    return torch._C._current_autograd_node()
+
+
+def will_execute(node: Any) -> bool:
+    """Whether the running backward pass will execute ``node``."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def mutation_on_saved_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active."""
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
+def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost saved-tensor hooks active on this thread, as ``(pack, unpack)``."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# ---------------------------------------------------------------- compile, CUDA
+def not_traced(fn: F) -> F:
+    """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def stream_is_capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def pin_exactly(host: torch.Tensor) -> None:
+    """Page-lock ``host`` in place for fast copies; unpinned again when it is freed.
+
+    PyTorch's pinned allocator rounds requests up to a power of two; registering the
+    exact buffer wastes nothing.
+    """
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0))
+    weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())

@@ -1,0 +1,100 @@
+"""Host memory for offloaded bytes: one allocator, one budget, one error.
+
+Every host buffer an offloader fills comes from :meth:`HostMemory.allocate`, which counts
+it against the host budget until it is freed. The allocator is injectable (tests inject
+failures, a user may bring their own pinned arena); the default pins exactly the bytes
+asked for when the device is CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Callable
+
+import torch
+
+from . import compat
+
+HostAllocator = Callable[[int, bool], torch.Tensor]
+"""``allocator(nbytes, pinned) -> torch.Tensor``: a 1-D uint8 CPU tensor of ``nbytes``."""
+
+HOST_BUDGET_FRACTION = 0.8  # of this machine's RAM, shared among the local ranks
+
+
+class HostMemoryError(MemoryError):
+    """Host memory for a commit could not be had; the group stays resident (R10)."""
+
+
+def default_host_allocator(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A new host buffer, page-locked in place when ``pinned`` (fast copies to and from CUDA)."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if pinned:
+        compat.pin_exactly(host)
+    return host
+
+
+def machine_ram() -> int:
+    """Bytes of RAM this process may use: the cgroup limit where there is one, else all."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def default_host_budget() -> int:
+    """80% of this machine's RAM, divided among the ranks of this host (``LOCAL_WORLD_SIZE``)."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return int(machine_ram() * HOST_BUDGET_FRACTION) // ranks
+
+
+class HostMemory:
+    """Allocates host buffers through ``allocator`` and keeps their total under ``budget``.
+
+    Example::
+
+        host = HostMemory(default_host_allocator, pinned=False, budget=1 << 30)
+        buf = host.allocate(4096)          # counted until ``buf`` is freed
+        host.allocated                     # 4096
+    """
+
+    def __init__(self, allocator: HostAllocator, pinned: bool, budget: int):
+        self._allocator = allocator
+        self.pinned = pinned
+        self.budget = budget
+        self._lock = threading.Lock()
+        self.allocated = 0  # bytes of live buffers from this object
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self.allocated += delta
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes``, or :class:`HostMemoryError` naming what was short."""
+        if self.allocated + nbytes > self.budget:
+            raise HostMemoryError(
+                f"offloading {nbytes:,} more bytes would exceed the host budget of {self.budget:,} bytes "
+                f"({self.allocated:,} in use); the group stays resident. Raise host_budget, offload less "
+                "(min_offload_bytes, keep_last, policy='marked')."
+            )
+        try:
+            host = self._allocator(nbytes, self.pinned)
+        except (RuntimeError, MemoryError) as e:
+            raise HostMemoryError(
+                f"could not allocate {nbytes:,} bytes of host memory to offload into ({e}); the group "
+                "stays resident. Raise min_offload_bytes or keep_last, or free host memory."
+            ) from e
+        if host.dtype != torch.uint8 or host.dim() != 1 or host.numel() != nbytes or host.device.type != "cpu":
+            raise TypeError(
+                f"the host allocator returned a {tuple(host.shape)} {host.dtype} tensor on {host.device}; "
+                f"it must return a 1-D uint8 CPU tensor of exactly {nbytes} bytes"
+            )
+        self._count(nbytes)
+        weakref.finalize(host, self._count, -nbytes)
+        return host

@@ -1,0 +1,218 @@
+"""``ao.Offloader``: the public type, its settings, and the choice of implementation."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, ClassVar
+
+from . import compat
+from .engine import Engine, GroupT, MovedT
+from .hostmem import HostAllocator, HostMemory, default_host_allocator, default_host_budget
+from .observe import Observer
+from .policy import POLICIES
+from .settings import IMPLS, check_choice, check_count, parse_bytes, resolve_device, resolve_impl
+
+_CLASSES = {"ref": "actoffload.ref:RefOffloader", "fast": "actoffload.fast:FastOffloader"}
+
+
+def implementation(name: str) -> type[Offloader]:
+    """The class of the implementation ``name`` (``"ref"`` or ``"fast"``)."""
+    module, _, cls = _CLASSES[resolve_impl(name)].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _setting_names(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                names.add(p.name)
+    return names
+
+
+class ObserverHandle:
+    """Returned by :meth:`Offloader.add_observer`; ``remove()`` stops the events (also as a
+    context manager)."""
+
+    def __init__(self, observers: list[Observer], observer: Observer):
+        self._observers = observers
+        self._observer = observer
+
+    def remove(self) -> None:
+        if self._observer in self._observers:
+            self._observers.remove(self._observer)
+
+    def __enter__(self) -> ObserverHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+class GroupContext:
+    """Context manager returned by :meth:`Offloader.group`."""
+
+    def __init__(self, offloader: Offloader, name: str):
+        self._offloader = offloader
+        self._name = name
+        self._entry: Any = None
+
+    @compat.not_traced
+    def __enter__(self) -> GroupContext:
+        self._entry = self._offloader._enter(self._name)
+        return self
+
+    @compat.not_traced
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        entry, self._entry = self._entry, None
+        self._offloader._exit(entry, failed=exc_type is not None)
+        return False
+
+
+class Offloader(Engine[GroupT, MovedT]):
+    """Moves the activations autograd saves inside groups to host memory, and back for backward.
+
+    ``ao.Offloader(...)`` builds the implementation ``impl`` names and returns it; every
+    implementation is an ``ao.Offloader`` (``isinstance`` works, and annotations can use it).
+
+    Settings of every implementation (each is checked here, before any work):
+
+    - ``impl``: ``"ref"`` (plain, synchronous: the reference) or ``"fast"`` (copy streams,
+      pinned pool, packed copies, prefetch); ``None`` reads ``$OFFLOAD_IMPL``, else picks
+      ``"fast"`` with CUDA and ``"ref"`` without.
+    - ``device``: the compute device whose saved tensors move (default: the current CUDA
+      device, else the CPU, where host memory stands in for device memory).
+    - ``min_offload_bytes`` (default 1 MiB): smaller saved tensors stay; moving them costs
+      more in per-copy overhead than the memory is worth.
+    - ``policy``: ``"all"`` offloads every eligible saved tensor, ``"marked"`` only those
+      opted in with :func:`actoffload.mark_activation_offload` (or a role selection).
+    - ``keep_last`` (default 1): the last groups of a forward stay on the device, because
+      backward needs them first; each costs its activations in device memory and saves
+      their round trip over the bus.
+    - ``host_budget``: the most host memory (bytes, or a size such as ``"64GiB"``) this
+      offloader may hold; a commit that would exceed it raises
+      :class:`actoffload.HostMemoryError` and the group stays resident. Default: 80% of
+      this machine's RAM divided among its ranks (``LOCAL_WORLD_SIZE``).
+    - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host
+      buffers come from (default: new buffers, page-locked in place on CUDA).
+
+    ``fast`` adds ``max_inflight``, ``prefetch``, ``pack_below`` and ``packer``; see
+    :class:`actoffload.fast.FastOffloader`. A setting of the other implementation is
+    refused with a message that says so.
+
+    Example::
+
+        import torch
+        import actoffload as ao
+
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+        off = ao.Offloader(min_offload_bytes=0)
+        with ao.wrap(model, off):                  # each layer is one group
+            model(torch.randn(512, 1024)).sum().backward()
+        print(off.stats()["offloaded_bytes"])      # what the latest forward moved
+    """
+
+    impl: ClassVar[str] = "base"
+
+    def __new__(cls, impl: str | None = None, **settings: Any):
+        if cls is Offloader:
+            cls = implementation(impl or resolve_impl(None))
+            known = _setting_names(cls)
+            for name in settings:
+                if name in known:
+                    continue
+                others = [i for i in IMPLS if i != cls.impl and name in _setting_names(implementation(i))]
+                if others:
+                    raise TypeError(f"{name} is a setting of the {others[0]!r} implementation; "
+                                    f"impl {cls.impl!r} does not take it")
+                raise TypeError(f"unknown setting {name!r}; valid ones for impl {cls.impl!r} are: "
+                                f"{', '.join(sorted(known))}")
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        impl: str | None = None,
+        *,
+        device: Any = None,
+        min_offload_bytes: int = 1 << 20,
+        policy: str = "all",
+        keep_last: int = 1,
+        host_budget: int | str | None = None,
+        host_allocator: HostAllocator | None = None,
+    ):
+        if impl is not None and resolve_impl(impl) != self.impl:
+            raise ValueError(f"{type(self).__name__} is the {self.impl!r} implementation, not {impl!r}; "
+                             f"use ao.Offloader(impl={impl!r})")
+        dev = resolve_device(device)
+        budget = default_host_budget() if host_budget is None else parse_bytes("host_budget", host_budget)
+        if host_allocator is not None and not callable(host_allocator):
+            raise TypeError(f"host_allocator must be callable as allocator(nbytes, pinned), got {host_allocator!r}")
+        super().__init__(
+            dev,
+            check_count("min_offload_bytes", min_offload_bytes),
+            check_choice("policy", policy, POLICIES, "policies"),
+            check_count("keep_last", keep_last),
+            HostMemory(host_allocator or default_host_allocator, pinned=dev.type == "cuda", budget=budget),
+        )
+
+    # ------------------------------------------------------------------ public API
+    def group(self, name: str) -> GroupContext:
+        """A unit of saved activations offloaded and reloaded together (R2).
+
+        Example::
+
+            off = ao.Offloader()
+            for i, block in enumerate(blocks):
+                with off.group(f"block{i}"):
+                    x = block(x)
+            x.sum().backward()
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"group name must be a str, got {type(name).__name__}")
+        return GroupContext(self, name)
+
+    def stats(self) -> dict[str, Any]:
+        """What the groups opened since a backward pass last began did, and host memory now.
+
+        Groups are keyed by name; a name opened again before the next backward (a block
+        called twice, or micro-batches' forwards run back to back) appears as ``name#2``,
+        ``name#3``, ... so every group counts once.
+
+        Example::
+
+            s = off.stats()
+            s["groups"]["block0"]   # {'saved': 7, 'offloaded': 5, 'offloaded_bytes': ..., 'kept': {'parameter': 2}}
+            s["host_bytes_in_use"]  # 0 once every graph is freed
+        """
+        return self._stats()
+
+    def synchronize(self) -> None:
+        """Block until every copy out has finished and released its source (a no-op for ``ref``,
+        whose copies are synchronous)."""
+
+    def add_observer(self, observer: Observer) -> ObserverHandle:
+        """Send this offloader's events to ``observer`` until the returned handle's ``remove()``.
+
+        Example::
+
+            handle = off.add_observer(my_observer)   # an ao.Observer subclass
+            ...
+            handle.remove()
+        """
+        if not isinstance(observer, Observer):
+            raise TypeError(f"add_observer takes an ao.Observer, got {type(observer).__name__}")
+        self._observers.append(observer)
+        return ObserverHandle(self._observers, observer)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Every setting as it is in effect (defaults resolved)."""
+        return {"device": str(self.device), "min_offload_bytes": self.min_offload_bytes, "policy": self.policy,
+                "keep_last": self.keep_last, "host_budget": self._host.budget}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"

@@ -1,0 +1,150 @@
+"""The engine's records: groups, saved buffers, moved spans, and the handles autograd holds.
+
+Implementations extend :class:`Group` and :class:`Moved` with their own typed fields
+(``fast`` adds its copy events and reload buffers), so no state is hung on a shared
+object from outside.
+
+Ownership, which is what makes freeing the graph free everything (R8): autograd's graph
+owns the handles, a handle owns its group, a group owns its saved buffers, a saved
+buffer owns the moved span it is restored from, and a moved span owns its host copy.
+The offloader holds groups only weakly.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import policy
+
+
+class GroupState(enum.Enum):
+    OPEN = "open"  # its forward is running
+    PENDING = "pending"  # exited; waiting for its commit (keep_last)
+    COMMITTED = "committed"  # decided; its spans were moved
+    RESIDENT = "resident"  # decided without moving: backward came first, or host memory ran out
+    ABORTED = "aborted"  # left by an exception: never committed, freed with its graph
+    INERT = "inert"  # saves go to hooks that must see them (allow_mutation_on_saved_tensors)
+
+
+class Moved:
+    """A byte span moved off the device: one storage's ``[start, start + nbytes)``.
+
+    ``storage`` is the device storage, referenced until the implementation has copied
+    the span out; ``host`` is the copy. Saved buffers of several groups may share one
+    ``Moved`` (a storage saved in two groups moves once, R5).
+    """
+
+    def __init__(self, span: policy.Span, storage: torch.UntypedStorage, device: torch.device):
+        self.span = span
+        self.nbytes = span.nbytes
+        self.storage: torch.UntypedStorage | None = storage
+        self.device = device
+        self.host: torch.Tensor | None = None
+        self.guard: torch.Tensor | None = None  # shares the storage's version counter
+        self.version_at_copy = 0
+
+    def source(self) -> torch.Tensor:
+        """The span's bytes on the device, as a flat uint8 tensor sharing the storage."""
+        assert self.storage is not None, "the source was already released"
+        out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return out.set_(self.storage, self.span.start, (self.nbytes,), (1,))
+
+    def unchanged_since_copy(self) -> bool:
+        """No in-place write reached the storage through its version counter since the copy."""
+        return self.guard is not None and self.guard._version == self.version_at_copy
+
+
+@dataclass(frozen=True, eq=False)
+class MovedView:
+    """How one saved buffer is rebuilt from a moved span: its view of the span's bytes."""
+
+    moved: Moved
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # in elements, from the span's first byte (policy.Span aligns it)
+    conj: bool  # restored with these bits, as set_() alone would drop them
+    neg: bool
+
+
+class SavedBuffer:
+    """One plain tensor saved in a group: resident (``tensor``) or moved (``view``).
+
+    A tensor with an autograd history is held as a ``detach()``ed alias: holding the saved
+    tensor itself would, for an op's output, close a cycle through the C++ autograd node
+    (tensor -> grad_fn -> handle -> group -> tensor) that Python's garbage collector cannot
+    see. A tensor without one (a parameter, an input) is held as itself, so backward sees
+    it as PyTorch would, a later ``.data`` replacement included.
+    """
+
+    __slots__ = ("tensor", "is_parameter", "version", "guard", "view")
+
+    def __init__(self, t: torch.Tensor, is_parameter: bool):
+        self.is_parameter = is_parameter
+        self.tensor: torch.Tensor | None = t if t.grad_fn is None else t.detach()
+        self.version = t._version
+        self.guard: torch.Tensor | None = None  # set when the tensor is let go (moved)
+        self.view: MovedView | None = None
+
+
+class Group:
+    """The saved buffers of one run of one group."""
+
+    def __init__(self, name: str, prev: Group | None, first_seq: int):
+        self.name = name  # unique among the groups in stats(): a repeated name gets "#2", ...
+        self.state = GroupState.OPEN
+        self.saved: list[SavedBuffer] = []
+        # once committed: the spans its buffers are rebuilt from (its own and earlier groups'),
+        # and how many of its buffers each one serves
+        self.moved: list[Moved] = []
+        self.uses: list[int] = []
+        self.summary: dict[str, Any] = {"saved": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": {}}
+        self.opened_after = 0  # groups of the same offloader opened since this one
+        self.prev: weakref.ref[Group] | None = weakref.ref(prev) if prev is not None else None
+        # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
+        self.first_seq = first_seq
+        self.end_seq = first_seq
+
+    def previous(self) -> Group | None:
+        return self.prev() if self.prev is not None else None
+
+
+@dataclass(eq=False)
+class Handle:
+    """What the pack hook returns for a plain tensor; the graph owns it."""
+
+    group: Group
+    saved: SavedBuffer
+
+
+@dataclass(eq=False)
+class MultiHandle:
+    """What the pack hook returns for a tensor made of several buffers (R7).
+
+    ``parts`` are the buffers, each a :class:`SavedBuffer`, a nested ``MultiHandle``
+    (a wrapper subclass inside another) or ``None``; ``rebuild`` puts the tensor back
+    together from them. ``guard`` shares the wrapper's own version counter (R6): an in-place
+    op on a wrapper subclass need not touch its buffers' counters (``None`` for a type that
+    cannot even be detached, and so cannot be written in place either).
+    """
+
+    group: Group
+    rebuild: Callable[[list[torch.Tensor | None]], torch.Tensor]
+    parts: list[SavedBuffer | MultiHandle | None]
+    shape: tuple[int, ...]
+    version: int
+    guard: torch.Tensor | None = field(repr=False)
+
+
+@dataclass(eq=False)
+class DelegatedHandle:
+    """A save handed to saved-tensor hooks that must see it (the group is ``INERT``)."""
+
+    group: Group
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]

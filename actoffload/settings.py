@@ -1,0 +1,89 @@
+"""Validating settings: every constructor argument is checked here, before any work."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+IMPLS = ("ref", "fast")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def resolve_impl(impl: str | None = None) -> str:
+    """``impl``, else ``$OFFLOAD_IMPL``, else ``"fast"`` with CUDA and ``"ref"`` without.
+
+    >>> resolve_impl("ref")
+    'ref'
+    """
+    source = "impl"
+    if impl is None:
+        impl, source = os.environ.get("OFFLOAD_IMPL") or None, "OFFLOAD_IMPL"
+    if impl is None:
+        return "fast" if torch.cuda.is_available() else "ref"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown {source} {impl!r}; valid implementations are: {', '.join(IMPLS)}")
+    return impl
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The compute device: CUDA (current device) when available and ``None`` given, else as named."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device (try 'cuda', 'cuda:0' or 'cpu')") from e
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {dev} is not supported: actoffload offloads from 'cuda' (or 'cpu' for testing)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev} asked for, but CUDA is not available here; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def check_count(name: str, value: Any, least: int = 0) -> int:
+    """An ``int >= least`` (bools are refused: ``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...], plural: str | None = None) -> str:
+    """One of ``choices``; the error lists them (as "valid <plural> are: ...")."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; valid {plural or name + 's'} are: {', '.join(choices)}")
+    return value
+
+
+def parse_bytes(name: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``.
+
+    >>> parse_bytes("memory_budget", "1.5GiB")
+    1610612736
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name} {value!r} is not a size; write bytes as a number or with a unit: "
+                "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n
