@@ -55,12 +55,6 @@ def is_zero_tensor(t: torch.Tensor) -> bool:
     return t._is_zerotensor()
 
 
-def has_forward_grad(t: torch.Tensor) -> bool:
-    """Whether ``t`` carries a forward-mode tangent at the current dual level."""
-    level = torch.autograd.forward_ad._current_level
-    return level >= 0 and t._fw_grad(level) is not None
-
-
 def neg_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its negative bit set (the lazy negation ``conj().imag`` produces)."""
     return torch._neg_view(t)

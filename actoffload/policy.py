@@ -108,10 +108,11 @@ def is_parameter(t: torch.Tensor) -> bool:
 def movable_kind(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor whose bytes can be moved and rebuilt exactly: a plain
     strided tensor with real data of its own (not meta, fake, nested, sparse, quantized,
-    a ZeroTensor, a tensor subclass, or a tensor carrying a forward-mode tangent)."""
+    a ZeroTensor, or a tensor subclass; a forward-mode tangent is kept by autograd itself,
+    beside the saved primal, so dual tensors move like any other)."""
     if type(t) not in _PLAIN_TYPES or t.layout != torch.strided or t.is_meta or t.is_nested:
         return False
-    if t.is_quantized or isinstance(t, _FakeTensor) or compat.is_zero_tensor(t) or compat.has_forward_grad(t):
+    if t.is_quantized or isinstance(t, _FakeTensor) or compat.is_zero_tensor(t):
         return False
     try:
         compat.storage_key(t)

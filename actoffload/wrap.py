@@ -9,7 +9,7 @@ import torch
 
 from . import compat
 from .marks import mark_parameters
-from .offloader import Offloader
+from .offloader import GroupContext, Offloader
 
 
 class WrapHandle:
@@ -79,11 +79,19 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
     had_own = "forward" in vars(module)
     inner = module.forward
 
+    # Not a `with` block: torch.compile cannot resume inside a `with` whose context manager
+    # it does not trace, and would then run the whole forward eagerly. Two calls it does not
+    # trace are two clean graph breaks, and the module's own forward between them compiles.
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        _mark_parameters_of(module)
-        with off.group(name):
-            return inner(*args, **kwargs)
+        group = _open(module, off, name)
+        try:
+            out = inner(*args, **kwargs)
+        except BaseException:
+            _close(group, failed=True)
+            raise
+        _close(group, failed=False)
+        return out
 
     forward.__actoffload_group__ = name  # type: ignore[attr-defined]
     module.forward = forward  # type: ignore[method-assign]
@@ -98,6 +106,12 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
 
 
 @compat.not_traced
-def _mark_parameters_of(module: torch.nn.Module) -> None:
-    """At every call: a parameter's storage may have changed (``.data`` replaced, FSDP)."""
+def _open(module: torch.nn.Module, off: Offloader, name: str) -> GroupContext:
+    # at every call: a parameter's storage may have changed (.data replaced, FSDP)
     mark_parameters(*module.parameters())
+    return off.group(name).__enter__()
+
+
+@compat.not_traced
+def _close(group: GroupContext, failed: bool) -> None:
+    group.__exit__(RuntimeError if failed else None, None, None)

@@ -18,7 +18,7 @@ def test_wrap_makes_one_group_per_module_and_remove_undoes_it(impl):
     off2 = off_for(impl, "cpu")
     model(torch.randn(4, 16, requires_grad=True)).sum().backward()
     assert off2.stats()["groups"] == {}
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model)
+    assert not any("forward" in vars(m) for m in model)  # every module has its own forward back
 
 
 @pytest.mark.parametrize("impl", IMPLS)

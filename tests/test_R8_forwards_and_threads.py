@@ -1,0 +1,171 @@
+"""R2, R8: what a forward is to the offloader (stats, group identity, prefetch), and threads."""
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import actoffload as ao
+from helpers import IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, reference_grads, run_groups
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_wrapped_model_called_inside_an_except_block_still_offloads(impl):
+    """A retry loop or fallback path calls the model while handling an unrelated exception."""
+    model = mlp_stack(3, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = off_for(impl, "cpu", keep_last=1)
+    with ao.wrap(model, off):
+        try:
+            raise KeyError("unrelated")
+        except KeyError:
+            assert sys.exc_info()[0] is KeyError
+            y = model(x)
+    s = off.stats()
+    assert sorted(s["groups"]) == ["0", "1", "2"] and s["offloaded_bytes"] > 0
+    y.sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_a_module_called_twice_in_one_forward_is_two_groups(impl):
+    """Weight sharing across depth: stats count both calls, and match the host memory held."""
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+    x = torch.randn(16, 32, requires_grad=True)
+    off = off_for(impl, "cpu", keep_last=0)
+    with ao.wrap([block], off):  # one group (a Sequential itself would give one per layer)
+        y = block(block(x * 1))
+    s = off.stats()
+    assert sorted(s["groups"]) == ["0", "0#2"]
+    assert s["groups"]["0"]["offloaded_bytes"] == s["groups"]["0#2"]["offloaded_bytes"] > 0
+    assert s["host_bytes_in_use"] >= s["offloaded_bytes"] > 0
+    if impl == "ref":
+        assert s["host_bytes_in_use"] == s["offloaded_bytes"]
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_stats_cover_the_forwards_since_backward_last_began(impl):
+    model = mlp_stack(2, 32, "cpu")
+    off = off_for(impl, "cpu", keep_last=0)
+    a = run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum()
+    b = run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum()  # a micro-batch
+    assert sorted(off.stats()["groups"]) == ["0", "0#2", "1", "1#2"]
+    a.backward()
+    b.backward()
+    run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()  # the next step
+    assert sorted(off.stats()["groups"]) == ["0", "1"]
+
+
+def test_R8_prefetch_never_reaches_into_another_micro_batch():
+    """Forward a, forward b, backward b: b's first group must not prefetch a's last one,
+    which only a's backward needs (it would be held in device memory meanwhile)."""
+    model = mlp_stack(3, 32, "cpu")
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, prefetch=2)
+    xa, xb = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+    a = run_groups(model, xa, off).sum()
+    b = run_groups(model, xb, off).sum()
+    b.backward()
+    c = off.stats()["copies"]
+    assert c["prefetched_groups"] == 2  # b's 1 and 0, from b's 2; not a's
+    assert c["h2d_bytes"] == c["d2h_bytes"] // 2  # only b's groups came back
+    a.backward()
+    assert off.stats()["copies"]["h2d_bytes"] == c["d2h_bytes"]
+
+
+def test_R8_prefetch_follows_a_module_called_twice():
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, prefetch=1)
+    with ao.wrap([block], off):  # one group (a Sequential itself would give one per layer)
+        y = block(block(block(torch.randn(8, 32, requires_grad=True) * 1)))
+    y.sum().backward()
+    assert off.stats()["copies"]["prefetched_groups"] == 2  # same module, three groups, one graph
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R6_allow_mutation_on_saved_tensors_works_around_a_group(impl):
+    x = torch.randn(8, 64, requires_grad=True)
+
+    def run(off):
+        x.grad = None
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            if off is None:
+                h = x * 2
+                y = h.sin()
+            else:
+                with off.group("g"):
+                    h = x * 2
+                    y = h.sin()
+            h.add_(1)  # PyTorch cloned h before this write; backward uses the saved values
+            y.sum().backward()
+        return x.grad.clone()
+
+    off = off_for(impl, "cpu", keep_last=0)
+    assert torch.equal(run(off), run(None))
+    g = off.stats()["groups"]["g"]
+    assert g["offloaded"] == 0 and g["kept"] == {"inert": g["saved"]} and g["saved"] >= 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_checkpoint_around_a_wrapped_module_recomputes_without_opening_a_group(impl):
+    model = mlp_stack(3, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = off_for(impl, "cpu", keep_last=0)
+    with ao.wrap(model, off):
+        h = model[0](x)
+        h = torch.utils.checkpoint.checkpoint(model[1], h, use_reentrant=False)
+        y = model[2](h)
+        y.sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_one_offloader_used_from_a_second_thread_raises_at_once(impl):
+    off = off_for(impl, "cpu", keep_last=0)
+    model = mlp_stack(2, 32, "cpu")
+    run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()
+    errors = []
+
+    def other():
+        try:
+            with off.group("elsewhere"):
+                pass
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "one ao.Offloader per thread" in errors[0]
+    run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()  # still fine here
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_two_offloaders_in_two_threads_train_correctly(impl):
+    results = {}
+
+    def train(i):
+        model = mlp_stack(3, 32, "cpu", seed=i)
+        x = torch.randn(16, 32, requires_grad=True, generator=torch.Generator().manual_seed(i))
+        expected = reference_grads(model, x)
+        off = off_for(impl, "cpu", keep_last=1)
+        for _ in range(5):
+            run_groups(model, x, off).sum().backward()
+            got = grads_of(model, x)
+            for t in list(model.parameters()) + [x]:
+                t.grad = None
+        results[i] = all(torch.equal(a, b) for a, b in zip(got, expected))
+        gc.collect()
+        results[i] = results[i] and off.stats()["host_bytes_in_use"] == 0
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True}
