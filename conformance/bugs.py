@@ -8,9 +8,12 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
-from actoffload import marks
-from actoffload.engine import _MultiHandle
+import importlib
+import sys
+
+from actoffload import marks, multibuffer
 from actoffload.fast import FastOffloader
+from actoffload.records import MultiHandle, SavedBuffer
 
 
 @contextlib.contextmanager
@@ -45,8 +48,9 @@ def skip_restore_when_nothing_moved():
     unpack = FastOffloader._unpack
 
     def buggy_unpack(self, handle):
-        if type(handle) is _MultiHandle and all(s is None or s.moved is None for s in handle.saved):
-            return handle.saved[0].tensor
+        if type(handle) is MultiHandle and all(p is None or (isinstance(p, SavedBuffer) and p.view is None)
+                                               for p in handle.parts):
+            return handle.parts[0].tensor
         return unpack(self, handle)
 
     with mock.patch.object(FastOffloader, "_unpack", buggy_unpack):
@@ -66,9 +70,94 @@ def use_reload_before_done():
         yield
 
 
+@contextlib.contextmanager
+def drop_conj_neg_bits():
+    """(e) Rebuild moved tensors with set_() alone, losing their conjugate and negative bits."""
+    restore = FastOffloader._restore
+
+    def buggy_restore(self, group, s):
+        out = restore(self, group, s)
+        if out.is_neg():
+            out = out.neg().neg()  # materialised: the same values, but not the lazy view
+            out = out.resolve_neg().neg()  # and then negated: what dropping the bit gives
+        return out.conj() if out.is_conj() else out
+
+    with mock.patch.object(FastOffloader, "_restore", buggy_restore):
+        yield
+
+
+@contextlib.contextmanager
+def hold_detached_parameters():
+    """(f) Keep a saved parameter as the detach() alias taken at save time, so a later
+    ``.data`` replacement goes unseen by backward."""
+    add = FastOffloader._add
+
+    def buggy_add(self, group, t):
+        s = add(self, group, t)
+        if s.tensor is t:
+            s.tensor = t.detach()
+        return s
+
+    with mock.patch.object(FastOffloader, "_add", buggy_add):
+        yield
+
+
+@contextlib.contextmanager
+def parameters_only_through_base():
+    """(g) Recognise parameters only through ``_base``: a detached weight view moves."""
+    plan, flags_of = FastOffloader._plan, marks.flags_of
+
+    def buggy_plan(self, group, committed):
+        with mock.patch.object(marks, "flags_of", lambda key: flags_of(key) & ~marks.PARAMETER):
+            return plan(self, group, committed)
+
+    with mock.patch.object(FastOffloader, "_plan", buggy_plan):
+        yield
+
+
+@contextlib.contextmanager
+def wrap_fails_inside_except():
+    """(h) Judge a wrapped module's forward failed whenever an exception is being handled."""
+    wrap = importlib.import_module("actoffload.wrap")  # the module (ao.wrap is its function)
+    close = wrap._close
+
+    def buggy_close(group, failed):
+        fast = group._offloader.impl == "fast"
+        return close(group, failed or (fast and sys.exc_info()[0] is not None))
+
+    with mock.patch.object(wrap, "_close", buggy_close):
+        yield
+
+
+@contextlib.contextmanager
+def move_shared_storage_twice():
+    """(i) Copy out a storage that an earlier group already moved."""
+    with mock.patch.object(FastOffloader, "_moved_earlier", lambda self, key, aliases: None):
+        yield
+
+
+@contextlib.contextmanager
+def subclass_as_plain_tensor():
+    """(j) Treat a wrapper subclass as one plain tensor instead of its inner tensors."""
+    pack, is_multibuffer = FastOffloader._pack, multibuffer.is_multibuffer
+
+    def buggy_pack(self, group, t):
+        with mock.patch.object(multibuffer, "is_multibuffer", multibuffer.speaks_r7):
+            return pack(self, group, t)
+
+    with mock.patch.object(FastOffloader, "_pack", buggy_pack):
+        yield
+
+
 BUGS = {
     "free_source_before_copy_done": (free_source_before_copy_done, "cuda"),
     "ignore_veto": (ignore_veto, "any"),
     "skip_restore_when_nothing_moved": (skip_restore_when_nothing_moved, "any"),
     "use_reload_before_done": (use_reload_before_done, "cuda"),
+    "drop_conj_neg_bits": (drop_conj_neg_bits, "any"),
+    "hold_detached_parameters": (hold_detached_parameters, "any"),
+    "parameters_only_through_base": (parameters_only_through_base, "any"),
+    "wrap_fails_inside_except": (wrap_fails_inside_except, "any"),
+    "move_shared_storage_twice": (move_shared_storage_twice, "any"),
+    "subclass_as_plain_tensor": (subclass_as_plain_tensor, "any"),
 }

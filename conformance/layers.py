@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.testing._internal.two_tensor import TwoTensor
 
 import actoffload as ao
 from actoffload.tools.models import Attention, GPTConfig
@@ -203,6 +205,117 @@ class Experts(Layer):
         return x + self.mlp(x.reshape(n, D), sizes).reshape(B, T, D)
 
 
+class Complex(Layer):
+    """Complex activations with lazy conjugate and negative bits saved (R5's exact restore):
+    ``h.conj() * w`` saves a conjugate view, ``.conj().imag`` a negative view."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.w = nn.Parameter(torch.randn(d // 2) / d**0.5)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = torch.view_as_complex(x.float().reshape(B, T, D // 2, 2).contiguous())
+        self.hooks.before_save(h)
+        c = h.conj() * self.w.float()  # saves h.conj() (conj bit) and w
+        n = (h * 1).conj().imag  # a view with the negative bit
+        m = n * n.detach().sigmoid()  # saves the negative view
+        self.hooks.on_saved(h)
+        return (torch.view_as_real(c).reshape(B, T, D) + m.repeat_interleave(2, dim=-1)).to(x.dtype)
+
+
+class _TwoTensorScale(torch.autograd.Function):
+    """y = x * c with c saved as a TwoTensor (a wrapper subclass speaking __tensor_flatten__,
+    as DTensor and torchao's Float8 do): it must come back as one, both halves intact."""
+
+    @staticmethod
+    def forward(ctx, x):
+        c = x.detach().tanh()
+        t = TwoTensor(c, c.clone())
+        ctx.save_for_backward(t)
+        return x * c
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        if not isinstance(t, TwoTensor) or not torch.equal(t.a, t.b):
+            raise TypeError(f"expected a TwoTensor with equal halves back, got {type(t).__name__}")
+        return g * t.a
+
+
+class Wrapper(Layer):
+    def forward(self, x):
+        return _TwoTensorScale.apply(x)
+
+
+class ForwardAD(Layer):
+    """Forward-mode AD inside the group: dual tensors and a ZeroTensor are saved."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.w = nn.Parameter(torch.randn(d) / d**0.5)
+
+    def forward(self, x):
+        with fwAD.dual_level():
+            d = fwAD.make_dual(x * 1, torch.ones_like(x))
+            y = (d * self.w).sin()  # saves d's primal and w's tangent (a ZeroTensor)
+            primal = fwAD.unpack_dual(y).primal
+        return primal
+
+
+class Nested(Layer):
+    """A strided nested tensor saved for backward (stays resident: reason device)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        n = x.shape[0] * x.shape[1]
+        nt = torch.nested.nested_tensor(list(x.detach().flatten(0, 1).split([1, n - 1])))
+        y = torch.nested.to_padded_tensor(self.fc(nt), 0.0)  # fc saves nt
+        return x + y.sum() * 1e-3
+
+
+class ParameterSwap(Layer):
+    """Saves the parameter itself (``x * w``), then replaces its ``.data``: backward sees the
+    new values, as in PyTorch."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        y = x * self.w
+        self.w.data = self.w.data * 0.5
+        return y
+
+
+class DetachedWeight(Layer):
+    """``F.linear`` with a detached weight saves ``weight.detach().t()``: a parameter's
+    storage without ``_base``; it must stay (reason parameter)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return F.linear(x, self.fc.weight.detach(), self.fc.bias)
+
+
+class Compiled(Layer):
+    """An MLP compiled with torch.compile (AOTAutograd saves its activations; backend
+    aot_eager, so no code generation slows the suite down)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.compiled = torch.compile(self.mlp, backend="aot_eager", dynamic=False)
+
+    def forward(self, x):
+        return self.compiled(x)
+
+
 def build(kind: str, d: int) -> Layer:
     if kind == "linear":
         return Linear(d)
@@ -224,4 +337,8 @@ def build(kind: str, d: int) -> Layer:
         return Experts(d)
     if kind == "grouped_mlp_selected":
         return Experts(d, selected={"moe_act"})
+    simple = {"complex": Complex, "wrapper_subclass": Wrapper, "forward_ad": ForwardAD, "nested": Nested,
+              "parameter_swap": ParameterSwap, "detached_weight": DetachedWeight, "compiled": Compiled}
+    if kind in simple:
+        return simple[kind](d)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import time
@@ -69,17 +70,33 @@ class _GroupModules(torch.nn.Module):
         return self.model[0].run_group(self.g, x, fail)
 
 
+def _group_names(s: Scenario) -> list[str]:
+    return ["block" if s.same_names else str(g) for g in range(len(s.groups))]
+
+
 def _forward(model: Model, s: Scenario, x: torch.Tensor, off: Offloader | None, wrapped, fail_in=None):
-    for g in range(len(s.groups)):
+    for g, name in enumerate(_group_names(s)):
         fail = fail_in == g
         if wrapped is not None:
             x = wrapped[g](x, fail)
         elif off is not None:
-            with off.group(str(g)):
+            with off.group(name):
                 x = model.run_group(g, x, fail)
         else:
             x = model.run_group(g, x, fail)
     return x
+
+
+def _forwards(model: Model, s: Scenario, leaves: list[torch.Tensor], off: Offloader | None, wrapped):
+    """One forward per micro-batch; with ``in_except``, from inside an ``except`` block (a
+    retry loop, a fallback path), where ``sys.exc_info()`` names an unrelated exception."""
+    if s.in_except:
+        try:
+            raise LookupError("unrelated, being handled")
+        except LookupError:
+            return [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
+    # leaf * 1: the first group sees an activation, as after an embedding
+    return [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
 
 
 @contextlib.contextmanager
@@ -135,7 +152,7 @@ def run(s: Scenario, impl: str | None) -> Outcome:
     handles, wrapped = [], None
     if off is not None and s.use_wrap:
         wrapped = [_GroupModules(model, g) for g in range(len(s.groups))]
-        handles.append(ao.wrap(wrapped, off))
+        handles.append(ao.wrap(wrapped, off, names=_group_names(s)))
     out = Outcome()
     try:
         with _delayed(off, s):
@@ -147,8 +164,7 @@ def run(s: Scenario, impl: str | None) -> Outcome:
             gc.collect()
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             leaves = [x.clone().requires_grad_(True) for x in inputs]
-            # leaf * 1: the first group sees an activation, as after an embedding
-            losses = [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
+            losses = _forwards(model, s, leaves, off, wrapped)
             out.outputs = [loss.detach().clone() for loss in losses]
             if device.type == "cuda":
                 if off is not None:
@@ -263,8 +279,20 @@ def minimize(s: Scenario, impl: str, budget: int = 40) -> Scenario:
 
 
 def init_worker() -> None:
-    """Set up a worker process of ``python -m conformance --jobs N``."""
+    """Set up a process that runs scenarios (``python -m conformance`` and its workers)."""
     torch.use_deterministic_algorithms(True)
+    torch._dynamo.config.cache_size_limit = 256  # "compiled" layers of many shapes and dtypes
+    # Every run collects garbage to check lifetimes (R8); a full collection walks every
+    # object of torch's and Triton's imports, which is most of the time of a scenario:
+    # freeze what exists now so only the scenarios' own objects are walked.
+    settle()
+    atexit.register(gc.unfreeze)  # let the interpreter's own teardown free them
+
+
+def settle() -> None:
+    """Collect a scenario's garbage, then freeze what survives (torch.compile's caches)."""
+    gc.collect()
+    gc.freeze()
 
 
 def check_seeds(seeds: list[int], device: str, impl: str) -> list[tuple[int, list[str]]]:
@@ -279,4 +307,5 @@ def check_seeds(seeds: list[int], device: str, impl: str) -> list[tuple[int, lis
             problems = [f"crashed: {type(e).__name__}: {e}"]
         if problems:
             failed.append((seed, problems))
+        settle()
     return failed

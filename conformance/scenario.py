@@ -17,6 +17,7 @@ LAYERS = (
     "linear", "layernorm", "rmsnorm", "attention", "gelu_mlp", "swiglu_mlp",
     "transpose", "slice", "reshape", "expand", "as_strided", "inplace_before_save",
     "quantized", "grouped", "grouped_mlp", "grouped_mlp_selected",
+    "complex", "wrapper_subclass", "forward_ad", "nested", "parameter_swap", "detached_weight", "compiled",
 )
 MARKS = (None, None, None, "veto_before", "veto_after", "optin_before", "optin_after")
 
@@ -42,6 +43,8 @@ class Scenario:
     raise_in_group: int | None = None  # an extra forward that fails inside this group first
     inplace_after_save: str | None = None  # "g.i": that layer's saved activation is written after the save
     delay: str | None = None  # CUDA: "d2h" | "h2d" | "compute": a stream made to lag far behind
+    in_except: bool = False  # the forwards run while an unrelated exception is being handled
+    same_names: bool = False  # every group has the same name (a block reused across depth)
     width: int = 16
     seq: int = 8
     batch: int = 2
@@ -57,7 +60,8 @@ class Scenario:
         opts = [f"seed={self.seed}", self.dtype, f"groups={'|'.join(','.join(g) for g in self.groups)}",
                 f"policy={self.policy}", f"keep_last={self.keep_last}", f"prefetch={self.prefetch}", f"inflight={self.max_inflight}",
                 f"min_bytes={self.min_offload_bytes}", f"mb={self.microbatches}{self.backward_order}"]
-        for name in ("marks", "checkpoint", "pack_below", "retain_graph", "raise_in_group", "inplace_after_save", "delay", "use_wrap"):
+        for name in ("marks", "checkpoint", "pack_below", "retain_graph", "raise_in_group", "inplace_after_save",
+                     "delay", "use_wrap", "in_except", "same_names"):
             value = getattr(self, name)
             if value not in (None, False, [], {}):
                 opts.append(f"{name}={value}")
@@ -81,7 +85,8 @@ def generate(seed: int, device: str = "cpu") -> Scenario:
         dtype=rng.choice(dtypes),
         groups=groups,
         marks=marks,
-        checkpoint=[n for n in names if rng.random() < 0.1],
+        # PyTorch's checkpoint itself cannot save nested tensors
+        checkpoint=[n for n in names if rng.random() < 0.1 and _layer(groups, n) != "nested"],
         policy=rng.choice(["all", "all", "all", "marked"]),
         keep_last=rng.choice([0, 0, 1, 1, 2]),
         prefetch=rng.choice([0, 1, 2]),
@@ -95,11 +100,18 @@ def generate(seed: int, device: str = "cpu") -> Scenario:
         raise_in_group=rng.randrange(n_groups) if rng.random() < 0.1 else None,
         inplace_after_save=rng.choice(names) if rng.random() < 0.07 else None,
         delay=rng.choice(["d2h", "h2d", "compute"]) if device == "cuda" and rng.random() < 0.3 else None,
+        in_except=rng.random() < 0.1,
+        same_names=rng.random() < 0.15,
         width=rng.choice([16, 32]),
         seq=rng.choice([4, 8]),
         batch=rng.choice([1, 2]),
     )
     return s
+
+
+def _layer(groups: list[list[str]], name: str) -> str:
+    g, i = map(int, name.split("."))
+    return groups[g][i]
 
 
 def shrinks(s: Scenario) -> list[Scenario]:
@@ -116,7 +128,7 @@ def shrinks(s: Scenario) -> list[Scenario]:
         out.append(replace(s, microbatches=1, backward_order=[0], retain_graph=s.retain_graph))
     for name, plain in (("retain_graph", False), ("raise_in_group", None), ("inplace_after_save", None),
                         ("checkpoint", []), ("marks", {}), ("delay", None), ("use_wrap", False),
-                        ("pack_below", None), ("policy", "all")):
+                        ("pack_below", None), ("policy", "all"), ("in_except", False), ("same_names", False)):
         if getattr(s, name) != plain:
             out.append(replace(s, **{name: plain}))
     for key in s.marks:

@@ -9,17 +9,23 @@ import pytest
 import torch
 
 from conformance import bugs
-from conformance.runner import compare, minimize
+from conformance.runner import compare, init_worker, minimize, settle
 from conformance.scenario import Scenario, generate
 
 CUDA = torch.cuda.is_available()
-N_SEEDS = int(os.environ.get("CONFORMANCE_SEEDS", "200"))
+N_SEEDS = int(os.environ.get("CONFORMANCE_SEEDS", "300"))
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _scenario_process():
+    init_worker()
+
+
 @pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
+def _settle():
+    yield
+    settle()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -36,14 +42,20 @@ def test_fast_matches_ref_and_no_offloader(seed, device):
 
 
 def _targeted(device: str, **kw) -> list[Scenario]:
-    """Scenarios aimed at the planted bugs: several groups of big enough saves."""
+    """Scenarios aimed at the planted bugs: several groups of big enough saves, and one
+    of every kind of saved tensor that once went wrong."""
     base = Scenario(seed=7, device=device, groups=[["gelu_mlp", "linear"], ["swiglu_mlp"], ["attention", "quantized"], ["grouped"]],
                     keep_last=1, prefetch=1, min_offload_bytes=0, width=64, seq=64, batch=4)
+    kinds = Scenario(seed=8, device=device, groups=[["complex", "parameter_swap"], ["detached_weight", "wrapper_subclass"],
+                                                    ["inplace_before_save"], ["gelu_mlp", "forward_ad", "nested"]],
+                     keep_last=0, min_offload_bytes=0, width=32, seq=8, batch=2)
     return [
         replace(base, **kw),
         replace(base, pack_below=0, **kw),
         replace(base, marks={"0.0": "veto_before", "1.0": "veto_after", "2.0": "veto_after"}, **kw),
         replace(base, min_offload_bytes=1 << 30, **kw),  # nothing moves: multi-buffer wrappers still rebuilt
+        replace(kinds, **kw),
+        replace(kinds, use_wrap=True, in_except=True, same_names=True, **kw),
     ]
 
 

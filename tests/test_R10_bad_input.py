@@ -165,3 +165,25 @@ def test_R10_host_allocator_returning_the_wrong_thing_is_named(impl):
     with pytest.raises(TypeError, match="must return a 1-D uint8 CPU tensor of exactly"):
         with off.group("0"):
             (torch.randn(64, 64, requires_grad=True) * 2).exp()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_cuda_graph_capture_without_an_open_group_works(impl):
+    """The other side of the refusal: an offloader in the process does not stop a capture."""
+    off = off_for(impl, "cuda")
+    lin = torch.nn.Linear(16, 16).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    with off.group("eager"):  # the offloader has been used
+        (lin(x.requires_grad_()) * 1).sum().backward()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    static_in = torch.randn(4, 16, device="cuda")
+    with torch.cuda.stream(s), torch.no_grad():
+        lin(static_in)  # warm up
+    with torch.cuda.graph(graph, stream=s), torch.no_grad():
+        static_out = lin(static_in)
+    static_in.copy_(x.detach())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, lin(x.detach()).detach())
