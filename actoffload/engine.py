@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -45,7 +45,7 @@ def _modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeEr
 class Engine(Generic[GroupT, MovedT]):
     """The lifecycle of groups; see :class:`actoffload.Offloader` for the public API."""
 
-    impl = "base"
+    impl: ClassVar[str] = "base"
 
     def __init__(self, device: torch.device, min_offload_bytes: int, policy_name: str, keep_last: int,
                  host: HostMemory):

@@ -8,10 +8,13 @@ plain Python state.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
+
+
+_HANDED_OVER = "this object's buffers were handed over by prepare_for_saving"
 
 
 class GroupedTensor(torch.Tensor):
@@ -26,6 +29,11 @@ class GroupedTensor(torch.Tensor):
         a, empty, b = g.split()
         g.split_sizes        # [3, 0, 5]
     """
+
+    # None once handed over by prepare_for_saving (only ever called on a copy)
+    _data: torch.Tensor | None
+    _split_sizes: list[int]
+    _offsets: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, split_sizes: Sequence[int], offsets: torch.Tensor | None = None):
@@ -69,17 +77,19 @@ class GroupedTensor(torch.Tensor):
 
     @property
     def offsets(self) -> torch.Tensor:
+        assert self._offsets is not None, _HANDED_OVER
         return self._offsets
 
     @property
     def data_buffer(self) -> torch.Tensor:
+        assert self._data is not None, _HANDED_OVER
         return self._data
 
-    def split(self) -> list[torch.Tensor]:
+    def split(self) -> list[torch.Tensor]:  # type: ignore[override]  # a GroupedTensor's own split
         """The groups, as views of the one data buffer."""
-        return list(torch.split(self._data, self._split_sizes))
+        return list(torch.split(self.data_buffer, self._split_sizes))
 
-    def __repr__(self):
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"GroupedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, split_sizes={self._split_sizes})"
 
     def __copy__(self):
@@ -97,7 +107,7 @@ class GroupedTensor(torch.Tensor):
         return cls(data, state, offsets)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # torch's own signature
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             (t,) = args
             return GroupedTensor(t._data, t._split_sizes, t._offsets)

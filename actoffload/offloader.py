@@ -67,10 +67,9 @@ class GroupContext:
         return self
 
     @compat.not_traced
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entry, self._entry = self._entry, None
         self._offloader._exit(entry, failed=exc_type is not None)
-        return False
 
 
 class Offloader(Engine[GroupT, MovedT]):

@@ -18,7 +18,7 @@ this layout exists to avoid.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,7 @@ def _per_expert(x: torch.Tensor, sizes: list[int], weights: torch.Tensor) -> tor
     return torch.cat([chunk @ w for chunk, w in zip(torch.split(x, sizes), weights)])
 
 
-def mark_selection(selected: set[str] | frozenset[str], saved_by_role: dict[str, object]) -> None:
+def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[str, object]) -> None:
     """Opt in the tensors of selected roles (labelled with their role, for ``stats()``) and
     veto the others. A role maps to a tensor or to a tuple of them (an op that saves several).
     """

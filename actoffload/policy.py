@@ -82,12 +82,12 @@ class GroupPlan:
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """``(first, end)`` bytes of ``t``'s storage that ``t`` can touch; ``first == end`` if empty."""
     es = t.element_size()
-    offset = t.storage_offset()
+    offset = int(t.storage_offset())
     if t.numel() == 0:
         return offset * es, offset * es
     last = offset
     for n, stride in zip(t.shape, t.stride()):
-        last += (n - 1) * stride
+        last += (int(n) - 1) * int(stride)
     return offset * es, (last + 1) * es
 
 

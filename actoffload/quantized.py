@@ -7,6 +7,8 @@ offloading; the scale is not, and the offloader judges each on its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -31,6 +33,11 @@ class QuantizedTensor(torch.Tensor):
         buffers, state = copy.copy(q).prepare_for_saving()
     """
 
+    # None once handed over by prepare_for_saving (only ever called on a copy)
+    _data: torch.Tensor | None
+    _scale_inv: torch.Tensor | None
+    _transpose: torch.Tensor | None
+
     @staticmethod
     def __new__(cls, data, scale_inv, transpose=None, dtype=torch.float32):
         self = torch.Tensor._make_wrapper_subclass(
@@ -44,7 +51,7 @@ class QuantizedTensor(torch.Tensor):
     def __init__(self, data, scale_inv, transpose=None, dtype=torch.float32):
         pass
 
-    def __repr__(self):
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
             f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"scale_inv={self._scale_inv.item() if self._scale_inv is not None else None}, "
@@ -56,6 +63,7 @@ class QuantizedTensor(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         """The values in the original dtype: ``data * scale_inv``."""
+        assert self._data is not None and self._scale_inv is not None, "buffers handed over by prepare_for_saving"
         return (self._data.to(torch.float32) * self._scale_inv).to(self.dtype)
 
     # --- the multi-buffer protocol (R7) ---
@@ -73,7 +81,7 @@ class QuantizedTensor(torch.Tensor):
         return cls(data, scale_inv, transpose, dtype)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # torch's own signature
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             (t,) = args
             return QuantizedTensor(t._data, t._scale_inv, t._transpose, t.dtype)

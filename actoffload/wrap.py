@@ -94,11 +94,11 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
         return out
 
     forward.__actoffload_group__ = name  # type: ignore[attr-defined]
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
     def restore() -> None:
         if had_own:
-            module.forward = inner  # type: ignore[method-assign]
+            module.forward = inner
         else:
             del module.forward
 

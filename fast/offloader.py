@@ -266,7 +266,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             for m in in_place:
                 assert isinstance(m, FastMoved)
                 m.dev, m.ready = m.source(), None
-                if self._streams.cuda:
+                if self._streams.d2h is not None:
                     m.dev.record_stream(self._streams.d2h)
             records = {id(m.copied) for m in in_place if isinstance(m, FastMoved)}
             with self._inflight_lock:

@@ -38,11 +38,11 @@ class CopyStreams:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.d2h: torch.cuda.Stream | None = None
+        self.h2d: torch.cuda.Stream | None = None
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
-        else:
-            self.d2h = self.h2d = None
 
     def record(self, stream=None):
         """An event marking the work enqueued so far on ``stream`` (default: the current one)."""
