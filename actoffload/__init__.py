@@ -8,41 +8,58 @@
 See docs/semantics.md for the rules (R1..R10) both implementations follow.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
 from pathlib import Path as _Path
+from typing import TYPE_CHECKING, Any
 
 # In a source checkout, ref/, fast/ and triton_kernels/ sit beside this package (an
 # installed copy has them inside it as actoffload.ref, ...): find them there too, so that
 # running from the checkout works whether or not the package is also installed.
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "ref" / "offloader.py").is_file() and not (_Path(__file__).parent / "ref").is_dir():
-    __path__.append(str(_checkout))  # noqa: F821  (a package's own __path__)
-
-from . import ops  # noqa: E402
-from .grouped import GroupedTensor  # noqa: E402
-from .hostmem import HostMemoryError  # noqa: E402
-from .marks import mark_activation_offload, mark_not_offload  # noqa: E402
-from .observe import Observer  # noqa: E402
-from .offloader import Offloader  # noqa: E402
-from .ops import select_modules  # noqa: E402
-from .quantized import QuantizedTensor, quantize  # noqa: E402
-from .settings import IMPLS, resolve_impl  # noqa: E402
-from .wrap import WrapHandle, wrap  # noqa: E402
+    __path__.append(str(_checkout))
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "IMPLS",
-    "GroupedTensor",
-    "HostMemoryError",
-    "Observer",
-    "Offloader",
-    "QuantizedTensor",
-    "WrapHandle",
-    "mark_activation_offload",
-    "mark_not_offload",
-    "ops",
-    "quantize",
-    "resolve_impl",
-    "select_modules",
-    "wrap",
-]
+# The public names, each imported from its module on first use: `actoffload --help` then
+# answers without importing torch.
+_EXPORTS = {
+    "IMPLS": "settings", "resolve_impl": "settings",
+    "GroupedTensor": "grouped", "QuantizedTensor": "quantized", "quantize": "quantized",
+    "HostMemoryError": "hostmem", "Observer": "observe", "Offloader": "offloader",
+    "WrapHandle": "wrap", "wrap": "wrap", "select_modules": "ops",
+    "mark_activation_offload": "marks", "mark_not_offload": "marks",
+}
+__all__ = sorted([*_EXPORTS, "ops"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ops":
+        return importlib.import_module(".ops", __name__)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'actoffload' has no attribute {name!r}")
+    value = getattr(importlib.import_module("." + _EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+if "torch" in sys.modules:
+    # A training script imported torch already: record parameters from now on (R3), also
+    # those of models built before the first Offloader. (Without torch loaded, as for
+    # `actoffload --help`, this waits for the first use of anything above.)
+    importlib.import_module(".marks", __name__)
+
+if TYPE_CHECKING:
+    from . import ops
+    from .grouped import GroupedTensor
+    from .hostmem import HostMemoryError
+    from .marks import mark_activation_offload, mark_not_offload
+    from .observe import Observer
+    from .offloader import Offloader
+    from .ops import select_modules
+    from .quantized import QuantizedTensor, quantize
+    from .settings import IMPLS, resolve_impl
+    from .wrap import WrapHandle, wrap

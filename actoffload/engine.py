@@ -89,6 +89,10 @@ class Engine(Generic[GroupT, MovedT]):
     def _on_backward(self, group: GroupT) -> None:
         """Called at every unpack; implementations may start reloads here."""
 
+    def _move_at_most(self, group: GroupT) -> int | None:
+        """Bytes a memory plan lets this group move (``None``: no plan, no limit)."""
+        return None
+
     def _host_bytes(self) -> tuple[int, int]:
         """``(in_use, pooled)`` host bytes."""
         raise NotImplementedError
@@ -205,6 +209,7 @@ class Engine(Generic[GroupT, MovedT]):
             policy=self.policy,
             committed=committed,
             moved_earlier=(lambda key, aliases: self._moved_earlier(key, aliases) is not None) if committed else None,
+            move_at_most=self._move_at_most(group),
         )
         group.summary.clear()
         group.summary.update(plan.summary())
@@ -230,7 +235,8 @@ class Engine(Generic[GroupT, MovedT]):
             m.version_at_copy = m.guard._version  # type: ignore[union-attr]  # the copy sees this version
             self._remember(span.storage_key, m, tensors[span.members[0]])  # type: ignore[arg-type]
         for span in plan.shared:
-            earlier = self._moved_earlier(span.storage_key, [tensors[i] for i in span.members])  # type: ignore[misc]
+            earlier = self._moved_earlier(span.storage_key,
+                                          [policy.fact_of(tensors[i], self.device) for i in span.members])
             assert earlier is not None, "the plan saw this copy a moment ago"
             self._let_go(group, span, earlier)
             needed.append(earlier)
@@ -269,7 +275,7 @@ class Engine(Generic[GroupT, MovedT]):
             else:
                 self._moved_by_storage.pop(key, None)
 
-    def _moved_earlier(self, key: int, aliases: list[torch.Tensor]) -> Moved | None:
+    def _moved_earlier(self, key: int, aliases: list[policy.SavedFact]) -> Moved | None:
         """A live copy of this very storage, made by an earlier group, that holds every byte of
         ``aliases`` at a whole-element offset, with no in-place write since it was made."""
         with self._lock:
@@ -279,12 +285,7 @@ class Engine(Generic[GroupT, MovedT]):
             if m is None or storage.expired() or not m.unchanged_since_copy():
                 continue  # a dead storage's address may now belong to another one
             lo, hi = m.span.start, m.span.start + m.nbytes
-            fits = True
-            for t in aliases:
-                first, end = policy.byte_extent(t)
-                if first < lo or end > hi or (first - lo) % t.element_size():
-                    fits = False
-            if fits:
+            if all(lo <= f.start and f.end <= hi and (f.start - lo) % f.element_size == 0 for f in aliases):
                 return m
         return None
 

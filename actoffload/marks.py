@@ -114,8 +114,8 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param: torch.nn
         return
     try:
         mark_parameters(param)
-    except TypeError:  # a parameter type without storage or buffers: nothing to record
-        pass
+    except Exception:  # noqa: BLE001  a parameter we cannot take apart: nothing to record, and
+        pass  # a registration hook must never break the user's model construction
 
 
 # Every parameter registered on any module from now on (models are usually built after import).

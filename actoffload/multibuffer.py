@@ -89,11 +89,14 @@ def _split_r7(t: torch.Tensor) -> Split:
 def _split_flattened(t: torch.Tensor) -> Split:
     cls = type(t)
     names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    names = list(names)
-    size, stride = t.size(), t.stride()
-    buffers: list[torch.Tensor | None] = [getattr(t, name) for name in names]
+    inner = {name: getattr(t, name) for name in names}
+    # Only tensors are buffers; anything else a type lists (DTensor lists its device mesh,
+    # an opaque object) is handed back to __tensor_unflatten__ as it was.
+    tensor_names = [name for name, v in inner.items() if isinstance(v, torch.Tensor)]
+    others = {name: v for name, v in inner.items() if name not in tensor_names}  # never the tensors:
+    size, stride = t.size(), t.stride()  # holding them here would keep moved bytes alive
 
     def rebuild(parts: list[torch.Tensor | None]) -> torch.Tensor:
-        return cls.__tensor_unflatten__(dict(zip(names, parts)), ctx, size, stride)  # type: ignore[attr-defined]
+        return cls.__tensor_unflatten__({**others, **dict(zip(tensor_names, parts))}, ctx, size, stride)  # type: ignore[attr-defined]
 
-    return Split(rebuild, buffers)
+    return Split(rebuild, [inner[name] for name in tensor_names])

@@ -12,14 +12,14 @@ cover moves in one piece; every alias is rebuilt from that copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from . import compat, marks
 
 # Reported when several apply: the first in this order.
-REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last", "inert")
+REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last", "budget", "inert")
 POLICIES = ("all", "marked")
 
 try:  # fake tensors carry a device but no data
@@ -130,26 +130,45 @@ def on_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.device.index == device.index
 
 
+@dataclass(frozen=True)
+class SavedFact:
+    """What the policy needs to know of one saved buffer, taken while it is alive.
+
+    ``key`` is its storage's identity, ``None`` when it cannot move at all (reason
+    ``device``); ``[start, end)`` the bytes of that storage it can touch.
+    """
+
+    key: int | None
+    start: int = 0
+    end: int = 0
+    element_size: int = 1
+    parameter: bool = False
+
+
+def fact_of(t: torch.Tensor | None, device: torch.device, parameter: bool | None = None) -> SavedFact:
+    """The :class:`SavedFact` of ``t`` (``parameter``: as recorded at save time, when ``t``
+    is a ``detach()``ed alias that no longer tells)."""
+    if t is None or not on_device(t, device):
+        return SavedFact(None)
+    start, end = byte_extent(t)
+    return SavedFact(compat.storage_key(t), start, end, t.element_size(),
+                     is_parameter(t) if parameter is None else parameter)
+
+
 def plan_group(
     tensors: Sequence[torch.Tensor | None],
     *,
     parameters: Sequence[bool] | None = None,
     device: torch.device,
-    min_offload_bytes: int,
-    policy: str,
-    committed: bool,
-    moved_earlier: Callable[[int, list[torch.Tensor]], bool] | None = None,
+    **decisions: Any,
 ) -> GroupPlan:
-    """Decide, for one group, which saved buffers move and why the others stay.
+    """Decide, for one group, which saved buffers move and why the others stay: the
+    :class:`SavedFact` of each tensor, judged by :func:`plan_facts` (``decisions`` are its
+    keyword arguments).
 
     ``parameters[i]`` says whether ``tensors[i]`` is a parameter or a view of one; by
     default :func:`is_parameter` tells (callers holding ``detach()``ed aliases must
-    record it before detaching). ``committed=False`` plans a group whose backward began
-    before its commit (or that is still waiting for it): whatever would move is kept with
-    reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
-    copy of that storage can serve these aliases; if so they come back from it and count
-    as ``alias`` (the bytes were counted by the group that moved them). ``None`` entries
-    are buffers no longer held (reason ``device``).
+    record it before detaching). ``None`` entries are buffers no longer held.
 
     >>> x = torch.randn(1024, 1024)
     >>> plan = plan_group([x, x.t(), torch.ones(3)], device=torch.device("cpu"),
@@ -157,31 +176,51 @@ def plan_group(
     >>> plan.reasons
     [None, 'alias', 'small']
     """
-    if parameters is None:
-        parameters = [t is not None and is_parameter(t) for t in tensors]
-    reasons: list[str | None] = [None] * len(tensors)
-    extents: list[tuple[int, int]] = [(0, 0)] * len(tensors)
-    by_storage: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t is None or not on_device(t, device):
-            reasons[i] = "device"
-            continue
-        extents[i] = byte_extent(t)
-        by_storage.setdefault(compat.storage_key(t), []).append(i)
+    flags = [None] * len(tensors) if parameters is None else list(parameters)
+    return plan_facts([fact_of(t, device, p) for t, p in zip(tensors, flags)], **decisions)
 
-    spans: list[Span] = []
+
+def plan_facts(
+    facts: Sequence[SavedFact],
+    *,
+    min_offload_bytes: int,
+    policy: str,
+    committed: bool,
+    moved_earlier: Callable[[int, list[SavedFact]], bool] | None = None,
+    move_at_most: int | None = None,
+) -> GroupPlan:
+    """Decide, for one group's saved buffers, which move and why the others stay.
+
+    Buffers are judged per storage (R5): a storage with any parameter alias stays
+    (``parameter``), then the marks (``vetoed``, ``not_marked``), then the size of the span
+    the aliases cover (``small``). ``committed=False`` plans a group whose backward began
+    before its commit (or that is still waiting for it): whatever would move is kept with
+    reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
+    copy of that storage can serve these aliases; if so they come back from it and count
+    as ``alias`` (the bytes were counted by the group that moved them). ``move_at_most``
+    (a memory plan's share for this group) moves the largest spans whose bytes add up to
+    at most that many; the rest stay with reason ``budget``.
+    """
+    reasons: list[str | None] = [None] * len(facts)
+    by_storage: dict[int, list[int]] = {}
+    for i, f in enumerate(facts):
+        if f.key is None:
+            reasons[i] = "device"
+        else:
+            by_storage.setdefault(f.key, []).append(i)
+
+    eligible: list[Span] = []
     shared: list[Span] = []
-    roles: dict[int, str] = {}
     for key, members in by_storage.items():
         flags = marks.flags_of(key)
         if len(members) == 1:
-            start, end = extents[members[0]]
+            start, end = facts[members[0]].start, facts[members[0]].end
         else:
-            align = max(tensors[i].element_size() for i in members)  # type: ignore[union-attr]
-            start = min(extents[i][0] for i in members) // align * align
-            end = max(extents[i][1] for i in members)
+            align = max(facts[i].element_size for i in members)
+            start = min(facts[i].start for i in members) // align * align
+            end = max(facts[i].end for i in members)
         reason: str | None
-        if any(parameters[i] for i in members) or flags & marks.PARAMETER:
+        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:
             reason = "parameter"
         elif flags & marks.VETO:
             reason = "vetoed"
@@ -191,16 +230,27 @@ def plan_group(
             reason = "small"
         elif not committed:
             reason = "keep_last"
-        elif moved_earlier is not None and moved_earlier(key, [tensors[i] for i in members]):  # type: ignore[misc]
+        elif moved_earlier is not None and moved_earlier(key, [facts[i] for i in members]):
             shared.append(Span(key, start, end - start, list(members)))
             reason = "alias"
         else:
-            if (role := marks.role_of(key)) is not None:
-                roles[len(spans)] = role
-            spans.append(Span(key, start, end - start, list(members)))
-            for i in members[1:]:
-                reasons[i] = "alias"
+            eligible.append(Span(key, start, end - start, list(members)))
             continue
         for i in members:
             reasons[i] = reason
+
+    spans: list[Span] = []
+    roles: dict[int, str] = {}
+    room = float("inf") if move_at_most is None else move_at_most
+    for span in sorted(eligible, key=lambda sp: -sp.nbytes) if move_at_most is not None else eligible:
+        if span.nbytes > room:
+            for i in span.members:
+                reasons[i] = "budget"
+            continue
+        room -= span.nbytes
+        if (role := marks.role_of(span.storage_key)) is not None:
+            roles[len(spans)] = role
+        spans.append(span)
+        for i in span.members[1:]:
+            reasons[i] = "alias"
     return GroupPlan(reasons, spans, shared, roles)

@@ -1,0 +1,266 @@
+"""The memory-budget planner: a pure function from a measured profile to a plan.
+
+A plan says, for each group of a step, what happens to what it saves, and how far the
+fast path's copies may run ahead:
+
+- ``keep``: everything stays on the device (no bus, no recompute);
+- ``offload``: its largest spans, up to a fraction of its offloadable bytes, move to host
+  memory and come back for backward (bus time, hidden behind compute where it can be);
+- ``recompute``: the group's module runs under activation checkpointing, so it saves only
+  its inputs, and its forward runs again in backward (compute time); ``recompute_offload``
+  also moves those inputs to host memory.
+
+:func:`choose` picks, among a set of candidate plans that does not depend on the budget,
+the fastest whose modelled peak fits: so more budget never predicts a slower step, and a
+budget at or above the no-offload peak keeps everything (keeping is the fastest plan).
+:func:`simulate` is the model: device memory over the step phase by phase, and the step
+time from the compute stream, the two copy streams and the ordering between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
+WINDOWS = (0, 1, 2)  # max_inflight
+PREFETCHES = (0, 1, 2)
+FRACTIONS = (0.5, 1.0)  # of a group's offloadable bytes, largest spans first
+
+
+@dataclass(frozen=True)
+class GroupProfile:
+    """What one group of a step did when profiled.
+
+    ``spans``: the bytes of each span it could offload, largest first; ``kept``: bytes it
+    saves that stay whatever the plan (small, vetoed, not marked); ``inputs``: bytes it saves
+    when recomputed (its module's inputs), ``None`` if it cannot be (not a wrapped module);
+    ``forward_s``/``backward_s``: compute time of its forward and of its backward (without
+    recompute); ``forward_extra``/``backward_extra``: the most bytes allocated during its
+    forward/backward beyond what the model counts (temporaries, gradients of activations);
+    ``grads``: bytes of parameter gradients its backward allocates.
+    """
+
+    name: str
+    spans: tuple[int, ...]
+    kept: int
+    inputs: int | None
+    forward_s: float
+    backward_s: float
+    forward_extra: int = 0
+    backward_extra: int = 0
+    grads: int = 0
+
+    @property
+    def offloadable(self) -> int:
+        return sum(self.spans)
+
+    def moved(self, fraction: float) -> int:
+        """Bytes moved when offloading up to ``fraction`` of the offloadable bytes, largest
+        spans first (a span moves whole)."""
+        cap, moved = fraction * self.offloadable, 0
+        for n in self.spans:
+            if moved + n > cap + 1e-9 and moved > 0:
+                break
+            moved += n
+        return moved
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profiled step: its groups in forward order, and the step around them.
+
+    ``base``: bytes allocated when the first group opened (parameters, optimizer state,
+    inputs, what ran before); ``outside_s``: compute time outside the groups (embedding,
+    loss, head); ``d2h_bps``/``h2d_bps``: copy bandwidth each way.
+    """
+
+    groups: tuple[GroupProfile, ...]
+    base: int
+    outside_s: float
+    d2h_bps: float
+    h2d_bps: float
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    action: str = "keep"
+    fraction: float = 1.0  # of the offloadable bytes (``offload``)
+
+    def moved(self, g: GroupProfile) -> int:
+        if self.action == "offload":
+            return g.moved(self.fraction)
+        if self.action == "recompute_offload":
+            return g.inputs or 0
+        return 0
+
+    def resident(self, g: GroupProfile) -> int:
+        """Bytes the group holds on the device between its forward and its backward."""
+        if self.action == "keep":
+            return g.offloadable + g.kept
+        if self.action == "offload":
+            return g.offloadable - g.moved(self.fraction) + g.kept
+        if self.action == "recompute":
+            return g.inputs or 0
+        return 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[GroupPlan, ...]
+    max_inflight: int = 0
+    prefetch: int = 0
+    peak: int = 0  # modelled, bytes
+    step_s: float = 0.0  # modelled
+
+    def moved(self, profile: Profile) -> int:
+        """Bytes the plan moves or recomputes, a tie-breaker between equally fast plans."""
+        return sum(p.moved(g) + (g.offloadable if p.action.startswith("recompute") else 0)
+                   for g, p in zip(profile.groups, self.groups))
+
+    def describe(self, profile: Profile) -> list[dict]:
+        """One row per group: name, action and bytes, for ``stats()["plan"]``."""
+        return [{"group": g.name, "action": p.action, "offloaded_bytes": p.moved(g),
+                 "resident_bytes": p.resident(g)} for g, p in zip(profile.groups, self.groups)]
+
+
+@dataclass
+class _Streams:
+    """Where the three streams' clocks stand in the simulation."""
+
+    compute: float = 0.0
+    d2h: float = 0.0
+    h2d: float = 0.0
+    inflight: list[tuple[int, float]] = field(default_factory=list)  # (group, copy end)
+
+
+def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, prefetch: int) -> tuple[int, float]:
+    """Modelled ``(peak bytes, step seconds)`` of ``groups`` with this window and prefetch.
+
+    Memory, checked at each group's forward and backward: ``base``, what the earlier
+    groups left resident, copy sources still in flight, what backward has reloaded ahead,
+    gradients so far, and the group's own activations and measured extra (temporaries).
+    Time: the forward runs group after group; a group's copy out starts when it is done and
+    the copy stream is free; compute waits for the oldest copy once more than
+    ``max_inflight`` groups hold their sources. Groups still copying out when backward
+    begins are used in place. In backward a group's reload starts when backward reaches
+    it or the group ``prefetch`` later, and its backward starts once the reload is done;
+    recomputing adds the group's forward to its backward.
+    """
+    gs = profile.groups
+    n = len(gs)
+    resident = [p.resident(g) for g, p in zip(gs, groups)]
+    moved = [p.moved(g) for g, p in zip(gs, groups)]
+    recompute = [p.action.startswith("recompute") for p in groups]
+    s = _Streams()
+    peak = profile.base
+    held = 0  # bytes the groups done so far keep on the device
+    for i, g in enumerate(gs):
+        in_flight = sum(moved[j] for j, _ in s.inflight)
+        saves = 0 if recompute[i] else g.offloadable + g.kept  # alive at its end, before the copy
+        peak = max(peak, profile.base + held + in_flight + saves + g.forward_extra)
+        s.compute += g.forward_s
+        held += resident[i]
+        if moved[i]:
+            s.d2h = max(s.compute, s.d2h) + moved[i] / profile.d2h_bps
+            s.inflight.append((i, s.d2h))
+        s.inflight = [(j, e) for j, e in s.inflight if e > s.compute]  # done: sources freed
+        while len(s.inflight) > max_inflight:
+            _, end = s.inflight.pop(0)
+            s.compute = max(s.compute, end)  # compute waits for the oldest copy
+    s.compute += profile.outside_s
+    in_place = {j for j, _ in s.inflight}  # their sources still live: used in place, not reloaded
+    for j in in_place:
+        resident[j] += moved[j]
+        held += moved[j]
+    peak = max(peak, profile.base + held)
+    grads = 0
+    ready: dict[int, float] = {}  # group -> when its bytes are back on the device
+    s.h2d = s.compute
+    for i in reversed(range(n)):
+        g = gs[i]
+        for j in range(i, max(-1, i - prefetch - 1), -1):  # reaching i: its reload, and prefetch
+            if j not in ready:
+                if moved[j] and j not in in_place:
+                    s.h2d = max(s.compute, s.h2d) + moved[j] / profile.h2d_bps
+                ready[j] = s.h2d if moved[j] and j not in in_place else 0.0
+        held -= resident[i]
+        ahead = sum(moved[j] for j in ready if i - prefetch <= j < i and j not in in_place)
+        # its activations are all back (reloaded or recomputed) while its backward runs
+        peak = max(peak, profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra)
+        s.compute = max(s.compute, ready[i])
+        s.compute += g.backward_s + (g.forward_s if recompute[i] else 0.0)
+        grads += g.grads
+    return peak, s.compute
+
+
+def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
+    peak, step = simulate(profile, groups, w, pf)
+    return Plan(groups, w, pf, peak, step)
+
+
+def candidates(profile: Profile) -> list[Plan]:
+    """Plans from keeping everything down to the least memory, for every window and
+    prefetch: the path that at each step takes the move saving the most modelled peak
+    memory per modelled second added. Independent of any budget."""
+    n = len(profile.groups)
+    keep_all = tuple(GroupPlan() for _ in range(n))
+    out = [_evaluated(profile, keep_all, 0, 0)]
+    for w in WINDOWS:
+        for pf in PREFETCHES:
+            current = _evaluated(profile, keep_all, w, pf)
+            while True:
+                best: tuple[float, Plan] | None = None
+                for i, g in enumerate(profile.groups):
+                    for move in _moves(g, current.groups[i]):
+                        trial = _evaluated(profile, current.groups[:i] + (move,) + current.groups[i + 1:], w, pf)
+                        saved = current.peak - trial.peak
+                        if saved <= 0:
+                            continue
+                        score = saved / max(trial.step_s - current.step_s, 1e-9)
+                        if best is None or score > best[0]:
+                            best = (score, trial)
+                if best is None:
+                    break
+                current = best[1]
+                out.append(current)
+    return out
+
+
+def _moves(g: GroupProfile, p: GroupPlan) -> list[GroupPlan]:
+    """The next, lighter actions for a group (never back to a heavier one)."""
+    out = []
+    if g.offloadable and p.action == "keep":
+        out += [GroupPlan("offload", f) for f in FRACTIONS]
+    if p.action == "offload" and p.fraction < 1.0:
+        out += [GroupPlan("offload", f) for f in FRACTIONS if f > p.fraction]
+    if g.inputs is not None and p.action in ("keep", "offload"):
+        out.append(GroupPlan("recompute"))
+    if g.inputs and p.action in ("keep", "offload", "recompute"):
+        out.append(GroupPlan("recompute_offload"))
+    return out
+
+
+class BudgetTooSmall(ValueError):
+    """No plan keeps the modelled peak under the budget."""
+
+
+def choose(profile: Profile, budget: int, plans: Sequence[Plan] | None = None) -> Plan:
+    """The fastest plan whose modelled peak fits ``budget``.
+
+    >>> g = GroupProfile("0", spans=(4096,), kept=0, inputs=1024, forward_s=1e-3, backward_s=2e-3)
+    >>> p = Profile((g, g), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    >>> choose(p, budget=1 << 20).groups[0].action   # everything fits: keep
+    'keep'
+    """
+    plans = candidates(profile) if plans is None else plans
+    fitting = [p for p in plans if p.peak <= budget]
+    if not fitting:
+        least = min(p.peak for p in plans)
+        raise BudgetTooSmall(
+            f"no plan fits a memory budget of {budget:,} bytes: the smallest reachable peak is about "
+            f"{least:,} bytes ({least / 2**30:.2f} GiB). Raise memory_budget, or make the step smaller."
+        )
+    # Equal modelled times (the bus hidden behind compute) go to the plan that moves and
+    # recomputes least: what the model does not see (hooks, packing) costs it nothing.
+    return min(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))

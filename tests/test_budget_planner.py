@@ -1,0 +1,83 @@
+"""The memory-budget planner, a pure function from a profile to a plan: its promises hold
+on many random profiles (CPU only; the planner never touches a device)."""
+
+import random
+
+import pytest
+
+from actoffload.budget.planner import BudgetTooSmall, GroupPlan, GroupProfile, Profile, candidates, choose, simulate
+
+MiB = 1 << 20
+
+
+def _profile(rng: random.Random) -> Profile:
+    groups = []
+    for i in range(rng.randint(1, 8)):
+        spans = tuple(sorted((rng.randint(1, 64) * MiB for _ in range(rng.randint(0, 4))), reverse=True))
+        fwd = rng.uniform(1e-3, 20e-3)
+        groups.append(GroupProfile(
+            str(i), spans=spans, kept=rng.randint(0, 4) * MiB,
+            inputs=None if rng.random() < 0.2 else rng.randint(1, 16) * MiB,
+            forward_s=fwd, backward_s=2 * fwd, forward_extra=rng.randint(0, 32) * MiB,
+            backward_extra=rng.randint(0, 64) * MiB, grads=rng.randint(0, 8) * MiB))
+    bw = rng.uniform(5e9, 60e9)
+    return Profile(tuple(groups), base=rng.randint(0, 2048) * MiB, outside_s=rng.uniform(0, 5e-3),
+                   d2h_bps=bw, h2d_bps=bw * rng.uniform(0.8, 1.2))
+
+
+PROFILES = [_profile(random.Random(seed)) for seed in range(40)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_chosen_plan_fits_and_more_budget_is_never_slower(seed):
+    profile = PROFILES[seed]
+    plans = candidates(profile)
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    last_time = float("inf")
+    for k in range(9):
+        budget = least + (most - least) * k // 8
+        plan = choose(profile, budget, plans)
+        assert plan.peak <= budget
+        assert simulate(profile, plan.groups, plan.max_inflight, plan.prefetch) == (plan.peak, plan.step_s)
+        assert plan.step_s <= last_time + 1e-12  # more budget never predicts a slower step
+        last_time = plan.step_s
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_budget_at_the_no_offload_peak_keeps_everything(seed):
+    profile = PROFILES[seed]
+    keep_all = tuple(GroupPlan() for _ in profile.groups)
+    peak, step = simulate(profile, keep_all, 0, 0)
+    plan = choose(profile, peak)
+    assert all(p.action == "keep" for p in plan.groups) and plan.step_s == pytest.approx(step)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_budget_below_every_plan_names_the_smallest_reachable_peak(seed):
+    profile = PROFILES[seed]
+    least = min(p.peak for p in candidates(profile))
+    with pytest.raises(BudgetTooSmall, match=f"smallest reachable peak is about {least:,} bytes"):
+        choose(profile, least - 1)
+
+
+def test_planner_model_keep_all_is_pure_compute_and_offloading_is_bus_bound_when_the_bus_is_slow():
+    g = GroupProfile("0", spans=(100 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=2e-3)
+    profile = Profile((g, g, g), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    keep = tuple(GroupPlan() for _ in range(3))
+    assert simulate(profile, keep, 0, 0) == (300 * MiB, pytest.approx(9e-3))
+    off = tuple(GroupPlan("offload") for _ in range(3))
+    peak, step = simulate(profile, off, 0, 0)
+    bus = 100 * MiB / 1e9
+    assert step == pytest.approx(3 * 1e-3 + 3 * bus + 3 * bus + 3 * 2e-3)  # out then back, nothing hidden
+    assert peak == 100 * MiB  # one group's activations at a time
+    recompute = tuple(GroupPlan("recompute") for _ in range(3))
+    peak, step = simulate(profile, recompute, 0, 0)
+    assert step == pytest.approx(3 * 1e-3 + 3 * (2e-3 + 1e-3)) and peak == 2 * MiB + 100 * MiB
+
+
+def test_planner_prefers_recompute_where_the_bus_is_slow_and_offload_where_it_is_fast():
+    g = GroupProfile("0", spans=(256 * MiB,), kept=0, inputs=8 * MiB, forward_s=2e-3, backward_s=4e-3)
+    for bw, action in [(1e9, "recompute"), (1e12, "offload")]:
+        profile = Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=bw, h2d_bps=bw)
+        plan = choose(profile, 700 * MiB)
+        assert plan.groups[0].action == action, (bw, plan)
