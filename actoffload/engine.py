@@ -10,6 +10,7 @@ and lifetimes (R8) live here, once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from functools import partial
@@ -89,9 +90,22 @@ class Engine(Generic[GroupT, MovedT]):
     def _on_backward(self, group: GroupT) -> None:
         """Called at every unpack; implementations may start reloads here."""
 
+    # Where a memory plan (fast's memory_budget) takes part; without one they do nothing.
+    def _step_begins(self) -> None:
+        """The first group of a step (the first after a backward pass began) is opening."""
+
+    def _group_opens(self, group: GroupT) -> None:
+        """``group`` is opening; a plan may set ``group.recompute``."""
+
+    def _group_closing(self, group: GroupT) -> None:
+        """``group``'s forward is over (before its commit)."""
+
     def _move_at_most(self, group: GroupT) -> int | None:
         """Bytes a memory plan lets this group move (``None``: no plan, no limit)."""
         return None
+
+    def _committed(self, group: GroupT, plan: policy.GroupPlan) -> None:
+        """``group`` was committed with ``plan``."""
 
     def _host_bytes(self) -> tuple[int, int]:
         """``(in_use, pooled)`` host bytes."""
@@ -99,7 +113,7 @@ class Engine(Generic[GroupT, MovedT]):
 
     # ------------------------------------------------------------------ opening and closing
     @compat.not_traced
-    def _enter(self, name: str) -> tuple[GroupT, Any] | None:
+    def _enter(self, name: str, recomputable: bool = False) -> tuple[GroupT, Any] | None:
         if compat.in_backward():
             # Activation checkpointing re-runs a forward inside backward, under hooks of its
             # own that must see what it saves: a group opened there does nothing.
@@ -121,17 +135,24 @@ class Engine(Generic[GroupT, MovedT]):
             )
         self._advance_schedule(opening=True)
         with self._lock:
+            new_step = self._backward_began or not self._window
             if self._backward_began:
                 self._window.clear()
                 self._backward_began = False
+        if new_step:
+            self._step_begins()
+        with self._lock:
             unique, k = name, 1
             while unique in self._window:
                 k += 1
                 unique = f"{name}#{k}"
+            position = len(self._window)
             self._window[unique] = {}
             prev = self._last_group() if self._last_group is not None else None
             group = self._new_group(unique, prev, compat.sequence_nr())
+            group.position, group.recomputable = position, recomputable
             self._last_group = weakref.ref(group)
+        self._group_opens(group)
         if compat.mutation_on_saved_allowed():
             hooks = self._delegating_hooks(group)
         else:
@@ -156,6 +177,15 @@ class Engine(Generic[GroupT, MovedT]):
 
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
+    def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
+        """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
+        forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
+        on the way (what the group would have saved, for a memory plan's profile)."""
+        return _SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)), contextlib.nullcontext()
+
+    def _seen_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> None:
+        """A tensor the checkpointed forward of ``group`` saved (and checkpoint discarded)."""
+
     @compat.not_traced
     def _exit(self, entry: tuple[GroupT, Any] | None, failed: bool) -> None:
         if entry is None:
@@ -164,6 +194,7 @@ class Engine(Generic[GroupT, MovedT]):
         _local.open = None
         hooks.__exit__(None, None, None)
         group.end_seq = compat.sequence_nr()
+        self._group_closing(group)
         with self._lock:
             if failed:
                 # Never committed; it stays with its graph and is freed with it (R8).
@@ -218,6 +249,7 @@ class Engine(Generic[GroupT, MovedT]):
     def _commit(self, group: GroupT) -> None:
         """Decide (policy) and start moving what the plan says (implementation)."""
         plan = self._plan(group, committed=True)
+        self._committed(group, plan)
         tensors = [s.tensor for s in group.saved]
         moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
         try:
@@ -423,6 +455,30 @@ class Engine(Generic[GroupT, MovedT]):
             "host_bytes_in_use": in_use,
             "host_bytes_pooled": pooled,
         }
+
+
+class _SeeingSaves:
+    """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
+    innermost when entered (checkpoint enters its own, then this one)."""
+
+    def __init__(self, see: Any):
+        self._see = see
+        self._hooks: Any = None
+
+    def __enter__(self) -> None:
+        outer = compat.current_saved_tensors_hooks()
+        assert outer is not None, "checkpoint installs its hooks before entering its context"
+        outer_pack, outer_unpack = outer
+
+        def pack(t: torch.Tensor) -> Any:
+            self._see(t)
+            return outer_pack(t)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def _nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list[Any]:

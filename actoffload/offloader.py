@@ -56,15 +56,25 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    def __init__(self, offloader: Offloader, name: str):
+    def __init__(self, offloader: Offloader, name: str, recomputable: bool = False):
         self._offloader = offloader
         self._name = name
+        self._recomputable = recomputable  # ao.wrap's groups: the module can be run again
         self._entry: Any = None
 
     @compat.not_traced
     def __enter__(self) -> GroupContext:
-        self._entry = self._offloader._enter(self._name)
+        self._entry = self._offloader._enter(self._name, self._recomputable)
         return self
+
+    @property
+    def recompute(self) -> bool:
+        """Whether a memory plan runs this group under activation checkpointing."""
+        return self._entry is not None and self._entry[0].recompute
+
+    def checkpoint_contexts(self) -> tuple[Any, Any]:
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` when :attr:`recompute`."""
+        return self._offloader._checkpoint_contexts(self._entry[0])
 
     @compat.not_traced
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

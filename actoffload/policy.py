@@ -59,6 +59,7 @@ class GroupPlan:
     spans: list[Span]
     shared: list[Span] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)  # span index -> the op role that selected it
+    stayed: list[tuple[str, int]] = field(default_factory=list)  # (reason, bytes) of each storage kept
 
     def summary(self) -> dict:
         kept: dict[str, int] = {}
@@ -211,6 +212,7 @@ def plan_facts(
 
     eligible: list[Span] = []
     shared: list[Span] = []
+    stayed: list[tuple[str, int]] = []
     for key, members in by_storage.items():
         flags = marks.flags_of(key)
         if len(members) == 1:
@@ -238,6 +240,7 @@ def plan_facts(
             continue
         for i in members:
             reasons[i] = reason
+        stayed.append((reason, end - start))
 
     spans: list[Span] = []
     roles: dict[int, str] = {}
@@ -246,6 +249,7 @@ def plan_facts(
         if span.nbytes > room:
             for i in span.members:
                 reasons[i] = "budget"
+            stayed.append(("budget", span.nbytes))
             continue
         room -= span.nbytes
         if (role := marks.role_of(span.storage_key)) is not None:
@@ -253,4 +257,4 @@ def plan_facts(
         spans.append(span)
         for i in span.members[1:]:
             reasons[i] = "alias"
-    return GroupPlan(reasons, spans, shared, roles)
+    return GroupPlan(reasons, spans, shared, roles, stayed)

@@ -109,6 +109,9 @@ class Group:
         # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
         self.first_seq = first_seq
         self.end_seq = first_seq
+        self.position = 0  # its place among the groups of its step (stats' window)
+        self.recomputable = False  # a wrapped module: it can run under activation checkpointing
+        self.recompute = False  # it does (a memory plan says so)
 
     def previous(self) -> Group | None:
         return self.prev() if self.prev is not None else None

@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from . import compat
 from .marks import mark_parameters
@@ -86,7 +87,11 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
     def forward(*args: Any, **kwargs: Any) -> Any:
         group = _open(module, off, name)
         try:
-            out = inner(*args, **kwargs)
+            if group.recompute:  # a memory plan's choice: save only the inputs, recompute in backward
+                out = torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False,
+                                                        context_fn=group.checkpoint_contexts, **kwargs)
+            else:
+                out = inner(*args, **kwargs)
         except BaseException:
             _close(group, failed=True)
             raise
@@ -109,7 +114,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
 def _open(module: torch.nn.Module, off: Offloader, name: str) -> GroupContext:
     # at every call: a parameter's storage may have changed (.data replaced, FSDP)
     mark_parameters(*module.parameters())
-    return off.group(name).__enter__()
+    return GroupContext(off, name, recomputable=True).__enter__()
 
 
 @compat.not_traced

@@ -34,11 +34,14 @@ from typing import Any
 
 import torch
 
+from actoffload import policy
+from actoffload.budget.controller import BudgetController
+from actoffload.budget.planner import GroupPlan
 from actoffload.observe import wants_copies
 from actoffload.offloader import Offloader
-from actoffload.policy import Span
+from actoffload.policy import SavedFact, Span
 from actoffload.records import Group, GroupState, Moved
-from actoffload.settings import check_choice, check_count
+from actoffload.settings import check_choice, check_count, parse_bytes
 from actoffload.storageref import WeakStorage
 
 from .packing import PACKERS, Packer
@@ -76,12 +79,15 @@ class FastMoved(Moved):
 
 
 class FastGroup(Group):
-    """A group in fast: whether its backward began, and whether its reload was started."""
+    """A group in fast: whether its backward began, whether its reload was started, and
+    what a memory plan has it do."""
 
     def __init__(self, name: str, prev: Group | None, first_seq: int):
         super().__init__(name, prev, first_seq)
         self.reached = False  # its backward began (first unpack seen)
         self.reloading = False  # its reload was enqueued (or its sources used in place)
+        self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
+        self.would_save: list[SavedFact] = []  # under checkpoint while profiling
 
 
 class FastOffloader(Offloader[FastGroup, FastMoved]):
@@ -104,20 +110,38 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
+    - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
+      device memory a training step may allocate, everything included (parameters,
+      gradients, optimizer state, the offloader's own buffers). The first step profiles
+      (the least-memory plan: every wrapped module recomputed with its inputs moved out,
+      every other group moved out, copies synchronous); from the second on, each group
+      keeps, offloads (all or its largest spans) or recomputes (modules given to
+      ``ao.wrap``, under activation checkpointing) as the fastest plan that fits says, and
+      ``max_inflight``/``prefetch`` are the plan's; ``keep_last`` does not apply. A new
+      workload (another sequence length) profiles again; a step over the budget makes the
+      next plan leave that much more room. ``stats()["plan"]`` shows the plan, its
+      predicted peak and time, and the last step's measured ones. A budget no plan
+      reaches raises ``ValueError`` naming the smallest reachable peak.
 
     Example::
 
         off = ao.Offloader(impl="fast", max_inflight=1, prefetch=1)
+        off = ao.Offloader(impl="fast", memory_budget="60GiB")
     """
 
     impl = "fast"
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
-                 pack_below: int = 4 << 20, packer: str = "auto", **settings: Any):
+                 pack_below: int = 4 << 20, packer: str = "auto", memory_budget: int | str | None = None,
+                 **settings: Any):
         super().__init__(impl, **settings)
         self.max_inflight = check_count("max_inflight", max_inflight)
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
+        self._budget: BudgetController | None = None
+        if memory_budget is not None:
+            self._budget = BudgetController(parse_bytes("memory_budget", memory_budget), self.device)
+            self.keep_last = 0  # the plan decides what stays
         self._streams = CopyStreams(self.device)
         self._pool = PinnedPool(self._host.allocate)
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
@@ -129,7 +153,46 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     @property
     def settings(self) -> dict[str, Any]:
         return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
-                "pack_below": self.pack_below, "packer": self._packer.name}
+                "pack_below": self.pack_below, "packer": self._packer.name,
+                "memory_budget": None if self._budget is None else self._budget.budget}
+
+    # ------------------------------------------------------------------ a memory plan
+    def _copy_window(self) -> tuple[int, int]:
+        """``(max_inflight, prefetch)`` in effect: the plan's, else the settings."""
+        planned = self._budget.window() if self._budget is not None else None
+        return planned if planned is not None else (self.max_inflight, self.prefetch)
+
+    def _step_begins(self) -> None:
+        if self._budget is not None:
+            self._budget.step_begins()
+
+    def _group_opens(self, group: FastGroup) -> None:
+        if self._budget is not None:
+            group.planned = self._budget.action(group.recomputable)
+            group.recompute = group.recomputable and group.planned.action.startswith("recompute")
+
+    def _group_closing(self, group: FastGroup) -> None:
+        if self._budget is not None:
+            self._budget.group_closing(group.position)
+
+    def _move_at_most(self, group: FastGroup) -> int | None:
+        if self._budget is None or group.planned is None:
+            return None
+        return self._budget.move_at_most(group.position, group.planned)
+
+    def _seen_under_checkpoint(self, group: FastGroup, t: torch.Tensor) -> None:
+        if self._budget is not None and self._budget.profiling:
+            group.would_save.append(policy.fact_of(t, self.device))
+
+    def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:
+        if self._budget is None:
+            return
+        inner = None
+        if group.recompute:
+            inner = policy.plan_facts(group.would_save, min_offload_bytes=self.min_offload_bytes,
+                                      policy=self.policy, committed=True)
+            group.would_save = []
+        self._budget.committed(group.position, group.recompute, plan, inner)
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:
         return FastGroup(name, prev, first_seq)
@@ -217,7 +280,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         with self._inflight_lock:
             while self._inflight and self._inflight[0][0].done.query():
                 self._release_sources(self._inflight.popleft())
-            while len(self._inflight) > self.max_inflight:
+            while len(self._inflight) > self._copy_window()[0]:
                 entry = self._inflight.popleft()
                 self._streams.wait(entry[0].done)  # later compute work waits for the copy
                 self.counters["compute_waits"] += 1
@@ -244,9 +307,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if group.reached:
                 return  # the common case: every unpack after the group's first
             group.reached = True
+        if self._budget is not None:
+            self._budget.backward_reaches(group.position)
         self._reap()  # first free what finished copies no longer need, then allocate reloads
         self._start_reload(group)
-        for ahead in self._upcoming(group, self.prefetch):
+        for ahead in self._upcoming(group, self._copy_window()[1]):
             if self._start_reload(ahead):
                 self.counters["prefetched_groups"] += 1
 
@@ -349,5 +414,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         return self._pool.in_use, self._pool.pooled
 
     def _stats(self) -> dict[str, Any]:
-        return {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
-                "pack_below": self.pack_below, "copies": dict(self.counters)}
+        out = {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
+               "pack_below": self.pack_below, "copies": dict(self.counters)}
+        if self._budget is not None:
+            out["plan"] = self._budget.stats()
+        return out

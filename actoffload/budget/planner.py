@@ -71,8 +71,9 @@ class Profile:
     """A profiled step: its groups in forward order, and the step around them.
 
     ``base``: bytes allocated when the first group opened (parameters, optimizer state,
-    inputs, what ran before); ``outside_s``: compute time outside the groups (embedding,
-    loss, head); ``d2h_bps``/``h2d_bps``: copy bandwidth each way.
+    inputs, what ran before); ``outside_s``: compute time between the last group's forward
+    and the first group's backward (head, loss); ``d2h_bps``/``h2d_bps``: copy bandwidth
+    each way.
     """
 
     groups: tuple[GroupProfile, ...]
@@ -80,6 +81,7 @@ class Profile:
     outside_s: float
     d2h_bps: float
     h2d_bps: float
+    outside_extra: int = 0  # the most the head and loss allocate between forward and backward
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         while len(s.inflight) > max_inflight:
             _, end = s.inflight.pop(0)
             s.compute = max(s.compute, end)  # compute waits for the oldest copy
+    in_flight = sum(moved[j] for j, _ in s.inflight)
+    peak = max(peak, profile.base + held + in_flight + profile.outside_extra)
     s.compute += profile.outside_s
     in_place = {j for j, _ in s.inflight}  # their sources still live: used in place, not reloaded
     for j in in_place:

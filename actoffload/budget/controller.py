@@ -1,0 +1,232 @@
+"""Applying a memory budget: profile a step, plan, run the plan, check it, adapt.
+
+The fast offloader calls these methods at the points of a step where it already does
+work (a group opens or closes, is committed, is reached by backward). A step begins at
+the first group opened after a backward pass began.
+
+- **Profiling** (the first step, and again when the workload changes, for example a new
+  sequence length): the least-memory plan the offloader can run without knowing
+  anything: every wrapped module recomputed with its inputs moved out, every other group
+  moved out whole, copies synchronous (``max_inflight=0``, ``prefetch=0``). Meanwhile it
+  measures each group's compute time, the bytes it would save, and the most memory its
+  forward and its backward allocate beyond them.
+- **Planning**: :func:`actoffload.budget.planner.choose` picks the fastest plan whose
+  modelled peak fits the budget, less a margin.
+- **Checking**: each step's measured peak is compared with the budget; an overshoot
+  widens the margin by as much, and the next step runs the plan chosen for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import policy
+from .planner import GroupPlan, GroupProfile, Plan, Profile, candidates, choose
+from .probe import Probe
+
+WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
+
+
+@dataclass
+class _Measured:
+    """What profiling saw of one group."""
+
+    recomputed: bool
+    start: Any = None
+    end: Any = None
+    touched: Any = None  # backward reached it
+    allocated_at_start: int = 0
+    forward_peak: int = 0  # above allocated_at_start
+    backward_peak: int = 0  # absolute, while its backward ran
+    spans: tuple[int, ...] = ()  # offloadable bytes it would save (not recomputed)
+    kept: int = 0
+    inputs: int = 0  # bytes it saved while recomputed
+    moved: int = 0  # bytes it moved during profiling
+
+
+@dataclass
+class _Step:
+    start: Any = None
+    base: int = 0
+    groups: list[_Measured] = field(default_factory=list)
+    last_touch: Any = None
+    last_exit: Any = None
+    outside_peak: int = 0
+
+
+class BudgetController:
+    """Keeps a fast offloader's peak device memory under ``budget`` bytes at the least step time."""
+
+    def __init__(self, budget: int, device: torch.device):
+        self.budget = budget
+        self.probe = Probe(device)
+        self.margin = 0
+        self.profile: Profile | None = None
+        self.plans: list[Plan] = []
+        self.plan: Plan | None = None
+        self.measured_peak: int | None = None
+        self.measured_step_s: float | None = None
+        self._profiling: _Step | None = None
+        self._reprofile = True
+        self._step_start: Any = None
+        self._position = 0
+        self._bandwidth: tuple[float, float] | None = None
+
+    # ------------------------------------------------------------------ a step
+    def step_begins(self) -> None:
+        """The first group of a step is opening: close the last step, set up this one."""
+        now = self.probe.mark()
+        if self._profiling is not None:
+            self._finish_profiling(now)
+        elif self._step_start is not None:
+            self._check_last_step(now)
+        if self._reprofile:
+            self._profiling = _Step(start=self.probe.mark(), base=self.probe.allocated())
+            self._reprofile = False
+        self.probe.reset_peak()
+        self._step_start = now
+        self._position = 0
+
+    def action(self, recomputable: bool) -> GroupPlan:
+        """What the next group of this step does (it is opening)."""
+        i = self._position
+        self._position += 1
+        if self._profiling is not None:
+            action = GroupPlan("recompute_offload" if recomputable else "offload")
+            self._profiling.groups.append(_Measured(recomputed=recomputable, start=self.probe.mark(),
+                                                    allocated_at_start=self.probe.allocated()))
+            self.probe.reset_peak()
+            return action
+        assert self.plan is not None and self.profile is not None
+        if i >= len(self.plan.groups) or (self.plan.groups[i].action.startswith("recompute") and not recomputable):
+            self._reprofile = True  # more groups than profiled, or a different kind: a new workload
+            return GroupPlan("offload")
+        return self.plan.groups[i]
+
+    def group_closing(self, position: int) -> None:
+        if self._profiling is not None and position < len(self._profiling.groups):
+            m = self._profiling.groups[position]
+            m.end = self._profiling.last_exit = self.probe.mark()
+            m.forward_peak = max(0, self.probe.peak() - m.allocated_at_start)
+            self.probe.reset_peak()
+
+    def move_at_most(self, position: int, action: GroupPlan) -> int | None:
+        """Bytes the plan lets the group at ``position`` move (``None``: all it can)."""
+        if action.action in ("recompute", "keep"):
+            return 0
+        if action.action == "recompute_offload" or self._profiling is not None or self.profile is None:
+            return None
+        return action.moved(self.profile.groups[position])
+
+    def committed(self, position: int, recomputed: bool, plan: policy.GroupPlan, would_save: policy.GroupPlan | None) -> None:
+        """A group's commit: what it saved (profiling), or whether the workload changed."""
+        moved = sum(s.nbytes for s in plan.spans)
+        kept = sum(n for reason, n in plan.stayed if reason not in ("parameter",))
+        if self._profiling is not None:
+            if position >= len(self._profiling.groups):
+                return
+            m = self._profiling.groups[position]
+            m.moved = moved
+            if recomputed:
+                m.inputs = moved + kept
+                inner = would_save or policy.GroupPlan([], [])
+                m.spans = tuple(sorted((s.nbytes for s in inner.spans), reverse=True))
+                m.kept = sum(n for reason, n in inner.stayed if reason != "parameter")
+            else:
+                m.spans = tuple(sorted((s.nbytes for s in plan.spans), reverse=True))
+                m.kept = kept
+            return
+        if self.profile is None or position >= len(self.profile.groups):
+            return
+        g = self.profile.groups[position]
+        now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
+        then = (g.inputs or 0) if recomputed else g.offloadable
+        if abs(now - then) > WORKLOAD_CHANGE * max(then, 1):
+            self._reprofile = True
+
+    def backward_reaches(self, position: int) -> None:
+        step = self._profiling
+        if step is None or position >= len(step.groups):
+            return
+        now = self.probe.mark()
+        peak = self.probe.peak()
+        self.probe.reset_peak()
+        if step.last_touch is None:
+            step.outside_peak = peak  # the head and loss, between the last group and backward
+        else:
+            step.groups[step.last_touch].backward_peak = max(step.groups[step.last_touch].backward_peak, peak)
+        step.groups[position].touched = now
+        step.last_touch = position
+
+    def window(self) -> tuple[int, int] | None:
+        """``(max_inflight, prefetch)`` the plan sets, or ``None`` to use the settings."""
+        if self._profiling is not None:
+            return 0, 0
+        return (self.plan.max_inflight, self.plan.prefetch) if self.plan is not None else None
+
+    @property
+    def profiling(self) -> bool:
+        return self._profiling is not None
+
+    # ------------------------------------------------------------------ planning
+    def _finish_profiling(self, end: Any) -> None:
+        step, self._profiling = self._profiling, None
+        assert step is not None
+        if step.last_touch is not None:
+            last = step.groups[step.last_touch]
+            last.backward_peak = max(last.backward_peak, self.probe.peak())
+        if not step.groups or any(m.end is None for m in step.groups):
+            self._reprofile = True
+            return
+        if self._bandwidth is None:
+            self._bandwidth = self.probe.bandwidth()
+        d2h, h2d = self._bandwidth
+        groups: list[GroupProfile] = []
+        held = 0
+        touches = [m.touched for m in step.groups]
+        for i, m in enumerate(step.groups):
+            fwd = self.probe.seconds(m.start, m.end)
+            after = touches[i - 1] if i > 0 and touches[i - 1] is not None else end
+            bwd = self.probe.seconds(m.touched, after) if m.touched is not None else 2 * fwd
+            bwd -= m.moved / h2d + (fwd if m.recomputed else 0.0)  # its reload and its recompute
+            saves = sum(m.spans) + m.kept
+            forward_extra = m.forward_peak - (0 if m.recomputed else saves)
+            backward_extra = m.backward_peak - (step.base + held + saves)
+            groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
+                                       max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0)))
+            held += 0 if m.recomputed else m.kept
+        outside = 0.0
+        if step.last_exit is not None and touches[-1] is not None:
+            outside = self.probe.seconds(step.last_exit, touches[-1])
+        self.profile = Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
+                               outside_extra=max(step.outside_peak - (step.base + held), 0))
+        self.plans = candidates(self.profile)
+        self._choose()
+
+    def _choose(self) -> None:
+        assert self.profile is not None
+        self.plan = choose(self.profile, self.budget - self.margin, self.plans)
+
+    def _check_last_step(self, now: Any) -> None:
+        """The last step's peak and time (without waiting: skipped if still running)."""
+        self.measured_peak = self.probe.peak()
+        if not self.probe.cuda or now.query():
+            self.measured_step_s = self.probe.seconds(self._step_start, now)
+        if self.plan is not None and self.measured_peak > self.budget:
+            self.margin += self.measured_peak - self.budget + self.budget // 100
+            self._choose()
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"memory_budget": self.budget, "margin": self.margin,
+                               "state": "profiling" if self._profiling is not None or self.plan is None else "planned"}
+        if self.plan is not None and self.profile is not None:
+            out.update(groups=self.plan.describe(self.profile), max_inflight=self.plan.max_inflight,
+                       prefetch=self.plan.prefetch, predicted_peak_bytes=self.plan.peak,
+                       predicted_step_s=self.plan.step_s)
+        out.update(measured_peak_bytes=self.measured_peak if self.probe.cuda else None,
+                   measured_step_s=self.measured_step_s if self.probe.cuda else None)
+        return out

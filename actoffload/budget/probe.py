@@ -1,0 +1,72 @@
+"""What the budget controller reads from the device: memory and time, measured.
+
+On CUDA: the caching allocator's counters and CUDA events. On the CPU there is no
+allocator to read: memory reads zero (the plan then rests on the bytes the groups save,
+which the engine knows) and time is the host clock; that keeps every code path of the
+controller testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+class Probe:
+    """Device memory and time for one device.
+
+    Example::
+
+        probe = Probe(torch.device("cuda"))
+        probe.reset_peak(); t0 = probe.mark()
+        ...                                   # device work
+        probe.peak(), probe.seconds(t0, probe.mark())
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def peak(self) -> int:
+        """The most bytes allocated since the last :meth:`reset_peak`."""
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mark(self) -> Any:
+        """A point in time on the compute stream (an event on CUDA)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two marks (waits for ``end`` on CUDA)."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def bandwidth(self) -> tuple[float, float]:
+        """Pinned copy bandwidth ``(device to host, host to device)`` in bytes per second."""
+        if not self.cuda:
+            return 10e9, 10e9  # a nominal figure: CPU "copies" are memcpy
+        n = 64 << 20
+        dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        out = []
+        for copy in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, non_blocking=True)):
+            copy()  # warm up
+            start = self.mark()
+            for _ in range(3):
+                copy()
+            out.append(3 * n / self.seconds(start, self.mark()))
+        return out[0], out[1]

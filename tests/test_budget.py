@@ -1,0 +1,122 @@
+"""fast with a memory_budget: profile, plan, run the plan; every action bitwise equal to no
+offloading (CPU: memory is the bytes the groups save; the measured peak is CUDA's)."""
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.budget.probe import Probe
+from helpers import assert_bitwise
+
+D, H = 256, 1024
+
+
+def _blocks():
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D)) for _ in range(4))
+
+
+def _steps(blocks, off, steps=4, rows=64):
+    """Gradients of each step; ``off`` wraps the blocks (a plan may recompute them)."""
+    handle = ao.wrap(blocks, off) if off is not None else None
+    out, plans = [], []
+    for step in range(steps):
+        x = torch.randn(rows, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        h = x * 1
+        for b in blocks:
+            h = h + b(h)
+        h.square().sum().backward()
+        out.append([x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()])
+        for p in blocks.parameters():
+            p.grad = None
+        if off is not None:
+            plans.append(off.stats()["plan"])
+    if handle is not None:
+        handle.remove()
+    return out, plans
+
+
+GROUP_BYTES = 64 * (D + H) * 4 + 64 * H * 4  # fc1's input, GELU's input, fc2's input (fp32)
+
+
+@pytest.mark.parametrize("budget", [8 * GROUP_BYTES, 3 * GROUP_BYTES, 2 * GROUP_BYTES, GROUP_BYTES + 4096])
+def test_budget_plans_fit_and_gradients_are_bitwise(budget):
+    expected, _ = _steps(_blocks(), None)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
+    got, plans = _steps(_blocks(), off)
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    assert plans[0]["state"] == "profiling" and plans[1]["state"] == "planned"  # profiled, then planned
+    assert all(p["predicted_peak_bytes"] <= budget for p in plans[1:])
+    actions = [g["action"] for g in plans[-1]["groups"]]
+    if budget >= 8 * GROUP_BYTES:
+        assert actions == ["keep"] * 4  # everything fits: nothing moves
+    else:
+        assert actions != ["keep"] * 4
+    assert set(plans[-1]) >= {"memory_budget", "groups", "max_inflight", "prefetch", "predicted_peak_bytes",
+                              "predicted_step_s", "measured_peak_bytes", "measured_step_s"}
+
+
+def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):
+    # a very slow bus makes recomputing the cheaper way to free memory
+    monkeypatch.setattr(Probe, "bandwidth", lambda self: (1e6, 1e6))
+    expected, _ = _steps(_blocks(), None)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0)
+    got, plans = _steps(_blocks(), off)
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    actions = [g["action"] for g in plans[-1]["groups"]]
+    assert any(a.startswith("recompute") for a in actions), actions
+    s = off.stats()["groups"]["0"]
+    if actions[0] == "recompute":  # only its input (checkpoint's) is saved, and kept
+        assert s["offloaded_bytes"] == 0 and s["saved"] <= 3
+
+
+def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
+    with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest reachable peak"):
+        _steps(_blocks(), off, steps=2)
+
+
+def test_budget_profiles_again_when_the_workload_changes():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    blocks = _blocks()
+    _, plans = _steps(blocks, off, steps=3, rows=64)
+    first = plans[-1]["predicted_peak_bytes"]
+    _, plans = _steps(blocks, off, steps=3, rows=128)  # another sequence length: twice the bytes
+    assert [p["state"] for p in plans] == ["planned", "profiling", "planned"]  # seen at commit, profiled next
+    assert plans[-1]["predicted_peak_bytes"] != first and plans[-1]["predicted_peak_bytes"] <= 3 * GROUP_BYTES
+
+
+def test_budget_works_with_groups_opened_by_hand():
+    """Groups opened with ``with off.group`` cannot be recomputed; they keep or offload."""
+    blocks = _blocks()
+    expected, _ = _steps(blocks, None)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0)
+    got = []
+    for step in range(4):
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        h = x * 1
+        for i, b in enumerate(blocks):
+            with off.group(str(i)):
+                h = h + b(h)
+        h.square().sum().backward()
+        got.append([x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()])
+        for p in blocks.parameters():
+            p.grad = None
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    actions = {g["action"] for g in off.stats()["plan"]["groups"]}
+    assert actions <= {"keep", "offload"} and "offload" in actions
+
+
+@pytest.mark.parametrize("bad", ["lots", -5, 0, 1.5])
+def test_budget_bad_values_name_the_setting(bad):
+    with pytest.raises(ValueError, match="memory_budget"):
+        ao.Offloader(impl="fast", device="cpu", memory_budget=bad)
+
+
+def test_budget_is_a_setting_of_fast():
+    with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation"):
+        ao.Offloader(impl="ref", device="cpu", memory_budget="1GiB")
