@@ -110,6 +110,10 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
+    - ``pin_ahead`` (default on): on CUDA, when the pinned pool must allocate a block (the
+      first step), it allocates one more of that size on a background thread, so pinning
+      host memory overlaps the GPU's work instead of adding to the first step. Costs at
+      most one extra pooled block per size class of host memory.
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
       device memory a training step may allocate, everything included (parameters,
       gradients, optimizer state, the offloader's own buffers). The first step profiles
@@ -132,8 +136,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     impl = "fast"
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
-                 pack_below: int = 4 << 20, packer: str = "auto", memory_budget: int | str | None = None,
-                 **settings: Any):
+                 pack_below: int = 4 << 20, packer: str = "auto", pin_ahead: bool = True,
+                 memory_budget: int | str | None = None, **settings: Any):
         super().__init__(impl, **settings)
         self.max_inflight = check_count("max_inflight", max_inflight)
         self.prefetch = check_count("prefetch", prefetch)
@@ -143,7 +147,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             self._budget = BudgetController(parse_bytes("memory_budget", memory_budget), self.device)
             self.keep_last = 0  # the plan decides what stays
         self._streams = CopyStreams(self.device)
-        self._pool = PinnedPool(self._host.allocate)
+        if not isinstance(pin_ahead, bool):
+            raise ValueError(f"pin_ahead must be True or False, got {pin_ahead!r}")
+        self._pool = PinnedPool(self._host.allocate, ahead=pin_ahead and self.device.type == "cuda")
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
@@ -153,7 +159,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     @property
     def settings(self) -> dict[str, Any]:
         return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
-                "pack_below": self.pack_below, "packer": self._packer.name,
+                "pack_below": self.pack_below, "packer": self._packer.name, "pin_ahead": self._pool.ahead,
                 "memory_budget": None if self._budget is None else self._budget.budget}
 
     # ------------------------------------------------------------------ a memory plan

@@ -46,6 +46,12 @@ class Block:
 class PinnedPool:
     """Size-classed free lists of host buffers.
 
+    With ``ahead``, a request the pool cannot serve also starts allocating one more block of
+    its size class on a background thread: the groups of a first step ask for the same
+    sizes one after another, and pinning host memory is slow (the pages are touched and
+    locked), so the next group finds its block ready while the GPU was busy. At most one
+    block per size class is allocated ahead; it stays pooled if nothing asks for it.
+
     Example::
 
         pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
@@ -54,10 +60,12 @@ class PinnedPool:
         pool.put(block)                # reused by the next get() of the same class
     """
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor]):
+    def __init__(self, allocate: Callable[[int], torch.Tensor], ahead: bool = False):
         self._allocate = allocate
+        self.ahead = ahead
         self._free: dict[int, list[Block]] = {}
         self._lock = threading.Lock()
+        self._allocating: dict[int, threading.Thread] = {}  # size class -> allocating ahead
         self.in_use = 0
         self.pooled = 0
         self.allocations = 0  # host allocations made so far (flat after the first step)
@@ -75,7 +83,34 @@ class PinnedPool:
         with self._lock:
             self.allocations += 1
             self.in_use += size
+            if self.ahead and size not in self._allocating:
+                thread = threading.Thread(target=self._allocate_ahead, args=(size,), daemon=True)
+                self._allocating[size] = thread
+                thread.start()
         return block
+
+    def _allocate_ahead(self, size: int) -> None:
+        try:
+            block = Block(self._allocate(size))
+        except MemoryError:  # over the host budget, or out of memory: the next get() will say so
+            return
+        finally:
+            with self._lock:
+                self._allocating.pop(size, None)
+        with self._lock:
+            self.allocations += 1
+            self._free.setdefault(size, []).append(block)
+            self.pooled += size
+
+    def wait_ahead(self) -> None:
+        """Wait until no block is being allocated ahead (for tests and shutdown)."""
+        while True:
+            with self._lock:
+                threads = list(self._allocating.values())
+            if not threads:
+                return
+            for t in threads:
+                t.join()
 
     def put(self, block: Block) -> None:
         with self._lock:

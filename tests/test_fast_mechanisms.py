@@ -121,3 +121,22 @@ def test_fast_packer_is_chosen_explicitly_and_both_give_identical_gradients(pack
     assert_bitwise(grads_of(model, x), expected)
     s = off.stats()
     assert s["packer"] == name and s["copies"]["packed_spans"] == 8
+
+
+def test_pool_allocates_one_block_ahead_per_size_class_and_serves_the_next_request_from_it():
+    calls = []
+
+    def allocate(n):
+        calls.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = PinnedPool(allocate, ahead=True)
+    a = pool.get(5000)  # a miss: allocated now, and one more of its class ahead
+    pool.wait_ahead()
+    assert calls == [size_class(5000)] * 2 and pool.pooled == size_class(5000)
+    b = pool.get(4999)  # served by the block allocated ahead
+    assert b is not a and pool.pooled == 0 and pool.allocations == 2
+    pool.wait_ahead()
+    assert len(calls) == 2  # a hit allocates nothing, ahead or not
+    pool.put(a)
+    pool.put(b)
