@@ -81,6 +81,11 @@ def will_execute(node: Any) -> bool:
     return torch._C._will_engine_execute_node(node)
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass has finished (call it during one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def mutation_on_saved_allowed() -> bool:
     """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active."""
     return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import policy
+from .. import compat, policy
 from .planner import GroupPlan, GroupProfile, Plan, Profile, candidates, choose
 from .probe import Probe
 
@@ -54,6 +54,7 @@ class _Step:
     groups: list[_Measured] = field(default_factory=list)
     last_touch: Any = None
     last_exit: Any = None
+    backward_end: Any = None
     outside_peak: int = 0
 
 
@@ -69,11 +70,14 @@ class BudgetController:
         self.plan: Plan | None = None
         self.measured_peak: int | None = None
         self.measured_step_s: float | None = None
+        self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._profiling: _Step | None = None
         self._reprofile = True
         self._step_start: Any = None
         self._position = 0
         self._bandwidth: tuple[float, float] | None = None
+        self._awaiting_backward_end = False
+        self._last_span: tuple[Any, Any] | None = None  # (start, end) marks of the latest step
 
     # ------------------------------------------------------------------ a step
     def step_begins(self) -> None:
@@ -81,8 +85,6 @@ class BudgetController:
         now = self.probe.mark()
         if self._profiling is not None:
             self._finish_profiling(now)
-        elif self._step_start is not None:
-            self._check_last_step(now)
         if self._reprofile:
             self._profiling = _Step(start=self.probe.mark(), base=self.probe.allocated())
             self._reprofile = False
@@ -148,6 +150,9 @@ class BudgetController:
             self._reprofile = True
 
     def backward_reaches(self, position: int) -> None:
+        if not self._awaiting_backward_end:
+            self._awaiting_backward_end = True
+            compat.at_backward_end(self._backward_ended)
         step = self._profiling
         if step is None or position >= len(step.groups):
             return
@@ -178,6 +183,8 @@ class BudgetController:
         if step.last_touch is not None:
             last = step.groups[step.last_touch]
             last.backward_peak = max(last.backward_peak, self.probe.peak())
+        self.profiled_peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
+                                 + [m.backward_peak for m in step.groups])
         if not step.groups or any(m.end is None for m in step.groups):
             self._reprofile = True
             return
@@ -189,7 +196,7 @@ class BudgetController:
         touches = [m.touched for m in step.groups]
         for i, m in enumerate(step.groups):
             fwd = self.probe.seconds(m.start, m.end)
-            after = touches[i - 1] if i > 0 and touches[i - 1] is not None else end
+            after = touches[i - 1] if i > 0 and touches[i - 1] is not None else (step.backward_end or end)
             bwd = self.probe.seconds(m.touched, after) if m.touched is not None else 2 * fwd
             bwd -= m.moved / h2d + (fwd if m.recomputed else 0.0)  # its reload and its recompute
             saves = sum(m.spans) + m.kept
@@ -210,23 +217,39 @@ class BudgetController:
         assert self.profile is not None
         self.plan = choose(self.profile, self.budget - self.margin, self.plans)
 
-    def _check_last_step(self, now: Any) -> None:
-        """The last step's peak and time (without waiting: skipped if still running)."""
+    def _backward_ended(self) -> None:
+        """The step's backward pass is over: its peak (and, while profiling, the end of the
+        first group's backward). An overshoot of the budget widens the margin."""
+        self._awaiting_backward_end = False
+        now = self.probe.mark()
+        if self._profiling is not None:
+            self._profiling.backward_end = now
+            return
         self.measured_peak = self.probe.peak()
-        if not self.probe.cuda or now.query():
-            self.measured_step_s = self.probe.seconds(self._step_start, now)
+        self._last_span = (self._step_start, now)
         if self.plan is not None and self.measured_peak > self.budget:
             self.margin += self.measured_peak - self.budget + self.budget // 100
             self._choose()
 
     # ------------------------------------------------------------------ reporting
+    @property
+    def last_step_s(self) -> float | None:
+        """The latest step's time, from its first group's opening to its backward's end (no wait:
+        ``None`` while still running)."""
+        if self._last_span is None or (self.probe.cuda and not self._last_span[1].query()):
+            return self.measured_step_s
+        self.measured_step_s = self.probe.seconds(*self._last_span)
+        return self.measured_step_s
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"memory_budget": self.budget, "margin": self.margin,
                                "state": "profiling" if self._profiling is not None or self.plan is None else "planned"}
         if self.plan is not None and self.profile is not None:
             out.update(groups=self.plan.describe(self.profile), max_inflight=self.plan.max_inflight,
                        prefetch=self.plan.prefetch, predicted_peak_bytes=self.plan.peak,
-                       predicted_step_s=self.plan.step_s)
+                       predicted_step_s=self.plan.step_s,
+                       smallest_reachable_bytes=min(p.peak for p in self.plans),
+                       profiled_peak_bytes=self.profiled_peak if self.probe.cuda else None)
         out.update(measured_peak_bytes=self.measured_peak if self.probe.cuda else None,
-                   measured_step_s=self.measured_step_s if self.probe.cuda else None)
+                   measured_step_s=self.last_step_s if self.probe.cuda else None)
         return out

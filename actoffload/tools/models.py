@@ -135,3 +135,97 @@ class GPT(nn.Module):
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------- Llama-style
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 512
+    seq_len: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: each K/V head serves n_heads / n_kv_heads queries
+    n_layers: int = 4
+    ffn: int = 344  # SwiGLU hidden size (about 8/3 of d_model, rounded)
+    rope_base: float = 10000.0
+    eps: float = 1e-6
+
+
+def rope_tables(cfg: LlamaConfig, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary embedding, ``[seq_len, head_dim / 2]``."""
+    half = cfg.d_model // cfg.n_heads // 2
+    inv = 1.0 / cfg.rope_base ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.arange(cfg.seq_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the head dimension of ``x`` ``[B, H, T, D]``."""
+    a, b = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary embeddings; eager softmax (deterministic on CUDA)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.kv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.head_dim, bias=False)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(B, T, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm -> attention -> residual; RMSNorm -> SwiGLU MLP -> residual."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
+        self.attn = LlamaAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.cfg, x.device, x.dtype)
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    """Token ids ``[B, T]`` -> logits; ``model.blocks`` is the list to wrap."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,341 @@
+"""The memory-budget sweep of ``actoffload bench``: budgets against what users pick instead.
+
+For each workload, measured side by side in one run on one card: no offloading,
+activation checkpointing of every block, the best hand-picked selective checkpointing
+(the fewest checkpointed blocks that fit each budget), ``save_on_cpu``, ref and fast
+offloading everything, and fast with a ``memory_budget`` at five levels from the
+smallest peak it can reach to the peak without offloading (plus one just under the
+peak of checkpointing every block). Each figure is a pair: median step time
+(forward + backward) and peak device memory allocated during the step, everything
+included. Every method's gradients are compared with no offloading, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint
+
+import actoffload as ao
+from .models import GPT, Block, GPTConfig, Llama, LlamaConfig
+
+GiB = 1 << 30
+LEVELS = 5
+
+
+@dataclass
+class Workload:
+    """A model whose ``blocks`` are the groups, and a step: loss of one batch, backward."""
+
+    name: str
+    model: torch.nn.Module
+    blocks: torch.nn.ModuleList
+    loss: Callable[[Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor], int], torch.Tensor]
+    trainable: list[torch.Tensor]  # what gradients are compared for (parameters and the input)
+
+
+def _stack(name: str, d: int, layers: int, batch: int, seq: int, device: torch.device, dtype: torch.dtype) -> Workload:
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=d, n_heads=max(1, d // 128), n_layers=layers, seq_len=seq, attention="eager",
+                    embedding=False)
+    blocks = torch.nn.ModuleList(Block(cfg) for _ in range(layers)).to(device=device, dtype=dtype)
+    x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    leaf = x.requires_grad_(True)
+
+    def loss(call, step):
+        h = leaf * 1  # the first block sees an activation
+        for i, b in enumerate(blocks):
+            h = call(i, b, h)
+        return h.float().square().mean()
+
+    return Workload(name, blocks, blocks, loss, [leaf, *blocks.parameters()])
+
+
+def _tokens(model: torch.nn.Module, vocab: int, batch: int, seq: int, device: torch.device) -> Workload | Any:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
+
+
+def _gpt_moe(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512 if small else 8192, seq_len=32 if small else 1024, d_model=64 if small else 1024,
+                    n_heads=4 if small else 16, n_layers=2 if small else 8, attention="eager",
+                    n_experts=4 if small else 8, top_k=2)
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    batch = _tokens(model, cfg.vocab_size, 2 if small else 8, cfg.seq_len, device)
+
+    def loss(call, step):
+        x, y = batch[:, :-1], batch[:, 1:]
+        h = model.embed(x) + model.pos[: x.shape[1]]
+        for i, b in enumerate(model.blocks):
+            h = call(i, b, h)
+        logits = model.head(model.ln_f(h))
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return Workload("gpt_moe", model, model.blocks, loss, list(model.parameters()))
+
+
+def _llama(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
+    torch.manual_seed(0)
+    cfg = (LlamaConfig(seq_len=32, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn=172) if small else
+           LlamaConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=8, ffn=5632))
+    model = Llama(cfg).to(device=device, dtype=dtype)
+    batch = _tokens(model, cfg.vocab_size, 2 if small else 4, cfg.seq_len, device)
+
+    def loss(call, step):
+        x, y = batch[:, :-1], batch[:, 1:]
+        h = model.embed(x)
+        for i, b in enumerate(model.blocks):
+            h = call(i, b, h)
+        logits = model.head(model.norm(h))
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return Workload("llama", model, model.blocks, loss, list(model.parameters()))
+
+
+def workloads(device: torch.device, small: bool) -> list[Callable[[], Workload]]:
+    """The sweep's workloads, built one at a time (each frees the last)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if small:
+        return [lambda: _stack("stack_small", 64, 3, 2, 32, device, dtype),
+                lambda: _gpt_moe(device, dtype, True), lambda: _llama(device, dtype, True)]
+    return [
+        lambda: _stack("d2048_L8", 2048, 8, 8, 2048, device, dtype),
+        lambda: _stack("d4096_L4", 4096, 4, 4, 4096, device, dtype),
+        lambda: _stack("d8192_L4", 8192, 4, 2, 4096, device, dtype),
+        lambda: _gpt_moe(device, dtype, False),
+        lambda: _llama(device, dtype, False),
+    ]
+
+
+# ---------------------------------------------------------------- one method, measured
+def _plain(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return b(h)
+
+
+def _checkpointed(first: int) -> Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """Call blocks ``0 .. first-1`` under activation checkpointing, the others plainly."""
+
+    def call(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if i < first:
+            return torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+        return b(h)
+
+    return call
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(w: Workload, method: str, device: torch.device, steps: int, warmup: int,
+            offloader: Callable[[], ao.Offloader] | None = None, checkpointed: int = 0) -> dict[str, Any]:
+    """Median step seconds, peak device bytes, the gradients of the last step, and what the
+    offloader reports. ``method``: a label; ``offloader`` builds one (it wraps the blocks)."""
+    cuda = device.type == "cuda"
+    off = offloader() if offloader is not None else None
+    handle = ao.wrap(w.blocks, off) if off is not None else None
+    call = _checkpointed(checkpointed) if checkpointed else _plain
+    times, peaks, first = [], [], None
+    try:
+        for step in range(warmup + steps):
+            for t in w.trainable:
+                t.grad = None
+            gc.collect()
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=cuda) if method == "save_on_cpu" else contextlib.nullcontext()
+            with ctx:
+                loss = w.loss(call, step)
+            loss.backward()
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if step == 0:
+                first = elapsed
+            if step >= warmup:
+                times.append(elapsed)
+                peaks.append(torch.cuda.max_memory_allocated(device) if cuda else 0)
+            del loss
+        grads = [t.grad.detach().clone() for t in w.trainable if t.grad is not None]
+    finally:
+        if handle is not None:
+            handle.remove()
+    out: dict[str, Any] = {"method": method, "step_ms": statistics.median(times) * 1e3, "peak_bytes": max(peaks),
+                           "first_step_ms": first * 1e3 if first is not None else None, "grads": grads}
+    if off is not None:
+        s = off.stats()
+        out["offloaded_bytes"] = s["offloaded_bytes"]
+        if "plan" in s:
+            out["plan"] = {k: v for k, v in s["plan"].items() if k != "groups"}
+            out["plan"]["actions"] = [g["action"] for g in s["plan"].get("groups", [])]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, log=print) -> dict[str, Any]:
+    """Every method on one workload, then the budget levels."""
+    base = measure(w, "none", device, steps, warmup)
+    res: dict[str, Any] = {"workload": w.name, "blocks": len(w.blocks), "methods": {}, "budgets": []}
+
+    def keep(r: dict[str, Any]) -> dict[str, Any]:
+        r["bitwise"] = _same(r.pop("grads"), base["grads"])
+        log(f"  {w.name}: {r['method']}: {r['step_ms']:.1f} ms, {r['peak_bytes'] / GiB:.2f} GiB, "
+            f"bitwise {r['bitwise']}")
+        return r
+
+    res["methods"]["none"] = keep(dict(base, grads=base["grads"]))
+    res["methods"]["checkpoint_all"] = keep(measure(w, "checkpoint_all", device, steps, warmup,
+                                                    checkpointed=len(w.blocks)))
+    res["selective"] = [keep(measure(w, f"checkpoint_{k}", device, steps, warmup, checkpointed=k))
+                        for k in range(1, len(w.blocks))]
+    res["methods"]["save_on_cpu"] = keep(measure(w, "save_on_cpu", device, steps, warmup))
+    res["methods"]["ref"] = keep(measure(w, "ref", device, steps, warmup, lambda: ao.Offloader(impl="ref", device=device)))
+    res["methods"]["fast"] = keep(measure(w, "fast", device, steps, warmup, lambda: ao.Offloader(impl="fast", device=device)))
+    # the least a plan reaches: the profiling step runs the least-memory plan
+    least = measure(w, "fast_budget_profile", device, 1, 1,
+                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50))["plan"]
+    high = res["methods"]["none"]["peak_bytes"]
+    if high == 0:  # the CPU has no allocator to read: one cell runs the planner end to end
+        budgets = [1 << 40]
+        res["smallest_reachable_bytes"] = None
+    else:
+        low = int(max(least["profiled_peak_bytes"], least["smallest_reachable_bytes"]) * 1.03)
+        res["smallest_reachable_bytes"] = low
+        levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
+        under_ckpt = int(res["methods"]["checkpoint_all"]["peak_bytes"] * 0.98)
+        budgets = sorted(set(levels + ([under_ckpt] if under_ckpt >= low else [])))
+    for budget in budgets:
+        try:
+            r = measure(w, "fast_budget", device, steps, warmup + 2,
+                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget))
+        except ValueError as e:  # no plan fits
+            res["budgets"].append({"budget_bytes": budget, "error": str(e)})
+            log(f"  {w.name}: budget {budget / GiB:.2f} GiB: {e}")
+            continue
+        r = keep(r)
+        r["budget_bytes"] = budget
+        r["under_checkpoint_all"] = high > 0 and budget == under_ckpt
+        res["budgets"].append(r)
+    return res
+
+
+def sweep(device: torch.device, small: bool, log=print) -> list[dict[str, Any]]:
+    steps, warmup = (2, 1) if small else (5, 2)
+    out = []
+    for build in workloads(device, small):
+        w = build()
+        log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
+        out.append(sweep_workload(w, device, steps, warmup, log))
+        del w
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- verdicts
+def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's questions, answered from one workload's figures."""
+    m = workload["methods"]
+    alternatives = [m[k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + workload["selective"]
+    cells = []
+    for b in workload["budgets"]:
+        if "error" in b:
+            cells.append({"budget_bytes": b["budget_bytes"], "error": b["error"]})
+            continue
+        fitting = [a for a in alternatives if a["peak_bytes"] <= b["budget_bytes"]]
+        best = min(fitting, key=lambda a: a["step_ms"]) if fitting else None
+        cells.append({
+            "budget_bytes": b["budget_bytes"],
+            "peak_within_budget": b["peak_bytes"] <= b["budget_bytes"],
+            "fastest_fitting_alternative": best["method"] if best else None,
+            "vs_fastest_fitting": b["step_ms"] / best["step_ms"] if best else None,
+            "vs_predicted": b["step_ms"] / (b["plan"]["predicted_step_s"] * 1e3) if b.get("plan", {}).get("predicted_step_s") else None,
+            "bitwise": b["bitwise"],
+        })
+    under = [b for b in workload["budgets"] if b.get("under_checkpoint_all") and "error" not in b]
+    ckpt = m["checkpoint_all"]
+    return {
+        "cells": cells,
+        "below_checkpoint_all": bool(under) and under[0]["peak_bytes"] < ckpt["peak_bytes"]
+        and under[0]["step_ms"] <= 1.10 * ckpt["step_ms"],
+        "fast_peak_minus_ref_peak_bytes": m["fast"]["peak_bytes"] - m["ref"]["peak_bytes"],
+        "fast_first_step_vs_steady": (m["fast"]["first_step_ms"] / m["fast"]["step_ms"]
+                                      if m["fast"].get("first_step_ms") else None),
+    }
+
+
+def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
+    """Peak memory against step time, one panel per workload, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False)
+    for ax, wres in zip(axes[0], results):
+        m = wres["methods"]
+        for key, marker in (("none", "o"), ("checkpoint_all", "s"), ("save_on_cpu", "v"), ("ref", "^"), ("fast", "D")):
+            ax.scatter(m[key]["peak_bytes"] / GiB, m[key]["step_ms"], marker=marker, label=key, zorder=3)
+        sel = wres["selective"]
+        if sel:
+            ax.plot([s["peak_bytes"] / GiB for s in sel], [s["step_ms"] for s in sel], ":", color="gray",
+                    marker=".", label="checkpoint first k blocks")
+        cells = [b for b in wres["budgets"] if "error" not in b]
+        ax.plot([b["peak_bytes"] / GiB for b in cells], [b["step_ms"] for b in cells], "-", color="crimson",
+                marker="*", markersize=9, label="fast, memory_budget")
+        for b in cells:
+            ax.axvline(b["budget_bytes"] / GiB, color="crimson", alpha=0.12)
+        ax.set_title(wres["workload"])
+        ax.set_xlabel("peak device memory (GiB)")
+        ax.set_ylabel("step time (ms)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title + "  (faint lines: the budgets)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m actoffload.tools.budget_sweep [--small] [--out FILE.json] [--plot FILE.png]``"""
+    import argparse
+    import json
+
+    from .determinism import use_deterministic
+    from .provenance import describe
+
+    p = argparse.ArgumentParser(prog="python -m actoffload.tools.budget_sweep")
+    p.add_argument("--small", action="store_true", help="tiny workloads (the CPU always uses them)")
+    p.add_argument("--out", help="results JSON")
+    p.add_argument("--plot", help="peak memory against step time, as a PNG")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_deterministic(True)
+    results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True))
+    doc = {"env": describe(device), "workloads": results, "verdicts": {r["workload"]: verdicts(r) for r in results}}
+    text = json.dumps(doc, indent=1, default=float)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(json.dumps(doc["verdicts"], indent=1, default=float))
+    if args.plot:
+        plot(results, args.plot, f"memory budgets on {doc['env']['gpu']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
