@@ -1,0 +1,129 @@
+"""Each private PyTorch API actoffload uses (actoffload/compat.py), checked on its own: a torch
+release that changes one fails here, by name."""
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from actoffload import compat
+from helpers import CUDA
+
+
+def test_storage_key_is_shared_by_views_and_differs_between_storages():
+    a = torch.randn(8, 8)
+    assert compat.storage_key(a) == compat.storage_key(a.t()[2:]) == compat.storage_key(a.detach())
+    assert compat.storage_key(a) != compat.storage_key(a.clone())
+
+
+def test_storage_weakref_gives_the_storage_back_while_it_lives():
+    a = torch.randn(16)
+    ref = compat.storage_weakref(a)
+    storage = compat.storage_from_weakref(ref)
+    assert storage is not None and storage.data_ptr() == a.data_ptr()
+    del a, storage
+    gc.collect()
+    assert ref.expired() and compat.storage_from_weakref(ref) is None
+
+
+def test_version_guard_follows_in_place_writes_without_holding_memory():
+    a = torch.randn(1024)
+    guard = compat.version_guard(a[2:])
+    ref = compat.storage_weakref(a)
+    assert guard.numel() == 0
+    a.add_(1)
+    assert guard._version == a._version == 1
+    del a
+    gc.collect()
+    assert ref.expired()
+
+
+def test_version_guard_of_a_wrapper_subclass_drops_its_inner_tensors():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    inner = torch.randn(8)
+    t = TwoTensor(inner, inner.clone())
+    ref = compat.storage_weakref(inner)
+    guard = compat.version_guard(t)
+    t.add_(1)
+    assert guard._version == t._version == 1
+    del t, inner
+    gc.collect()
+    assert ref.expired()
+
+
+def test_zero_tensor_and_neg_view():
+    z = torch._efficientzerotensor(3)
+    assert compat.is_zero_tensor(z) and not compat.is_zero_tensor(torch.zeros(3))
+    n = compat.neg_view(torch.tensor([1.0, -2.0]))
+    assert n.is_neg() and torch.equal(n.resolve_neg(), torch.tensor([-1.0, 2.0]))
+
+
+def test_sequence_numbers_increase_as_nodes_are_created():
+    x = torch.randn(3, requires_grad=True)
+    before = compat.sequence_nr()
+    y = x * 2
+    assert y.grad_fn._sequence_nr() >= before and compat.sequence_nr() > before
+
+
+def test_backward_introspection_current_node_will_execute_and_end_callback():
+    seen = {}
+    x = torch.randn(3, requires_grad=True)
+    other = (torch.randn(3, requires_grad=True) * 3)  # a graph this backward does not run
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["in_backward"] = compat.in_backward()
+            seen["node"] = compat.current_node()
+            seen["mine"] = compat.will_execute(mine.grad_fn)
+            seen["other"] = compat.will_execute(other.grad_fn)
+            compat.at_backward_end(lambda: seen.setdefault("ended", True))
+            return g
+
+    mine = x * 2
+    y = Probe.apply(mine)
+    assert not compat.in_backward() and compat.current_node() is None
+    y.sum().backward()
+    assert seen["in_backward"] and type(seen["node"]).__name__.startswith("Probe")
+    assert seen["mine"] and not seen["other"] and seen["ended"]
+
+
+def test_current_saved_tensors_hooks_and_mutation_flag():
+    assert compat.current_saved_tensors_hooks() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert compat.current_saved_tensors_hooks() == (pack, unpack)
+    assert not compat.mutation_on_saved_allowed()
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        assert compat.mutation_on_saved_allowed()
+        assert compat.current_saved_tensors_hooks() is not None
+
+
+def test_not_traced_functions_are_skipped_by_dynamo():
+    calls = []
+
+    @compat.not_traced
+    def side_effect(x):
+        calls.append(threading.get_ident())
+        return x
+
+    torch.compile(lambda x: side_effect(x) * 2, backend="eager")(torch.ones(2))
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
+def test_pin_exactly_and_capture_query_on_cuda():
+    host = torch.empty(4096, dtype=torch.uint8)
+    compat.pin_exactly(host)
+    assert host.is_pinned()
+    assert not compat.stream_is_capturing(torch.device("cuda"))
+
+
+def test_capture_query_on_cpu_is_false():
+    assert not compat.stream_is_capturing(torch.device("cpu"))
