@@ -1,0 +1,32 @@
+"""A plain (not editable) install works, alone and from the checkout root, where the
+checkout's actoffload/ shadows the installed one and must still find ref/ and fast/."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ("import actoffload as ao, torch; from actoffload.ref import RefOffloader; "
+         "from actoffload.fast import FastOffloader; import actoffload.budget.planner, actoffload.tools.models; "
+         "off = ao.Offloader(impl='fast', device='cpu'); print(type(off).__module__, ao.__file__)")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=300)
+    return target
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "checkout_root"])
+def test_plain_install_imports_every_part(installed, tmp_path, where):
+    cwd = tmp_path if where == "elsewhere" else ROOT
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env={"PYTHONPATH": str(installed), "PATH": ""},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    module, package_file = out.stdout.split()
+    assert module == "actoffload.fast.offloader"
+    assert Path(package_file).is_relative_to(installed if where == "elsewhere" else ROOT)
