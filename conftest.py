@@ -2,13 +2,14 @@
 
 import os
 
-# Bitwise comparisons on CUDA need deterministic cuBLAS (set before CUDA initializes).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through its interpreter; it reads this at import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.use_deterministic_algorithms(True)
+from actoffload.tools.determinism import use_deterministic  # noqa: E402  (imports triton)
+
+# Bitwise comparisons need deterministic kernels; this also sets CUBLAS_WORKSPACE_CONFIG,
+# which cuBLAS reads when CUDA's first matmul makes its handle, so it comes first.
+use_deterministic(True)

@@ -30,7 +30,7 @@ _EXPORTS = {
     "IMPLS": "settings", "resolve_impl": "settings",
     "GroupedTensor": "grouped", "QuantizedTensor": "quantized", "quantize": "quantized",
     "HostMemoryError": "hostmem", "Observer": "observe", "Offloader": "offloader",
-    "WrapHandle": "wrap", "wrap": "wrap", "select_modules": "ops",
+    "WrapHandle": "wrapping", "wrap": "wrapping", "select_modules": "ops",
     "mark_activation_offload": "marks", "mark_not_offload": "marks",
 }
 __all__ = sorted([*_EXPORTS, "ops"])
@@ -62,4 +62,4 @@ if TYPE_CHECKING:
     from .ops import select_modules
     from .quantized import QuantizedTensor, quantize
     from .settings import IMPLS, resolve_impl
-    from .wrap import WrapHandle, wrap
+    from .wrapping import WrapHandle, wrap

@@ -152,7 +152,10 @@ class Offloader(Engine[GroupT, MovedT]):
         keep_last: int = 1,
         host_budget: int | str | None = None,
         host_allocator: HostAllocator | None = None,
+        **others: Any,
     ):
+        if others:  # ao.Offloader(...) names whose setting it is; a class built directly lands here
+            raise TypeError(f"{type(self).__name__} takes no setting {', '.join(sorted(others))}")
         if impl is not None and resolve_impl(impl) != self.impl:
             raise ValueError(f"{type(self).__name__} is the {self.impl!r} implementation, not {impl!r}; "
                              f"use ao.Offloader(impl={impl!r})")

@@ -1,4 +1,8 @@
-"""Shared fixtures for the pytest-benchmark suites (see benchmarks/README.md)."""
+"""Shared fixtures for the pytest-benchmark suites (see benchmarks/README.md).
+
+What each suite times is written once, in actoffload/tools/workloads.py, and
+``actoffload bench`` times the same code.
+"""
 
 import pytest
 import torch
@@ -13,16 +17,9 @@ def device():
     return torch.device("cuda" if CUDA else "cpu")
 
 
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
 @pytest.fixture(autouse=True)
 def _deterministic():
-    # use_deterministic also sets CUBLAS_WORKSPACE_CONFIG, without which deterministic
-    # mode makes every cuBLAS matmul raise on CUDA
     before = torch.are_deterministic_algorithms_enabled()
-    use_deterministic(True)
+    use_deterministic(True)  # and CUBLAS_WORKSPACE_CONFIG, without which cuBLAS raises in deterministic mode
     yield
     use_deterministic(before)

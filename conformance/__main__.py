@@ -10,29 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from actoffload.tools.determinism import use_deterministic  # noqa: E402
+from actoffload.tools.progress import Progress  # noqa: E402
 from actoffload.tools.provenance import git_commit  # noqa: E402
 
 from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate  # noqa: E402
-
-
-def _progress(done: int, total: int, failed: int, start: float) -> None:
-    """A progress bar on a terminal; a line every tenth of the way in a log."""
-    width = 30
-    filled = width * done // max(total, 1)
-    rate = done / max(time.time() - start, 1e-9)
-    text = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} failed={failed} {rate:.1f}/s"
-    if sys.stderr.isatty():
-        print("\r" + text, end="\n" if done == total else "", file=sys.stderr, flush=True)
-    elif done == total or done * 10 // total != (done - 10) * 10 // total:
-        print(text, file=sys.stderr, flush=True)
 
 
 def _ranges(seeds: list[int]) -> list[list[int]]:
@@ -61,7 +49,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda asked for, but CUDA is not available here; use --device cpu")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic(True)  # before any scenario touches cuBLAS; workers inherit its environment
 
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
@@ -77,6 +65,8 @@ def main(argv=None) -> int:
     start = time.time()
     chunks = [seeds[i : i + 10] for i in range(0, len(seeds), 10)]
     ran: list[int] = []
+    bar = Progress(len(seeds), f"{args.impl} on {args.device}", unit="scenarios", width=30, failures=True, rate=True,
+                   log_lines=10)
 
     def out_of_time() -> bool:
         return args.max_seconds is not None and time.time() - start > args.max_seconds
@@ -90,7 +80,7 @@ def main(argv=None) -> int:
             for f in cf.as_completed(futures):
                 failures += f.result()
                 ran += futures[f]
-                _progress(len(ran), len(seeds), len(failures), start)
+                bar.update(len(ran), failed=len(failures))
                 if out_of_time():
                     for other in futures:
                         other.cancel()  # the ones not started; running ones finish
@@ -104,7 +94,9 @@ def main(argv=None) -> int:
                 break
             failures += check_seeds(c, args.device, args.impl)
             ran += c
-            _progress(len(ran), len(seeds), len(failures), start)
+            bar.update(len(ran), failed=len(failures))
+    bar.update(len(ran), failed=len(failures))
+    bar.close()
     failures = [(generate(seed, args.device), problems) for seed, problems in sorted(failures)]
 
     for s, problems in failures[:10]:

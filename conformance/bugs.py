@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
-import importlib
 import sys
 
 from actoffload import marks, multibuffer
@@ -118,14 +117,15 @@ def parameters_only_through_base():
 @contextlib.contextmanager
 def wrap_fails_inside_except():
     """(h) Judge a wrapped module's forward failed whenever an exception is being handled."""
-    wrap = importlib.import_module("actoffload.wrap")  # the module (ao.wrap is its function)
-    close = wrap._close
+    from actoffload import wrapping
+
+    close = wrapping._close
 
     def buggy_close(group, failed):
         fast = group._offloader.impl == "fast"
         return close(group, failed or (fast and sys.exc_info()[0] is not None))
 
-    with mock.patch.object(wrap, "_close", buggy_close):
+    with mock.patch.object(wrapping, "_close", buggy_close):
         yield
 
 

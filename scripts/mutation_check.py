@@ -11,16 +11,17 @@ MUTATIONS = [
     ("R2", "actoffload/engine.py", '''        if open_name is not None:
             raise RuntimeError(''', '''        if False:
             raise RuntimeError('''),
-    ("R3", "actoffload/policy.py", '''        if any(parameters[i] for i in members):''', '''        if False:'''),
+    ("R3", "actoffload/policy.py", '''        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:''', '''        if False:'''),
     ("R4", "actoffload/policy.py", '''        elif flags & marks.VETO:''', '''        elif False:'''),
-    ("R5", "actoffload/policy.py", '''            for i in members[1:]:
-                reasons[i] = "alias"''', '''            for i in members[1:]:
-                reasons[i] = None'''),
-    ("R6", "actoffload/engine.py", '''        if now != s.version:''', '''        if False:'''),
-    ("R7", "actoffload/engine.py", '''            return multibuffer.rebuild(handle.cls, handle.state, buffers)''', '''            return buffers[0]'''),
-    ("R8", "actoffload/engine.py", '''        self.tensor: torch.Tensor | None = t.detach()''', '''        self.tensor: torch.Tensor | None = t'''),
+    ("R5", "actoffload/policy.py", '''        for i in span.members[1:]:
+            reasons[i] = "alias"''', '''        for i in span.members[1:]:
+            reasons[i] = None'''),
+    ("R6", "actoffload/engine.py", '''        if held._version != s.version:''', '''        if False:'''),
+    ("R7", "actoffload/engine.py", '''        return handle.rebuild(parts)''', '''        return parts[0]'''),
+    ("R8", "actoffload/records.py", '''        self.tensor: torch.Tensor | None = t if t.grad_fn is None else t.detach()''',
+     '''        self.tensor: torch.Tensor | None = t'''),
     ("R9", "ref/offloader.py", '''            m.storage = None''', '''            m.keep = m.storage'''),
-    ("R10", "actoffload/factory.py", '''    if impl not in IMPLS:''', '''    if impl not in IMPLS and False:'''),
+    ("R10", "actoffload/settings.py", '''    if impl not in IMPLS:''', '''    if impl not in IMPLS and False:'''),
 ]
 root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for rule, path, old, new in MUTATIONS:

@@ -1,7 +1,5 @@
-import os
 import sys
 from pathlib import Path
 
-# cuBLAS reads this when its first handle is made; deterministic tests need it on CUDA
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# Determinism (and CUBLAS_WORKSPACE_CONFIG with it) is set up by the repository's conftest.py.
 sys.path.insert(0, str(Path(__file__).parent))

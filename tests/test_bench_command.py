@@ -53,3 +53,50 @@ def test_bench_writes_results_and_compares_with_a_previous_run(tmp_path, capsys)
 def test_bench_rejects_an_unknown_section():
     with pytest.raises(SystemExit, match=r"unknown section\(s\) \['nope'\]; valid ones are: bandwidth"):
         cli.main(["bench", "--only", "nope"])
+
+
+def test_latest_results_goes_by_the_date_inside_not_the_name(tmp_path):
+    def write(name, date, **extra):
+        (tmp_path / name).write_text(json.dumps({"env": {"gpu": "H100", "date": date}, **extra}))
+
+    write("H100-2026-11-26-0039199.json", "2026-11-26T05:03:13+00:00")
+    write("H100-2026-11-26-f52afd6.json", "2026-11-26T03:27:11+00:00")  # last by name, older by date
+    write("H100-2026-11-27-aaaaaaa-quick.json", "2026-11-27T00:00:00+00:00", quick=True)  # quick: not a full run
+    (tmp_path / "H100-2026-11-28-summary.json").write_text('{"gpu": "H100"}')  # no env: another kind of file
+    assert bench.latest_results(tmp_path).name == "H100-2026-11-26-0039199.json"
+    assert bench.latest_results(tmp_path / "empty") is None
+
+
+def test_step_modes_build_offloaders_from_constructor_settings():
+    import torch
+
+    from actoffload.tools.models import GPTConfig
+    from actoffload.tools.workloads import STEP_MODES, TrainingStep, make_stack, parse_mode
+
+    assert parse_mode("fast:inflight=2") == ("fast", {"max_inflight": 2})
+    with pytest.raises(ValueError, match="key=int"):
+        parse_mode("fast:inflight")
+    cfg = GPTConfig(d_model=32, n_heads=4, n_layers=2, seq_len=8)
+    stack = make_stack(cfg, "cpu", torch.float32)
+    x = torch.randn(2, cfg.seq_len, cfg.d_model)
+    inflight = {}
+    for mode in STEP_MODES:
+        with TrainingStep(stack, x, mode, "cpu") as step:
+            step()
+            if step.off is not None:
+                inflight[mode] = step.off.settings.get("max_inflight")
+    # the default fast and the variant beside it differ in what they are compared on
+    assert inflight["fast"] != inflight["fast:inflight=2"] == 2
+
+
+def test_copy_timer_observes_fast_without_patching_it():
+    import torch
+
+    from actoffload.tools.workloads import CopyTimer, group_offloader, group_round_trip, random_bytes
+
+    off, timer = group_offloader("cpu"), CopyTimer()
+    tensors = random_bytes([4096, 100, 70000], "cpu")
+    with off.add_observer(timer):
+        group_round_trip(off, torch.zeros(1, requires_grad=True), tensors)
+    assert off.stats()["groups"]["g"]["offloaded_bytes"] == sum(t.numel() for t in tensors)
+    assert timer.copies == [] and timer.seconds("d2h") == 0  # only fast on CUDA reports copy times

@@ -67,3 +67,27 @@ def test_progress_bar_shows_how_far_it_got(capsys):
     bar.close("  (failed)")
     line = capsys.readouterr().err  # not a terminal: one line, written at the end
     assert line.startswith("  [####....] 2/4 steps  fast") and line.rstrip().endswith("(failed)")
+
+
+def test_progress_bar_counts_failures_and_rate_and_logs_on_the_way(capsys):
+    from actoffload.tools.progress import Progress
+
+    bar = Progress(100, "fast on cpu", unit="scenarios", width=10, failures=True, rate=True, log_lines=4)
+    for done in range(10, 101, 10):
+        bar.update(done, failed=done // 50)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: a line each quarter, one at the end
+    assert [ln.split()[1] for ln in lines] == ["30/100", "50/100", "80/100", "100/100"]
+    assert lines[-1].startswith("  [##########] 100/100 scenarios  fast on cpu  failed=2  ") and "/s  " in lines[-1]
+
+
+def test_demo_plot_labels_what_a_cpu_run_cannot_show(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra (pip install 'actoffload[plot]')")
+    from actoffload.tools import plot
+
+    seen = {}
+    real = plot.save_plot
+    monkeypatch.setattr(plot, "save_plot", lambda *a, **kw: (seen.update(kw), real(*a, **kw)))
+    assert cli.main(SMALL + ["--impl", "ref", "--min-offload-bytes", "0", "--plot", str(tmp_path / "demo.png")]) == 0
+    assert "cannot lower this curve" in seen["note"]
+    assert seen["held_back"] == {"1": "kept on the device (keep_last=1)"}  # the last of 2 layers

@@ -1,4 +1,4 @@
-"""GroupedMLP (the fused MoE expert block) and per-op offload selection (SPEC: Ops, R4, R7)."""
+"""GroupedMLP (the fused MoE expert block) and per-op offload selection (docs/semantics.md: Ops, R4, R7)."""
 
 import contextlib
 from unittest import mock

@@ -1,18 +1,14 @@
 """``actoffload bench``: fast against the bus, against no offload and against its peers.
 
-    actoffload bench                          # on a GPU: the whole matrix (about 4 min on an H100)
-    actoffload bench --quick                  # small sizes (CPU or GPU): checks that it runs
-    actoffload bench --compare OLD.json       # then print the change of every figure
-
-Writes ``<gpu>-<date>-<commit>.json`` into ``--out`` (default: benchmarks/results when run
-from a checkout, else the current folder) and prints a summary. Every ratio is of figures
-measured side by side in this one run on this one card; the pinned-copy bandwidth is
-measured first and everything is compared with it.
+The command's usage is in ``actoffload bench --help``. This module holds the timing
+loops and the results file; what is timed (a group's round trip, a training step in one
+mode, the tiny-op stack) lives in :mod:`actoffload.tools.workloads`, shared with the
+pytest-benchmark suites in benchmarks/.
 """
 
 from __future__ import annotations
 
-import argparse
+import datetime as dt
 import gc
 import json
 import math
@@ -20,30 +16,29 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-import actoffload as ao
-from .determinism import use_deterministic
-from .models import Block, GPTConfig
+from .arguments import BenchOptions
+from .determinism import set_cublas_workspace, use_deterministic
+from .models import GPTConfig
 from .provenance import describe
-from ..wrap import wrap
-from .workloads import SaveMany, tiny_op_stack
+from .workloads import (HOOK_MODES, STEP_MODES, CopyTimer, TrainingStep, copy_per_tensor, group_offloader,
+                        group_round_trip, hook_offloader, make_stack, random_bytes, sync, tiny_op_stack)
 
-# Training-step configurations, side by side: fast with its default and with one group in flight
-STEP_MODES = ("none", "fast", "fast:inflight=1", "save_on_cpu", "ref")
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # ---------------------------------------------------------------- bus bandwidth
-def pinned_bandwidth(device, nbytes: int, reps: int) -> dict:
-    """GB/s of one large pinned copy each way, and of both directions at once."""
+def pinned_bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
+    """GB/s of one large pinned copy each way, and of both directions at once (NaN on the CPU).
+
+    Example::
+
+        pinned_bandwidth(torch.device("cuda"), 256 << 20, 5)["d2h_gbps"]
+    """
     if device.type != "cuda":
         return {"d2h_gbps": float("nan"), "h2d_gbps": float("nan"), "both_gbps": float("nan"), "bytes": nbytes}
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -86,61 +81,61 @@ def _log_uniform_sizes(total: int, lo: int, hi: int, seed: int = 0) -> list[int]
     return sizes
 
 
-def copy_throughput(device, sizes: list[int], reps: int) -> dict:
-    """Device-side GB/s of fast's offload and reload of one group, and of per-tensor copies."""
-    tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for n in sizes]
-    total = sum(sizes)
-    out = {"tensors": len(sizes), "bytes": total}
-    if device.type != "cuda":
-        return out
-    # per-tensor copies, as a hook-per-tensor offloader makes them
-    hosts = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+def _per_tensor_gbps(tensors: list[torch.Tensor], reps: int) -> dict[str, float]:
+    """Device-side GB/s of one copy per tensor, each way (CUDA events on a side stream)."""
+    total = sum(t.numel() for t in tensors)
+    hosts = [torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in tensors]
     stream = torch.cuda.Stream()
-    res = {"d2h": [], "h2d": []}
+    times: dict[str, list[float]] = {"d2h": [], "h2d": []}
     for _ in range(reps + 1):
-        for direction in ("d2h", "h2d"):
+        for direction in times:
             sync()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
                 start.record()
-                for t, h in zip(tensors, hosts):
-                    (h.copy_(t, non_blocking=True) if direction == "d2h" else t.copy_(h, non_blocking=True))
+                copy_per_tensor(tensors, hosts, direction)
                 end.record()
             sync()
-            res[direction].append(start.elapsed_time(end) / 1e3)
-    out["per_tensor_d2h_gbps"] = total / statistics.median(res["d2h"][1:]) / 1e9
-    out["per_tensor_h2d_gbps"] = total / statistics.median(res["h2d"][1:]) / 1e9
-    del hosts
+            times[direction].append(start.elapsed_time(end) / 1e3)
+    return {f"per_tensor_{d}_gbps": total / statistics.median(t[1:]) / 1e9 for d, t in times.items()}
 
-    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=0, prefetch=0)
+
+def copy_throughput(device: torch.device, sizes: list[int], reps: int) -> dict[str, Any]:
+    """One group of tensors of these sizes: fast's round trip (wall time; on CUDA the
+    copy-stream GB/s of each direction) and, on CUDA, per-tensor copies for comparison.
+
+    Example::
+
+        copy_throughput(torch.device("cuda"), [64 << 10] * 1000, reps=10)["fast_d2h_gbps"]
+    """
+    tensors = random_bytes(sizes, device)
+    total = sum(sizes)
+    out: dict[str, Any] = {"tensors": len(sizes), "bytes": total}
+    if device.type == "cuda":
+        out.update(_per_tensor_gbps(tensors, reps))
+    off = group_offloader(device)
+    timer = CopyTimer()
     x = torch.zeros(1, device=device, requires_grad=True)
-    times = {"d2h": [], "h2d": []}
+    busy: dict[str, list[float]] = {"d2h": [], "h2d": []}
     wall = []
-    for rep in range(reps + 1):
-        off.copy_timings = []
-        sync()
-        t0 = time.perf_counter()
-        with off.group("g"):
-            y = SaveMany.apply(x, *tensors)
-        off.synchronize()  # let the copy out finish, so backward really reloads (no reuse in place)
-        y.sum().backward()
-        sync()
-        wall.append(time.perf_counter() - t0)
-        if rep == 0:
-            continue  # first use: pool allocation and kernel compilation
-        for direction in ("d2h", "h2d"):
-            spans = [(s, e) for d, n, s, e in off.copy_timings if d == direction]
-            times[direction].append(sum(s.elapsed_time(e) for s, e in spans) / 1e3)
-        del y
-    out["fast_d2h_gbps"] = total / statistics.median(times["d2h"]) / 1e9
-    out["fast_h2d_gbps"] = total / statistics.median(times["h2d"]) / 1e9
+    with off.add_observer(timer):
+        for _ in range(reps + 1):  # the first: pool allocation and kernel compilation
+            timer.clear()
+            t0 = time.perf_counter()
+            group_round_trip(off, x, tensors)
+            wall.append(time.perf_counter() - t0)
+            for direction in busy:
+                busy[direction].append(timer.seconds(direction))
     out["fast_wall_s"] = statistics.median(wall[1:])
+    if device.type == "cuda":  # only fast on CUDA reports copy times
+        for direction, seconds in busy.items():
+            out[f"fast_{direction}_gbps"] = total / statistics.median(seconds[1:]) / 1e9
     out["fast_packed_spans"] = off.stats()["copies"].get("packed_spans", 0)
     return out
 
 
-def copy_sweep(device, total: int, reps: int) -> list[dict]:
-    """Per-tensor copy GB/s by tensor size (to choose the packing threshold)."""
+def copy_sweep(device: torch.device, total: int, reps: int) -> list[dict[str, Any]]:
+    """Per-tensor and fast copy GB/s by tensor size (to choose the packing threshold)."""
     rows = []
     for size in [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]:
         n = max(1, total // size)
@@ -150,63 +145,50 @@ def copy_sweep(device, total: int, reps: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- training steps
-def make_stack(cfg: GPTConfig, device, dtype):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[Block(cfg) for _ in range(cfg.n_layers)]).to(device=device, dtype=dtype)
+def run_steps(stack: torch.nn.Sequential, cfg: GPTConfig, batch: int, mode: str, device: torch.device,
+              dtype: torch.dtype, steps: int, warmup: int) -> dict[str, Any]:
+    """Median step time, peak memory, what forward leaves resident and bytes moved, in one
+    mode of :data:`STEP_MODES`.
 
+    Example::
 
-def run_steps(stack, cfg, batch, mode: str, device, dtype, steps: int, warmup: int) -> dict:
-    """Median forward+backward time, memory, bytes moved; ``mode``: none|fast|ref|save_on_cpu."""
+        run_steps(make_stack(cfg, "cuda", torch.bfloat16), cfg, 8, "fast:inflight=2", device, torch.bfloat16, 6, 2)
+    """
     gen = torch.Generator(device="cpu").manual_seed(1)
-    x_cpu = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=gen).to(dtype)
-    x = x_cpu.to(device)
-    off = handle = None
-    impl, _, inflight = mode.partition(":inflight=")
-    if impl in ("fast", "ref"):
-        off = ao.Offloader(impl=impl, device=device, keep_last=1)
-        if inflight:
-            off.max_inflight = int(inflight)  # a fast variant: more groups may copy out at once
-        handle = wrap(stack, off)
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=gen).to(dtype).to(device)
+    cuda = device.type == "cuda"
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
     times, resident = [], 0
     gc.collect()
     sync()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    try:
-        for step in range(warmup + steps + 1):
-            inp = x.clone().requires_grad_(True)
+    base = allocated()
+    with TrainingStep(stack, x, mode, device) as step:
+        for i in range(warmup + steps + 1):
+            step.new_input()
             sync()
-            # the step's input exists before its forward: resident counts what forward adds
-            step_base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            step_base = allocated()  # the step's input exists before its forward: resident counts what forward adds
             t0 = time.perf_counter()
-            if mode == "save_on_cpu":
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    out = stack(inp)
-            else:
-                out = stack(inp)
-            measure = step == warmup + steps  # last, untimed step: memory after forward
-            if measure:
+            out = step.forward()
+            if i == warmup + steps:  # last, untimed step: memory after forward
                 sync()
-                if off is not None and hasattr(off, "synchronize"):
-                    off.synchronize()
+                if step.off is not None:
+                    step.off.synchronize()  # copies in flight still hold their sources
                 gc.collect()
-                resident = (torch.cuda.memory_allocated() - step_base) if device.type == "cuda" else 0
-            out.float().square().mean().backward()
-            for p in stack.parameters():
-                p.grad = None
+                resident = allocated() - step_base
+            step.backward(out)
+            step.zero_grad()
             sync()
-            if warmup <= step < warmup + steps:
+            if warmup <= i < warmup + steps:
                 times.append(time.perf_counter() - t0)
-            del out, inp
-    finally:
-        if handle is not None:
-            handle.remove()
-    res = {"step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times], "resident_bytes_after_forward": resident}
-    if device.type == "cuda":
+            del out
+    res: dict[str, Any] = {"step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
+                           "resident_bytes_after_forward": resident}
+    if cuda:
         res["peak_bytes"] = torch.cuda.max_memory_allocated() - base
-    if off is not None:
-        s = off.stats()
+    if step.off is not None:
+        s = step.off.stats()
         res["offloaded_bytes"] = s["offloaded_bytes"]
         res["host_bytes_pooled"] = s["host_bytes_pooled"]
         if "copies" in s:
@@ -215,8 +197,10 @@ def run_steps(stack, cfg, batch, mode: str, device, dtype, steps: int, warmup: i
     return res
 
 
-def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
-    """Gradients with each impl vs none, eager attention, deterministic algorithms."""
+def grads_bitwise(cfg: GPTConfig, batch: int, device: torch.device, dtype: torch.dtype,
+                  impls: list[str]) -> dict[str, bool]:
+    """Whether each implementation's gradients equal no offload's bit for bit (eager attention,
+    deterministic algorithms); ``none_vs_none`` checks that no offload agrees with itself."""
     cfg = GPTConfig(**{**cfg.__dict__, "attention": "eager"})
     use_deterministic(True)
     try:
@@ -224,18 +208,11 @@ def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=gen).to(device=device, dtype=dtype)
 
-        def grads(mode):
-            off = handle = None
-            if mode != "none":
-                off = ao.Offloader(impl=mode, device=device, keep_last=1)
-                handle = wrap(stack, off)
-            inp = x.clone().requires_grad_(True)
-            stack(inp).float().square().mean().backward()
-            if handle:
-                handle.remove()
-            out = [inp.grad] + [p.grad for p in stack.parameters()]
-            for p in stack.parameters():
-                p.grad = None
+        def grads(mode: str) -> list[torch.Tensor]:
+            with TrainingStep(stack, x, mode, device) as step:
+                step.backward(step.forward())
+                out = step.grads()
+                step.zero_grad()
             return out
 
         base = grads("none")
@@ -247,9 +224,11 @@ def grads_bitwise(cfg, batch, device, dtype, impls) -> dict:
         use_deterministic(False)
 
 
-def step_benchmark(name, cfg, batch, device, dtype, steps, warmup, bw, modes) -> dict:
+def step_benchmark(name: str, cfg: GPTConfig, batch: int, device: torch.device, dtype: torch.dtype, steps: int,
+                   warmup: int, bw: dict[str, float], modes: tuple[str, ...]) -> dict[str, Any]:
+    """Every mode on one stack, side by side, and fast's ratios to the others and to the bus bound."""
     stack = make_stack(cfg, device, dtype)
-    out = {"config": {**cfg.__dict__, "batch": batch, "dtype": str(dtype)}}
+    out: dict[str, Any] = {"config": {**cfg.__dict__, "batch": batch, "dtype": str(dtype)}}
     for mode in modes:
         print(f"  {name}: {mode} ...", flush=True, file=sys.stderr)
         out[mode] = run_steps(stack, cfg, batch, mode, device, dtype, steps, warmup)
@@ -271,8 +250,9 @@ def step_benchmark(name, cfg, batch, device, dtype, steps, warmup, bw, modes) ->
 
 
 # ---------------------------------------------------------------- hook overhead
-def hook_overhead(device, n_ops: int, group_size: int, reps: int) -> dict:
-    """Host microseconds per saved tensor (pack + unpack) on a stack of tiny ops."""
+def hook_overhead(device: torch.device, n_ops: int, group_size: int, reps: int) -> dict[str, Any]:
+    """Host microseconds per saved tensor (pack + unpack) on a stack of tiny ops, in each
+    mode of :data:`HOOK_MODES` against none."""
     x0 = torch.randn(256, device=device)
 
     def timed(off):
@@ -281,52 +261,41 @@ def hook_overhead(device, n_ops: int, group_size: int, reps: int) -> dict:
             sync()
             t0 = time.perf_counter()
             tiny_op_stack(x0, off, n_ops, group_size)
-            sync()
             out.append(time.perf_counter() - t0)
         return min(out[1:])  # host overhead: the least-disturbed repetition
 
     base = timed(None)
-    res = {"ops": n_ops, "saved_tensors": n_ops, "none_s": base}
-    for label, min_bytes in [("kept", 1 << 40), ("offloaded", 0)]:
-        off = ao.Offloader(impl="fast", device=device, min_offload_bytes=min_bytes, keep_last=1)
-        t = timed(off)
-        res[f"fast_{label}_us_per_tensor"] = (t - base) / n_ops * 1e6
+    res: dict[str, Any] = {"ops": n_ops, "saved_tensors": n_ops, "none_s": base}
+    for mode in HOOK_MODES[1:]:
+        res[f"{mode}_us_per_tensor"] = (timed(hook_offloader(mode, device)) - base) / n_ops * 1e6
     return res
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small sizes: check that it runs (always so on CPU)")
-    p.add_argument("--out", default=None,
-                   help="folder for the results JSON (default: benchmarks/results in a checkout, else .)")
-    p.add_argument("--only", default="", help=f"comma list of sections: {','.join(SECTIONS)}")
-    p.add_argument("--compare", metavar="OLD.json", help="print the change of every figure against this results file")
-
-
-SECTIONS = ("bandwidth", "copies", "sweep", "steps", "bitwise", "hooks")
-
-
-def run(args) -> int:
-    sections = set(args.only.split(",")) if args.only else set(SECTIONS)
-    unknown = sections - set(SECTIONS)
-    if unknown:
-        raise SystemExit(f"--only: unknown section(s) {sorted(unknown)}; valid ones are: {', '.join(SECTIONS)}")
-    old = load_results(args.compare) if args.compare else None  # a bad file fails before the run
-    res = measure(sections, args.quick)
-    path = write_results(res, args.out)
+# ---------------------------------------------------------------- the command
+def run(opts: BenchOptions) -> int:
+    """``actoffload bench`` with checked arguments (see :func:`actoffload.tools.arguments.check_bench`)."""
+    res = measure(set(opts.sections), opts.quick)
+    path = write_results(res, opts.out)
     print(json.dumps(summary(res), indent=1))
     print(f"wrote {path}", file=sys.stderr)
-    if old is not None:
-        print(format_comparison(old, res, args.compare, str(path)))
+    if opts.old is not None:
+        print(format_comparison(opts.old, res, opts.compare or "old", str(path)))
     return 0
 
 
-def measure(sections: set[str], quick: bool) -> dict:
-    """Run the chosen sections of the matrix; returns the results dict."""
+def measure(sections: set[str], quick: bool) -> dict[str, Any]:
+    """Run the chosen sections of the matrix; returns the results dict.
+
+    Example::
+
+        measure({"bandwidth", "hooks"}, quick=True)["hook_overhead"]
+    """
+    set_cublas_workspace()  # before the first matmul: the bitwise section turns determinism on
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = quick or device.type != "cuda"
-    from actoffload.fast import FastOffloader
-
-    res = {"env": describe(device), "quick": quick, "fast_pack_below": FastOffloader.pack_below}
+    settings = group_offloader(device).settings
+    res: dict[str, Any] = {"env": describe(device), "quick": quick,
+                           "fast_defaults": {k: settings[k] for k in ("max_inflight", "prefetch", "pack_below")}}
     print(f"benchmarks on {res['env']['gpu']} (torch {res['env']['torch']}, triton {res['env']['triton']})", file=sys.stderr)
     res["pinned_bandwidth"] = bw = pinned_bandwidth(device, (16 if quick else 256) * MiB, 5 if quick else 20)
     if "copies" in sections:
@@ -361,12 +330,8 @@ def measure(sections: set[str], quick: bool) -> dict:
     return res
 
 
-def write_results(res: dict, out: str | None) -> Path:
-    """``<gpu>-<date>[-<commit>][-quick].json`` in ``out``."""
-    if out is None:
-        checkout = Path("benchmarks/results")
-        out = str(checkout) if checkout.is_dir() else "."
-    out_dir = Path(out)
+def write_results(res: dict[str, Any], out_dir: Path) -> Path:
+    """``<gpu>-<date>[-<commit>][-quick].json`` in ``out_dir`` (made if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = res["env"]
     parts = [env["gpu"].replace(" ", "-").replace("/", "-"), env["date"][:10]]
@@ -378,17 +343,46 @@ def write_results(res: dict, out: str | None) -> Path:
 
 
 # ---------------------------------------------------------------- comparing runs
-def load_results(path: str) -> dict:
-    """A results JSON written by ``actoffload bench``; a clear error for anything else."""
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results JSON written by ``actoffload bench``; ``ValueError`` saying what is wrong otherwise.
+
+    Example::
+
+        old = load_results("benchmarks/results/NVIDIA-H100-80GB-HBM3-2026-11-26-0039199.json")
+    """
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
-        raise SystemExit(f"--compare: cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not JSON (not even text)") from None
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--compare: {path} is not JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(data, dict) or "env" not in data:
-        raise SystemExit(f"--compare: {path} is not a results file of 'actoffload bench' (no 'env' key)")
+        raise ValueError(f"{path} is not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("env"), dict) or "date" not in data["env"]:
+        raise ValueError(f"{path} is not a results file of 'actoffload bench' (no 'env' with a 'date')")
     return data
+
+
+def latest_results(folder: str | Path) -> Path | None:
+    """The full (not ``--quick``) results file in ``folder`` measured last, by its ``env.date``
+    (file names sort by commit, not by date); None if there is none.
+
+    Example::
+
+        latest_results("benchmarks/results")   # e.g. .../NVIDIA-H100-80GB-HBM3-2026-11-26-0039199.json
+    """
+    best: tuple[dt.datetime, Path] | None = None
+    for path in Path(folder).glob("*.json"):
+        try:
+            res = load_results(path)
+            date = dt.datetime.fromisoformat(res["env"]["date"])
+        except (ValueError, TypeError):
+            continue  # another kind of JSON (a summary, a conformance run)
+        if date.tzinfo is None:
+            date = date.replace(tzinfo=dt.timezone.utc)  # describe() writes UTC
+        if not res.get("quick") and (best is None or date > best[0]):
+            best = (date, path)
+    return best[1] if best else None
 
 
 def figures(res: dict, prefix: str = "") -> dict[str, float]:
@@ -425,7 +419,7 @@ def format_comparison(old: dict, new: dict, old_name: str = "old", new_name: str
 
 
 def summary(res: dict) -> dict:
-    """The figures the fast-path issue sets targets on."""
+    """The headline figures: copy GB/s against pinned, step times and their ratios, hook overhead."""
     out = {"gpu": res["env"]["gpu"], "pinned": res.get("pinned_bandwidth")}
     for k in ("copy_1000x64KiB", "copy_mixed_4KiB_64MiB"):
         if k in res and "fast_d2h_gbps" in res[k]:

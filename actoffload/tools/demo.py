@@ -16,26 +16,22 @@ first, so that no configuration pays for the GPU's and the allocator's first ste
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 import actoffload as ao
+from .arguments import BASELINES, LEAST_STEPS, DemoOptions
 from .determinism import use_deterministic
-from .saved_tracker import SavedTracker
 from .models import GPT, GPTConfig
-from ..ops import ROLES, select_modules
 from .progress import Progress
+from .saved_tracker import SavedTracker
 from .steptrace import StepProfiler, StepTrace
-from ..wrap import wrap
-
-CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=4, experts=4)
-CUDA_DEFAULTS = dict(d_model=1024, layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=8, experts=8)
-BASELINES = ("save_on_cpu",)  # what users would use otherwise, beside our implementations
 
 
 @dataclass
@@ -47,6 +43,7 @@ class RunResult:
     offloaded_bytes: int = 0
     offloaded_by_role: dict = field(default_factory=dict)
     offloaded_by_group: dict = field(default_factory=dict)
+    held_back: list[str] = field(default_factory=list)  # groups keep_last left on the device
     resident_bytes: int = 0
     peak_bytes: int = 0
     trace: StepTrace | None = None
@@ -62,7 +59,7 @@ class CountingSaveOnCpu:
     CPU, where save_on_cpu has nothing to move), so residency can be measured there.
     """
 
-    def __init__(self, device: torch.device, on_save=None):
+    def __init__(self, device: torch.device, on_save: Callable[[torch.Tensor], None] | None = None):
         self.pin = device.type == "cuda"
         self.on_save = on_save
         self.copied_bytes = 0
@@ -89,25 +86,34 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.device, dtype) -> RunResult:
-    """Train ``args.steps`` steps; ``kind``: None (no offload), "save_on_cpu", or an impl."""
+def train(name: str, kind: str | None, cfg: GPTConfig, opts: DemoOptions, device: torch.device,
+          dtype: torch.dtype) -> RunResult:
+    """Train ``opts.steps`` steps; ``kind``: None (no offload), "save_on_cpu", or an impl.
+
+    Example::
+
+        res = train("ref", "ref", cfg, opts, torch.device("cpu"), torch.float32)
+        res.offloaded_bytes, res.loss_bits
+    """
     res = RunResult(name, kind)
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen) for _ in range(args.steps)]
+    batches = [torch.randint(0, cfg.vocab_size, (opts.batch, cfg.seq_len + 1), generator=gen) for _ in range(opts.steps)]
     params = list(model.parameters())
-    off = handle = baseline = None
+    off: ao.Offloader | None = None
+    handle: ao.WrapHandle | None = None
+    baseline: CountingSaveOnCpu | None = None
     if kind in BASELINES:
         baseline = CountingSaveOnCpu(device)
     elif kind is not None:
-        off = ao.Offloader(impl=kind, device=device, keep_last=args.keep_last,
-                                min_offload_bytes=args.min_offload_bytes, policy=args.policy)
-        handle = wrap(model.blocks, off)
-    select_modules(model, args.roles)
-    profiled, measured = args.steps - 2, args.steps - 1
-    bar = Progress(args.steps, name)
+        off = ao.Offloader(impl=kind, device=device, keep_last=opts.keep_last,
+                           min_offload_bytes=opts.min_offload_bytes, policy=opts.policy)
+        handle = ao.wrap(model.blocks, off)
+    ao.select_modules(model, set(opts.roles))
+    profiled, measured = opts.steps - 2, opts.steps - 1
+    bar = Progress(opts.steps, name)
     finished = False
     try:
         if device.type == "cuda":
@@ -118,8 +124,8 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
             _sync(device)
             if baseline is not None:
                 baseline.copied_bytes = 0
-            prof = StepProfiler(device, memory=args.plot is not None) if step == profiled and (
-                device.type == "cuda" or args.plot) else None
+            prof = StepProfiler(device, memory=opts.plot is not None) if step == profiled and (
+                device.type == "cuda" or opts.plot) else None
             tracker = SavedTracker(off, exclude=params) if step == measured else None
             if baseline is not None and tracker is not None:
                 baseline.on_save = tracker.record
@@ -130,7 +136,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
                     loss = model.loss(x, y)
                 if tracker is not None:  # what forward left resident, once its copies are done
                     _sync(device)
-                    if off is not None and hasattr(off, "synchronize"):
+                    if off is not None:
                         off.synchronize()  # copies in flight still hold their sources
                     res.resident_bytes = _allocated(device) - before if device.type == "cuda" else tracker.resident_bytes()
                 with StepProfiler.phase("backward"):
@@ -151,6 +157,8 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
             res.offloaded_bytes = stats["offloaded_bytes"]  # the last step's: every step moves the same
             for group_name, g in stats["groups"].items():
                 res.offloaded_by_group[group_name] = g["offloaded_bytes"]
+                if g["kept"].get("keep_last"):
+                    res.held_back.append(group_name)
                 for role, n in g.get("offloaded_bytes_by_role", {}).items():
                     res.offloaded_by_role[role] = res.offloaded_by_role.get(role, 0) + n
         if baseline is not None:
@@ -164,7 +172,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, args, device: torch.devic
     return res
 
 
-def _saving_hooks(baseline: CountingSaveOnCpu | None, tracker: SavedTracker | None):
+def _saving_hooks(baseline: CountingSaveOnCpu | None, tracker: SavedTracker | None) -> Any:
     """The saved-tensor hooks of one forward. Hooks do not nest (the innermost alone sees a
     save), so save_on_cpu's report to the tracker themselves rather than sit inside it."""
     if baseline is not None:
@@ -185,7 +193,12 @@ def _gbps(r: RunResult, direction: str, pinned: float | None) -> str:
 
 
 def format_table(results: list[RunResult], device: torch.device, pinned: dict | None = None) -> str:
-    """One row per configuration; ``pinned``: same-run pinned-copy GB/s (``d2h_gbps``, ``h2d_gbps``)."""
+    """One row per configuration; ``pinned``: same-run pinned-copy GB/s (``d2h_gbps``, ``h2d_gbps``).
+
+    Example::
+
+        print(format_table([train("none", None, cfg, opts, device, dtype), ...], device))
+    """
     base = results[0]
     cuda = device.type == "cuda"
     where = "GPU" if cuda else "host"
@@ -199,7 +212,7 @@ def format_table(results: list[RunResult], device: torch.device, pinned: dict | 
     rows = [head]
     # Two runs without offloading show the machine's run-to-run noise; ratios are to the
     # faster one, so noise never flatters an offloader.
-    none_ms = [r.step_ms() for r in results if r.kind is None and r.step_ms()]
+    none_ms = [ms for r in results if r.kind is None and (ms := r.step_ms())]
     base_ms = min(none_ms, default=None)
     pinned = pinned or {}
     for r in results:
@@ -219,102 +232,61 @@ def format_table(results: list[RunResult], device: torch.device, pinned: dict | 
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------- command line
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--impl", default=None,
-                   help=f"comma-separated configurations beside no offload (default: all of "
-                        f"{','.join(BASELINES + tuple(ao.IMPLS))})")
-    p.add_argument("--steps", type=int, default=None,
-                   help="training steps per configuration (at least 2; 4 on CUDA: warm-up, timed, profiled, measured)")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None, help="model width (heads: width / 64 on CUDA)")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--experts", type=int, default=None, help="experts per block; 0: the dense GPT")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--keep-last", type=int, default=1)
-    p.add_argument("--offload-modules", default="", help="comma-separated roles to offload, e.g. moe_act,expert_fc1")
-    p.add_argument("--policy", default="all", choices=["all", "marked"],
-                   help="'marked' with --offload-modules offloads exactly those roles")
-    p.add_argument("--min-offload-bytes", type=int, default=1 << 20)
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="memory over one step per configuration and bytes per group (needs matplotlib)")
+# ---------------------------------------------------------------------------- the command
+CPU_PLOT_NOTE = (
+    "CPU run: the 'device' is host memory here, so offloading cannot lower this curve (its host\n"
+    "copies add to it). It shows when memory is taken and given back, not what offloading saves on\n"
+    "a GPU; the table's 'resident act. MB after fwd' is what offloading frees.")
 
 
-def _configs(args) -> list[tuple[str, str | None]]:
-    chosen = args.impl.split(",") if args.impl else list(BASELINES) + list(ao.IMPLS)
-    for kind in chosen:
-        if kind not in BASELINES:
-            try:
-                ao.resolve_impl(kind)
-            except ValueError as e:
-                raise SystemExit(f"--impl: {e} (or a baseline: {', '.join(BASELINES)})") from None
-    return [("none", None), ("none (again)", None)] + [(k, k) for k in chosen]
+def run(opts: DemoOptions) -> int:
+    """``actoffload demo`` with checked arguments (see :func:`actoffload.tools.arguments.check_demo`).
 
+    Example::
 
-def run(args) -> int:
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU is visible here; use --device cpu")
-    defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
-    args.steps = pick("steps")
-    least = 4 if device.type == "cuda" else 2  # warm-up, timed, profiled, measured; the CPU shows no times
-    if args.steps < least:
-        raise SystemExit(f"--steps: at least {least} on {device.type} (warm-up, timed steps, one profiled, one measured)")
-    args.batch = pick("batch")
-    d_model = pick("d_model")
+        run(check_demo(parser.parse_args(["--device", "cpu", "--steps", "2"])))
+    """
+    device = torch.device(opts.device)
+    cuda = device.type == "cuda"
     cfg = GPTConfig(
-        vocab_size=defaults["vocab"],
-        seq_len=pick("seq_len"),
-        d_model=d_model,
-        n_heads=max(1, d_model // 64) if device.type == "cuda" else defaults["n_heads"],
-        n_layers=pick("layers"),
+        vocab_size=opts.vocab,
+        seq_len=opts.seq_len,
+        d_model=opts.d_model,
+        n_heads=opts.n_heads,
+        n_layers=opts.layers,
         attention="eager",  # deterministic everywhere, so losses can be compared bit for bit
-        n_experts=pick("experts"),
-        top_k=args.top_k,
+        n_experts=opts.experts,
+        top_k=opts.top_k,
     )
-    if cfg.d_model % cfg.n_heads:
-        raise SystemExit(f"--d-model {cfg.d_model} must be a multiple of {cfg.n_heads} heads")
-    args.roles = {r for r in args.offload_modules.split(",") if r}
-    unknown = args.roles - set(ROLES)
-    if unknown:
-        raise SystemExit(f"--offload-modules: unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
-    if args.plot:
-        from .plot import require_matplotlib
-
-        require_matplotlib()  # before minutes of training, not after
-    configs = _configs(args)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if cuda else torch.float32
     use_deterministic(True)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host memory stands in for GPU memory; small configuration)"
+    where = torch.cuda.get_device_name(device) if cuda else "CPU (host memory stands in for GPU memory; small configuration)"
     model_name = f"GPT-MoE ({cfg.n_experts} experts, top-{cfg.top_k})" if cfg.n_experts else "GPT (dense)"
     print(
         f"actoffload demo on {where}: {model_name} d={cfg.d_model} layers={cfg.n_layers} seq={cfg.seq_len} "
-        f"batch={args.batch} {str(dtype).replace('torch.', '')}, {args.steps} steps, keep_last={args.keep_last}"
-        + (f", offload roles {sorted(args.roles)} (policy {args.policy})" if args.roles else ""),
+        f"batch={opts.batch} {str(dtype).replace('torch.', '')}, {opts.steps} steps, keep_last={opts.keep_last}"
+        + (f", offload roles {sorted(opts.roles)} (policy {opts.policy})" if opts.roles else ""),
         flush=True,
     )
     pinned = None
-    if device.type == "cuda":
+    if cuda:
         from .bench import pinned_bandwidth
 
         pinned = pinned_bandwidth(device, 256 << 20, 5)
         print(f"pinned-copy bandwidth in this run: D2H {pinned['d2h_gbps']:.1f} GB/s, "
               f"H2D {pinned['h2d_gbps']:.1f} GB/s", flush=True)
-    if device.type == "cuda":
-        train("warm-up (not shown)", None, cfg, argparse.Namespace(**{**vars(args), "steps": least, "plot": None}),
+        # the GPU's and the allocator's first steps, paid by no configuration shown
+        train("warm-up (not shown)", None, cfg, dataclasses.replace(opts, steps=LEAST_STEPS["cuda"], plot=None),
               device, dtype)
-    results = [train(name, kind, cfg, args, device, dtype) for name, kind in configs]
+    results = [train(name, kind, cfg, opts, device, dtype) for name, kind in opts.configs]
     print(format_table(results, device, pinned))
-    if device.type != "cuda":
+    if not cuda:
         print("(CPU run: 'resident' counts saved storages still alive after forward, in host memory; "
               "no GPU memory or bus figures.)")
     else:
-        print(f"(step ms: median of steps 2..{args.steps - 2}; GB/s: bytes copied each way in one profiled step / "
+        print(f"(step ms: median of steps 2..{opts.steps - 2}; GB/s: bytes copied each way in one profiled step / "
               "time the copy engines were busy with them.)")
-    if args.plot:
+    if opts.plot:
         from .plot import save_plot
 
         traces, kinds = {}, set()
@@ -322,10 +294,12 @@ def run(args) -> int:
             if r.trace is not None and r.kind not in kinds:
                 kinds.add(r.kind)
                 traces[r.name] = r.trace
-        save_plot(args.plot, traces, {r.name: r.offloaded_by_group for r in results},
+        save_plot(opts.plot, traces, {r.name: r.offloaded_by_group for r in results},
                   f"actoffload demo on {where.split(' (')[0]}: {model_name} d={cfg.d_model} layers={cfg.n_layers} "
-                  f"seq={cfg.seq_len} batch={args.batch}",
-                  "GPU memory allocated (GiB)" if device.type == "cuda" else "host memory allocated since the step began (GiB)",
-                  relative=device.type != "cuda")
-        print(f"wrote {args.plot}")
+                  f"seq={cfg.seq_len} batch={opts.batch}",
+                  "GPU memory allocated (GiB)" if cuda else "host memory allocated since the step began (GiB)",
+                  relative=not cuda, note=None if cuda else CPU_PLOT_NOTE,
+                  held_back={g: f"kept on the device (keep_last={opts.keep_last})"
+                             for r in results for g in r.held_back})
+        print(f"wrote {opts.plot}")
     return 0
