@@ -77,17 +77,20 @@ def main(argv=None) -> int:
 
         with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"), initializer=init_worker) as pool:
             futures = {pool.submit(check_seeds, c, args.device, args.impl): c for c in chunks}
+            cut = False
             for f in cf.as_completed(futures):
-                failures += f.result()
+                if f.cancelled():  # not started before time ran out: not run, not counted
+                    continue
+                try:
+                    failures += f.result()
+                except Exception as e:  # a worker died: its seeds count as failed, the rest stand
+                    failures += [(seed, [f"crashed: {type(e).__name__}: {e}"]) for seed in futures[f]]
                 ran += futures[f]
                 bar.update(len(ran), failed=len(failures))
-                if out_of_time():
+                if not cut and out_of_time():
+                    cut = True
                     for other in futures:
-                        other.cancel()  # the ones not started; running ones finish
-            for f, c in futures.items():  # finished after the cut: still count them
-                if f.done() and not f.cancelled() and c[0] not in ran:
-                    failures += f.result()
-                    ran += c
+                        other.cancel()  # the ones not started; running ones finish and count
     else:
         for c in chunks:
             if out_of_time():

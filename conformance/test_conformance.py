@@ -72,3 +72,20 @@ def test_planted_bug_is_caught(bug, device):
     with patch():
         caught = [s for s in scenarios if compare(s, "fast")]
     assert caught, f"planted bug {bug!r} went unnoticed by every scenario"
+
+
+def test_a_run_cut_short_by_max_seconds_reports_what_ran(tmp_path):
+    """--max-seconds with several workers: the chunks not started are cancelled, the ones
+    that ran are reported, and nothing is lost to the cancellation."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "conformance", "--device", "cpu", "--seeds", "400", "--jobs", "2",
+                          "--max-seconds", "0", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-conformance.json")]
+    assert 0 < result["scenarios"] < 400 and result["failed"] == 0

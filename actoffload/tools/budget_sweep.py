@@ -232,17 +232,27 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     return res
 
 
-def sweep(device: torch.device, small: bool, log=print) -> list[dict[str, Any]]:
-    steps, warmup = (2, 1) if small else (5, 2)
-    out = []
+def sweep(device: torch.device, small: bool, log=print, done=lambda results: None) -> list[dict[str, Any]]:
+    """Every workload in turn; ``done(results so far)`` after each (to save partial results).
+    A workload that fails is reported with its error and the sweep goes on."""
+    steps, warmup = (2, 1) if small else (4, 2)
+    out: list[dict[str, Any]] = []
     for build in workloads(device, small):
-        w = build()
-        log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
-        out.append(sweep_workload(w, device, steps, warmup, log))
-        del w
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            w = build()
+            log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
+            gc.freeze()  # the model and torch stay: each step's collection walks only its own garbage
+            out.append(sweep_workload(w, device, steps, warmup, log))
+        except Exception as e:  # noqa: BLE001  report it, keep what the others measure
+            log(f"budget sweep: a workload failed: {type(e).__name__}: {e}")
+            out.append({"workload": getattr(locals().get("w"), "name", "?"), "error": f"{type(e).__name__}: {e}"})
+        finally:
+            w = None
+            gc.unfreeze()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        done(out)
     return out
 
 
@@ -325,15 +335,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_deterministic(True)
-    results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True))
-    doc = {"env": describe(device), "workloads": results, "verdicts": {r["workload"]: verdicts(r) for r in results}}
-    text = json.dumps(doc, indent=1, default=float)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    env = describe(device)
+
+    def save(results: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = {"env": env, "workloads": results,
+               "verdicts": {r["workload"]: verdicts(r) for r in results if "error" not in r}}
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(doc, indent=1, default=float))
+        return doc
+
+    results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True),
+                    done=save)
+    doc = save(results)
     print(json.dumps(doc["verdicts"], indent=1, default=float))
     if args.plot:
-        plot(results, args.plot, f"memory budgets on {doc['env']['gpu']}")
+        plot([r for r in results if "error" not in r], args.plot, f"memory budgets on {env['gpu']}")
     return 0
 
 
