@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import compat, multibuffer, policy
+from . import compat, marks, multibuffer, policy
 from .hostmem import HostMemory, HostMemoryError
 from .observe import Observer
 from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
@@ -140,6 +140,7 @@ class Engine(Generic[GroupT, MovedT]):
                 self._window.clear()
                 self._backward_began = False
         if new_step:
+            marks.new_step()
             self._step_begins()
         with self._lock:
             unique, k = name, 1
@@ -362,7 +363,9 @@ class Engine(Generic[GroupT, MovedT]):
         return MultiHandle(group, parts.rebuild, saved, tuple(t.shape), t._version, guard)
 
     def _add(self, group: GroupT, t: torch.Tensor) -> SavedBuffer:
-        s = SavedBuffer(t, policy.is_parameter(t))
+        # no autograd history: maybe a detached view of a weight, known only by its storage
+        constant = t.grad_fn is None and not t.requires_grad
+        s = SavedBuffer(t, policy.is_parameter(t) or (constant and marks.is_parameter_storage(t)))
         group.saved.append(s)
         for obs in self._observers:
             obs.on_save(group.name, t)

@@ -27,12 +27,19 @@ class HostMemoryError(MemoryError):
     """Host memory for a commit could not be had; the group stays resident (R10)."""
 
 
-def default_host_allocator(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A new host buffer, page-locked in place when ``pinned`` (fast copies to and from CUDA)."""
+def exact_host_allocator(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A new host buffer of exactly ``nbytes``, page-locked in place when ``pinned``. Pinning
+    is slow, so this suits a caller that keeps its buffers (fast's pool)."""
     host = torch.empty(nbytes, dtype=torch.uint8)
     if pinned:
         compat.pin_exactly(host)
     return host
+
+
+def cached_host_allocator(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host buffer from PyTorch's pinned-memory cache (sizes rounded up to a power of two,
+    freed buffers reused): suits a caller that allocates and frees every step (ref)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def machine_ram() -> int:
@@ -59,7 +66,7 @@ class HostMemory:
 
     Example::
 
-        host = HostMemory(default_host_allocator, pinned=False, budget=1 << 30)
+        host = HostMemory(exact_host_allocator, pinned=False, budget=1 << 30)
         buf = host.allocate(4096)          # counted until ``buf`` is freed
         host.allocated                     # 4096
     """

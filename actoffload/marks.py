@@ -12,6 +12,7 @@ same memory.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -109,13 +110,48 @@ def mark_parameters(*tensors: torch.Tensor | None) -> None:
     _mark(tensors, PARAMETER, "mark_parameters")
 
 
+# Every parameter registered on a module (weakly): moving a model (`model.cuda()`,
+# `model.to(dtype)`) gives its parameters new storages without registering them again.
+_parameters: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_parameter_keys: set[int] | None = None  # their storages now; None: to be looked up again
+
+
 def _on_parameter_registered(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
+    global _parameter_keys
     if param is None or param.device.type == "meta":
         return
     try:
         mark_parameters(param)
+        _parameters.add(param)
+        _parameter_keys = None
     except Exception:  # noqa: BLE001  a parameter we cannot take apart: nothing to record, and
         pass  # a registration hook must never break the user's model construction
+
+
+def is_parameter_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in the storage a registered parameter has now. For tensors without
+    autograd history (a detached view of a weight looks like any constant): the parameters'
+    current storages are looked up once per step (:func:`new_step`), not per tensor."""
+    global _parameter_keys
+    keys = _parameter_keys
+    if keys is None:
+        keys = set()
+        for p in list(_parameters):
+            try:
+                keys.update(s._cdata for s in _storages(p))
+            except TypeError:
+                pass
+        _parameter_keys = keys
+    try:
+        return compat.storage_key(t) in keys
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def new_step() -> None:
+    """Parameters may have moved since the last step: look their storages up again."""
+    global _parameter_keys
+    _parameter_keys = None
 
 
 # Every parameter registered on any module from now on (models are usually built after import).

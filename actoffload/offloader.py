@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from . import compat
 from .engine import Engine, GroupT, MovedT
-from .hostmem import HostAllocator, HostMemory, default_host_allocator, default_host_budget
+from .hostmem import HostAllocator, HostMemory, default_host_budget, exact_host_allocator
 from .observe import Observer
 from .policy import POLICIES
 from .settings import IMPLS, check_choice, check_count, parse_bytes, resolve_device, resolve_impl
@@ -107,7 +107,8 @@ class Offloader(Engine[GroupT, MovedT]):
       :class:`actoffload.HostMemoryError` and the group stays resident. Default: 80% of
       this machine's RAM divided among its ranks (``LOCAL_WORLD_SIZE``).
     - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host
-      buffers come from (default: new buffers, page-locked in place on CUDA).
+      buffers come from (default: ``fast`` pins exactly what its pool keeps; ``ref``, which
+      allocates every step, takes PyTorch's cached pinned memory).
 
     ``fast`` adds ``max_inflight``, ``prefetch``, ``pack_below`` and ``packer``; see
     :class:`actoffload.fast.FastOffloader`. A setting of the other implementation is
@@ -168,8 +169,12 @@ class Offloader(Engine[GroupT, MovedT]):
             check_count("min_offload_bytes", min_offload_bytes),
             check_choice("policy", policy, POLICIES, "policies"),
             check_count("keep_last", keep_last),
-            HostMemory(host_allocator or default_host_allocator, pinned=dev.type == "cuda", budget=budget),
+            HostMemory(host_allocator or self._default_host_allocator(), pinned=dev.type == "cuda", budget=budget),
         )
+
+    def _default_host_allocator(self) -> HostAllocator:
+        """Where host buffers come from unless the user injects an allocator."""
+        return exact_host_allocator
 
     # ------------------------------------------------------------------ public API
     def group(self, name: str) -> GroupContext:

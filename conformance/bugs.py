@@ -104,13 +104,17 @@ def hold_detached_parameters():
 @contextlib.contextmanager
 def parameters_only_through_base():
     """(g) Recognise parameters only through ``_base``: a detached weight view moves."""
-    plan, flags_of = FastOffloader._plan, marks.flags_of
+    plan, add, flags_of = FastOffloader._plan, FastOffloader._add, marks.flags_of
 
     def buggy_plan(self, group, committed):
         with mock.patch.object(marks, "flags_of", lambda key: flags_of(key) & ~marks.PARAMETER):
             return plan(self, group, committed)
 
-    with mock.patch.object(FastOffloader, "_plan", buggy_plan):
+    def buggy_add(self, group, t):
+        with mock.patch.object(marks, "is_parameter_storage", lambda t: False):
+            return add(self, group, t)
+
+    with mock.patch.object(FastOffloader, "_plan", buggy_plan), mock.patch.object(FastOffloader, "_add", buggy_add):
         yield
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from actoffload import policy
+from actoffload import multibuffer, policy
 from actoffload.budget.controller import BudgetController
 from actoffload.budget.planner import GroupPlan
 from actoffload.observe import wants_copies
@@ -188,6 +188,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     def _seen_under_checkpoint(self, group: FastGroup, t: torch.Tensor) -> None:
         if self._budget is not None and self._budget.profiling:
+            if multibuffer.is_multibuffer(t):  # its buffers, as the pack hook would see them
+                for b in multibuffer.split(t).buffers:
+                    if b is not None:
+                        self._seen_under_checkpoint(group, b)
+                return
             group.would_save.append(policy.fact_of(t, self.device))
 
     def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:

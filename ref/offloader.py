@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from actoffload.hostmem import HostAllocator, cached_host_allocator
 from actoffload.offloader import Offloader
 from actoffload.policy import Span
 from actoffload.records import Group, Moved
@@ -40,6 +41,9 @@ class RefOffloader(Offloader[Group, RefMoved]):
     """Synchronous reference implementation; create it with ``ao.Offloader(impl="ref")``."""
 
     impl = "ref"
+
+    def _default_host_allocator(self) -> HostAllocator:
+        return cached_host_allocator  # ref allocates and frees every step: PyTorch caches pinned memory
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> Group:
         return Group(name, prev, first_seq)

@@ -243,3 +243,15 @@ def test_R3_python_subclass_with_storage_stays_resident_and_keeps_its_type(impl)
         y = Save.apply(x)
     assert off.stats()["groups"]["g"]["kept"] == {"device": 1}
     y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R3_detached_weight_is_recognised_after_the_model_moved(impl):
+    """``model.to(...)``/``model.cuda()`` give parameters new storages without registering
+    them again: a detached view of a weight must still be recognised."""
+    lin = torch.nn.Linear(64, 64).to(torch.float64)  # a new storage, as .cuda() makes
+    x = torch.randn(8, 64, dtype=torch.float64, requires_grad=True)
+    off = off_for(impl, "cpu", keep_last=0)
+    with off.group("g"):
+        F.linear(x * 1, lin.weight.detach(), lin.bias)
+    assert off.stats()["groups"]["g"]["kept"] == {"parameter": 1}

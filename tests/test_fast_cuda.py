@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.fast import FastOffloader
 from helpers import CUDA, assert_bitwise, grads_of, mlp_stack, reference_grads, run_groups, zero_grads
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
@@ -35,11 +34,10 @@ def test_fast_training_step_has_no_host_synchronization():
 def test_fast_slow_copy_streams_do_not_change_results(where, pack_below, monkeypatch):
     """A copy stream that lags far behind compute: a source freed or a reload used too
     early would be overwritten by later compute and show up as wrong gradients."""
-    monkeypatch.setattr(FastOffloader, "pack_below", pack_below)
     model = mlp_stack(6, 256, "cuda")
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
     expected = reference_grads(model, x, loss=lambda y: y.square().sum())
-    off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, keep_last=1)
+    off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, keep_last=1, pack_below=pack_below)
     streams = off._streams
     stream = streams.d2h if where == "d2h" else streams.h2d
     original = streams.on_d2h if where == "d2h" else streams.on_h2d

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import compat, policy
-from .planner import GroupPlan, GroupProfile, Plan, Profile, candidates, choose
+from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose
 from .probe import Probe
 
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
@@ -200,7 +200,7 @@ class BudgetController:
             bwd = self.probe.seconds(m.touched, after) if m.touched is not None else 2 * fwd
             bwd -= m.moved / h2d + (fwd if m.recomputed else 0.0)  # its reload and its recompute
             saves = sum(m.spans) + m.kept
-            forward_extra = m.forward_peak - (0 if m.recomputed else saves)
+            forward_extra = m.forward_peak
             backward_extra = m.backward_peak - (step.base + held + saves)
             groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
                                        max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0)))
@@ -214,8 +214,15 @@ class BudgetController:
         self._choose()
 
     def _choose(self) -> None:
+        """The fastest plan for the budget less the margin. The budget itself must be reachable
+        (else the error names the smallest peak); where only the margin makes it unreachable,
+        the plan that needs the least memory runs."""
         assert self.profile is not None
-        self.plan = choose(self.profile, self.budget - self.margin, self.plans)
+        choose(self.profile, self.budget, self.plans)  # raises if the budget is out of reach
+        try:
+            self.plan = choose(self.profile, self.budget - self.margin, self.plans)
+        except BudgetTooSmall:
+            self.plan = min(self.plans, key=lambda p: (p.peak, p.step_s))
 
     def _backward_ended(self) -> None:
         """The step's backward pass is over: its peak (and, while profiling, the end of the

@@ -36,8 +36,10 @@ class GroupProfile:
     saves that stay whatever the plan (small, vetoed, not marked); ``inputs``: bytes it saves
     when recomputed (its module's inputs), ``None`` if it cannot be (not a wrapped module);
     ``forward_s``/``backward_s``: compute time of its forward and of its backward (without
-    recompute); ``forward_extra``/``backward_extra``: the most bytes allocated during its
-    forward/backward beyond what the model counts (temporaries, gradients of activations);
+    recompute); ``forward_extra``: the most bytes allocated during its forward above what was
+    allocated when it began (as profiled, recomputed: temporaries, among them what it would
+    save); ``backward_extra``: the most bytes allocated during its backward beyond what the
+    model counts (temporaries, gradients of activations);
     ``grads``: bytes of parameter gradients its backward allocates.
     """
 
@@ -159,8 +161,10 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     held = 0  # bytes the groups done so far keep on the device
     for i, g in enumerate(gs):
         in_flight = sum(moved[j] for j, _ in s.inflight)
-        saves = 0 if recompute[i] else g.offloadable + g.kept  # alive at its end, before the copy
-        peak = max(peak, profile.base + held + in_flight + saves + g.forward_extra)
+        # forward_extra was measured recomputed, where what the group saves was temporary:
+        # saving it keeps those bytes (at least) alive until the group ends
+        saves = 0 if recompute[i] else g.offloadable + g.kept
+        peak = max(peak, profile.base + held + in_flight + max(saves, g.forward_extra))
         s.compute += g.forward_s
         held += resident[i]
         if moved[i]:

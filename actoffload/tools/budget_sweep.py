@@ -243,7 +243,8 @@ def _compile_kernels(device: torch.device) -> None:
     _sync(device)
 
 
-def sweep(device: torch.device, small: bool, log=print, done=lambda results: None) -> list[dict[str, Any]]:
+def sweep(device: torch.device, small: bool, log=print, done=lambda results: None,
+          only: set[str] | None = None) -> list[dict[str, Any]]:
     """Every workload in turn; ``done(results so far)`` after each (to save partial results).
     A workload that fails is reported with its error and the sweep goes on."""
     steps, warmup = (2, 1) if small else (4, 2)
@@ -252,6 +253,8 @@ def sweep(device: torch.device, small: bool, log=print, done=lambda results: Non
     for build in workloads(device, small):
         try:
             w = build()
+            if only and w.name not in only:
+                continue
             log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
             gc.freeze()  # the model and torch stay: each step's collection walks only its own garbage
             out.append(sweep_workload(w, device, steps, warmup, log))
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="tiny workloads (the CPU always uses them)")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--plot", help="peak memory against step time, as a PNG")
+    p.add_argument("--only", default="", help="comma-separated workloads to run (default: all)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_deterministic(True)
@@ -357,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(doc, indent=1, default=float))
         return doc
 
+    only = {name for name in args.only.split(",") if name}
     results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True),
-                    done=save)
+                    done=save, only=only)
     doc = save(results)
     print(json.dumps(doc["verdicts"], indent=1, default=float))
     if args.plot:
