@@ -12,6 +12,7 @@ kernels on the CPU too, through Triton's interpreter (slow: for testing the kern
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ class Packer:
         else:
             from actoffload.triton_kernels import pack as kernels
 
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "packer='triton' on the CPU runs Triton's interpreter, which must be turned on "
+                    "(TRITON_INTERPRET=1) before triton is first imported; with a GPU visible it is not. "
+                    "Use packer='auto' or 'torch' on the CPU."
+                )
             self._k = kernels
             self.name = "triton" if device.type == "cuda" else "triton-interpreter"
 
