@@ -380,6 +380,8 @@ def latest_results(folder: str | Path) -> Path | None:
             continue  # another kind of JSON (a summary, a conformance run)
         if date.tzinfo is None:
             date = date.replace(tzinfo=dt.timezone.utc)  # describe() writes UTC
+        if "workloads" in res:  # a budget sweep's results, not bench's
+            continue
         if not res.get("quick") and (best is None or date > best[0]):
             best = (date, path)
     return best[1] if best else None
