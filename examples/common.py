@@ -173,6 +173,30 @@ def batch(args: argparse.Namespace, step: int, stream: int, device: torch.device
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
+def language_model(args: argparse.Namespace, ctx: Context, model: torch.nn.Module,
+                   forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
+                   data_stream: int, **extra: Any) -> Trainee:
+    """A model of decoder ``model.blocks`` trained on next-token loss: ``forward(ids)`` gives
+    logits (through DDP, FSDP2 or a parallel plan), ``data_stream`` picks each rank's data."""
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batch(args, i, data_stream, ctx.device)
+        logits = forward(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        return loss
+
+    return Trainee(
+        blocks=list(model.blocks),
+        block_names=[f"block{i}" for i in range(len(model.blocks))],
+        step=step,
+        named_params=list(model.named_parameters()),  # DTensors (FSDP2, tensor parallel): local shards
+        optimizer=optimizer,
+        held=model.parameters,  # inside a block's forward: its (unsharded) parameters
+        **extra,
+    )
+
+
 # ---------------------------------------------------------------- launching
 def main(name: str, build: BuildFn, p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     """Parse the command line (``argv``, default ``sys.argv``) with ``p`` and run ``build``'s

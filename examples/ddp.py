@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import Context, Trainee, batch, gpt_config, main, parser
+from common import Context, Trainee, gpt_config, language_model, main, parser
 
 from actoffload.tools.models import GPT
 
@@ -30,22 +29,7 @@ def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
     model = GPT(gpt_config(args)).to(device=ctx.device, dtype=getattr(torch, args.dtype))
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-
-    def step(i: int) -> torch.Tensor:
-        x, y = batch(args, i, ctx.rank, ctx.device)  # data parallel: each rank its own data
-        logits = ddp(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        return loss
-
-    return Trainee(
-        blocks=list(model.blocks),
-        block_names=[f"block{i}" for i in range(len(model.blocks))],
-        step=step,
-        named_params=list(model.named_parameters()),
-        optimizer=opt,
-        held=model.parameters,
-    )
+    return language_model(args, ctx, model, ddp, opt, data_stream=ctx.rank)  # each rank its own data
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import Context, Trainee, batch, gpt_config, main, parser
+from common import Context, Trainee, gpt_config, language_model, main, parser
 
 from actoffload.tools.models import GPT
 
@@ -36,22 +35,7 @@ def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-
-    def step(i: int) -> torch.Tensor:
-        x, y = batch(args, i, ctx.rank, ctx.device)  # data parallel: each rank its own data
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        return loss
-
-    return Trainee(
-        blocks=list(model.blocks),
-        block_names=[f"block{i}" for i in range(len(model.blocks))],
-        step=step,
-        named_params=list(model.named_parameters()),  # sharded DTensors: digests of the local shards
-        optimizer=opt,
-        held=model.parameters,  # inside a block's forward: its unsharded parameters
-    )
+    return language_model(args, ctx, model, model, opt, data_stream=ctx.rank)  # each rank its own data
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common import Context, Trainee, batch, main, parser
+from common import Context, Trainee, language_model, main, parser
 
 
 # ---------------------------------------------------------------- the model (no parallelism in it)
@@ -145,22 +145,9 @@ def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda m, a, name=f"block{i}": record_input(name, a))
 
-    def step(i: int) -> torch.Tensor:
-        x, y = batch(args, i, 0, ctx.device)  # tensor parallel: every rank the same batch
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        return loss
-
-    return Trainee(
-        blocks=list(model.blocks),
-        block_names=[f"block{i}" for i in range(len(model.blocks))],
-        step=step,
-        named_params=list(model.named_parameters()),  # DTensors: digests of the local shards
-        optimizer=opt,
-        held=model.parameters,
-        report=lambda off: {"block_inputs": block_inputs},
-    )
+    # tensor parallel: every rank the same batch
+    return language_model(args, ctx, model, model, opt, data_stream=0,
+                          report=lambda off: {"block_inputs": block_inputs})
 
 
 def run(argv: list[str] | None = None) -> int:

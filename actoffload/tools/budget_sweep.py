@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 import actoffload as ao
-from .models import GPT, Block, GPTConfig, Llama, LlamaConfig
+from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, next_token_loss
 
 GiB = 1 << 30
 LEVELS = 5
@@ -76,8 +76,7 @@ def _gpt_moe(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
         h = model.embed(x) + model.pos[: x.shape[1]]
         for i, b in enumerate(model.blocks):
             h = call(i, b, h)
-        logits = model.head(model.ln_f(h))
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return next_token_loss(model.head(model.ln_f(h)).float(), y)
 
     return Workload("gpt_moe", model, model.blocks, loss, list(model.parameters()))
 
@@ -94,8 +93,7 @@ def _llama(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
         h = model.embed(x)
         for i, b in enumerate(model.blocks):
             h = call(i, b, h)
-        logits = model.head(model.norm(h))
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return next_token_loss(model.head(model.norm(h)).float(), y)
 
     return Workload("llama", model, model.blocks, loss, list(model.parameters()))
 

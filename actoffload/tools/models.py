@@ -36,6 +36,11 @@ class GPTConfig:
     expert_fp8: bool = False
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``[B, T, vocab]`` logits against ``[B, T]`` target ids."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class Attention(nn.Module):
     offload_roles = ("qkv", "core_attn", "attn_proj")
 
@@ -133,8 +138,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(h))
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self(x), targets)
 
 
 # ---------------------------------------------------------------------------- Llama-style
@@ -227,5 +231,4 @@ class Llama(nn.Module):
         return self.head(self.norm(h))
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self(x), targets)
