@@ -113,7 +113,9 @@ def mark_parameters(*tensors: torch.Tensor | None) -> None:
 # Every parameter registered on a module (weakly): moving a model (`model.cuda()`,
 # `model.to(dtype)`) gives its parameters new storages without registering them again.
 _parameters: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
-_parameter_keys: set[int] | None = None  # their storages now; None: to be looked up again
+# their storages as last looked up (None: to be looked up again); the weak references keep
+# a dead storage's address from being taken for a new storage's
+_parameter_keys: dict[int, StorageWeakRef] | None = None
 
 
 def _on_parameter_registered(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None):
@@ -135,17 +137,18 @@ def is_parameter_storage(t: torch.Tensor) -> bool:
     global _parameter_keys
     keys = _parameter_keys
     if keys is None:
-        keys = set()
+        keys = {}
         for p in list(_parameters):
             try:
-                keys.update(s._cdata for s in _storages(p))
+                keys.update((s._cdata, StorageWeakRef(s)) for s in _storages(p))
             except TypeError:
                 pass
         _parameter_keys = keys
     try:
-        return compat.storage_key(t) in keys
+        ref = keys.get(compat.storage_key(t))
     except (RuntimeError, NotImplementedError):
         return False
+    return ref is not None and not ref.expired()
 
 
 def new_step() -> None:
