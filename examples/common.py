@@ -565,6 +565,8 @@ def _rank_main(name: str, build: BuildFn, args: argparse.Namespace) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
             print(f"wrote {args.out}")
+    # leave together: a rank tearing gloo down while another still talks to it can abort
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 
