@@ -194,28 +194,34 @@ def test_R3_nested_tensor_stays_resident_with_reason_device(impl):
     assert off.stats()["groups"]["g"]["kept"].get("device", 0) >= 1
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_R3_quantized_dtype_tensor_stays_resident(impl):
-    x = torch.randn(64, 64, requires_grad=True)
-    q = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 0, torch.qint8)
-    off = off_for(impl, "cpu", keep_last=0)
+def _stays_resident_and_comes_back(impl, saved, check):
+    """Save ``saved`` (a constant) inside a group; it must stay (reason device) and come back
+    from backward passing ``check``."""
+    seen = []
 
-    class SaveQ(torch.autograd.Function):
+    class Save(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            ctx.save_for_backward(q)
+            ctx.save_for_backward(saved)
             return x * 2
 
         @staticmethod
         def backward(ctx, g):
-            (r,) = ctx.saved_tensors
-            assert r.is_quantized and torch.equal(r.int_repr(), q.int_repr())
+            seen.append(check(ctx.saved_tensors[0]))
             return g * 2
 
+    off = off_for(impl, "cpu", keep_last=0)
     with off.group("g"):
-        y = SaveQ.apply(x)
+        y = Save.apply(torch.randn(64, 64, requires_grad=True))
     assert off.stats()["groups"]["g"]["kept"] == {"device": 1}
     y.sum().backward()
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R3_quantized_dtype_tensor_stays_resident(impl):
+    q = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 0, torch.qint8)
+    _stays_resident_and_comes_back(impl, q, lambda r: r.is_quantized and torch.equal(r.int_repr(), q.int_repr()))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -223,26 +229,7 @@ def test_R3_python_subclass_with_storage_stays_resident_and_keeps_its_type(impl)
     class Tagged(torch.Tensor):
         pass
 
-    x = torch.randn(64, 64, requires_grad=True)
-    tag = torch.randn(64, 64).as_subclass(Tagged)
-    off = off_for(impl, "cpu", keep_last=0)
-
-    class Save(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(tag)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            (r,) = ctx.saved_tensors
-            assert type(r) is Tagged
-            return g * 2
-
-    with off.group("g"):
-        y = Save.apply(x)
-    assert off.stats()["groups"]["g"]["kept"] == {"device": 1}
-    y.sum().backward()
+    _stays_resident_and_comes_back(impl, torch.randn(64, 64).as_subclass(Tagged), lambda r: type(r) is Tagged)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
