@@ -18,9 +18,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # ---------------------------------------------------------------- storages
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """Identity of a storage: the address of its StorageImpl."""
+    return storage._cdata
+
+
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage: the address of its StorageImpl (raises without one)."""
-    return t.untyped_storage()._cdata
+    """Identity of ``t``'s storage (raises for a tensor without one)."""
+    return storage_id(t.untyped_storage())
 
 
 def storage_weakref(t: torch.Tensor) -> StorageWeakRef:
@@ -61,6 +66,11 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- autograd
+def node_sequence_nr(node: Any) -> int:
+    """The sequence number of an autograd node (its creation order on its thread)."""
+    return node._sequence_nr()
+
+
 def sequence_nr() -> int:
     """The sequence number the next autograd node created on this thread will get."""
     return torch._C._autograd._get_sequence_nr()

@@ -296,17 +296,20 @@ class Engine(Generic[GroupT, MovedT]):
     def _remember(self, key: int, m: Moved, t: torch.Tensor) -> None:
         entry = (weakref.ref(m), compat.storage_weakref(t))
         with self._lock:
-            live = [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
-            self._moved_by_storage[key] = live + [entry]
+            self._moved_by_storage[key] = self._live_moved(key) + [entry]
         weakref.finalize(m, self._forget, key)
 
     def _forget(self, key: int) -> None:
         with self._lock:
-            live = [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
+            live = self._live_moved(key)
             if live:
                 self._moved_by_storage[key] = live
             else:
                 self._moved_by_storage.pop(key, None)
+
+    def _live_moved(self, key: int) -> list[tuple[weakref.ref[Moved], StorageWeakRef]]:
+        """The entries of ``key`` whose span and storage both still live (caller holds the lock)."""
+        return [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
 
     def _moved_earlier(self, key: int, aliases: list[policy.SavedFact]) -> Moved | None:
         """A live copy of this very storage, made by an earlier group, that holds every byte of
@@ -497,7 +500,7 @@ def _nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list
             if nxt is None or id(nxt) in seen:
                 continue
             seen[id(nxt)] = nxt
-            seq = nxt._sequence_nr()
+            seq = compat.node_sequence_nr(nxt)
             if first_seq <= seq < end_seq:
                 found.append(nxt)
             elif seq >= first_seq and seq < 1 << 62:  # AccumulateGrad nodes have the largest number

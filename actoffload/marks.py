@@ -49,7 +49,7 @@ def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn} takes tensors (or None), got {type(t).__name__}")
         for storage in _storages(t):
-            key = storage._cdata  # what compat.storage_key returns for its tensors
+            key = compat.storage_id(storage)
             with _lock:
                 entry = _marks.get(key)
                 old = entry[1] if entry is not None and not entry[0].expired() else 0
@@ -140,7 +140,7 @@ def is_parameter_storage(t: torch.Tensor) -> bool:
         keys = {}
         for p in list(_parameters):
             try:
-                keys.update((s._cdata, StorageWeakRef(s)) for s in _storages(p))
+                keys.update((compat.storage_id(s), StorageWeakRef(s)) for s in _storages(p))
             except TypeError:
                 pass
         _parameter_keys = keys

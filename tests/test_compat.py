@@ -127,3 +127,11 @@ def test_pin_exactly_and_capture_query_on_cuda():
 
 def test_capture_query_on_cpu_is_false():
     assert not compat.stream_is_capturing(torch.device("cpu"))
+
+
+def test_storage_id_and_node_sequence_nr():
+    a = torch.randn(4)
+    assert compat.storage_id(a.untyped_storage()) == compat.storage_key(a[1:])
+    x = torch.randn(3, requires_grad=True)
+    first, second = x * 2, x * 3
+    assert compat.node_sequence_nr(second.grad_fn) > compat.node_sequence_nr(first.grad_fn)
