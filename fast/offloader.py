@@ -28,13 +28,15 @@ schedule that ties them together:
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import threading
 import weakref
 from typing import Any
 
 import torch
 
-from actoffload import multibuffer, policy
+from actoffload import compat, multibuffer, policy
 from actoffload.budget.controller import BudgetController
 from actoffload.budget.planner import GroupPlan
 from actoffload.observe import wants_copies
@@ -88,6 +90,9 @@ class FastGroup(Group):
         self.reloading = False  # its reload was enqueued (or its sources used in place)
         self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
         self.would_save: list[SavedFact] = []  # under checkpoint while profiling
+        # storage address -> (weak reference, key its facts get): checkpoint frees what the
+        # forward saves, so an address can come back as a different storage
+        self.seen_storages: dict[int, tuple[Any, int]] = {}
 
 
 class FastOffloader(Offloader[FastGroup, FastMoved]):
@@ -155,6 +160,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
+        self._fresh_keys = itertools.count(-1, -1)  # storage keys no real storage has
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -193,7 +199,15 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                     if b is not None:
                         self._seen_under_checkpoint(group, b)
                 return
-            group.would_save.append(policy.fact_of(t, self.device))
+            fact = policy.fact_of(t, self.device)
+            if fact.key is not None:
+                ref, key = group.seen_storages.get(fact.key, (None, fact.key))
+                if ref is None or ref.expired():
+                    if ref is not None:  # the address was freed and reused: not an alias
+                        key = next(self._fresh_keys)
+                    group.seen_storages[fact.key] = (compat.storage_weakref(t), key)
+                fact = dataclasses.replace(fact, key=key)
+            group.would_save.append(fact)
 
     def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:
         if self._budget is None:
@@ -203,6 +217,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             inner = policy.plan_facts(group.would_save, min_offload_bytes=self.min_offload_bytes,
                                       policy=self.policy, committed=True)
             group.would_save = []
+            group.seen_storages = {}
         self._budget.committed(group.position, group.recompute, plan, inner)
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:

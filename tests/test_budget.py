@@ -120,3 +120,26 @@ def test_budget_bad_values_name_the_setting(bad):
 def test_budget_is_a_setting_of_fast():
     with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation"):
         ao.Offloader(impl="ref", device="cpu", memory_budget="1GiB")
+
+
+def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_addresses_are_reused():
+    """Under checkpoint the forward's saves die as it goes and the allocator hands their
+    addresses to later tensors: those are new storages, not aliases, so the profile's
+    bytes equal what the group saves when it is not recomputed."""
+    from actoffload.tools.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn=176)
+
+    def run(**settings):
+        torch.manual_seed(0)
+        model = Llama(cfg).to(torch.bfloat16)
+        tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
+        off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, **settings)
+        with ao.wrap(model.blocks, off):
+            for _ in range(2):
+                model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        return off
+
+    saved = [g["offloaded_bytes"] for g in run().stats()["groups"].values()][-cfg.n_layers:]
+    profile = run(memory_budget=1 << 40)._budget.profile
+    assert [g.offloadable + g.kept for g in profile.groups] == saved

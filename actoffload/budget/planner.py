@@ -138,7 +138,8 @@ class _Streams:
     inflight: list[tuple[int, float]] = field(default_factory=list)  # (group, copy end)
 
 
-def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, prefetch: int) -> tuple[int, float]:
+def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, prefetch: int,
+             trace: list[tuple[str, int]] | None = None) -> tuple[int, float]:
     """Modelled ``(peak bytes, step seconds)`` of ``groups`` with this window and prefetch.
 
     Memory, checked at each group's forward and backward: ``base``, what the earlier
@@ -149,7 +150,8 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     ``max_inflight`` groups hold their sources. Groups still copying out when backward
     begins are used in place. In backward a group's reload starts when backward reaches
     it or the group ``prefetch`` later, and its backward starts once the reload is done;
-    recomputing adds the group's forward to its backward.
+    recomputing adds the group's forward to its backward. ``trace`` collects the modelled
+    bytes at each checkpoint: ``("forward 3", bytes)``, ``("loss", bytes)``, ...
     """
     gs = profile.groups
     n = len(gs)
@@ -164,7 +166,10 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         # forward_extra was measured recomputed, where what the group saves was temporary:
         # saving it keeps those bytes (at least) alive until the group ends
         saves = 0 if recompute[i] else g.offloadable + g.kept
-        peak = max(peak, profile.base + held + in_flight + max(saves, g.forward_extra))
+        at = profile.base + held + in_flight + max(saves, g.forward_extra)
+        peak = max(peak, at)
+        if trace is not None:
+            trace.append((f"forward {i}", at))
         s.compute += g.forward_s
         held += resident[i]
         if moved[i]:
@@ -175,7 +180,10 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
             _, end = s.inflight.pop(0)
             s.compute = max(s.compute, end)  # compute waits for the oldest copy
     in_flight = sum(moved[j] for j, _ in s.inflight)
-    peak = max(peak, profile.base + held + in_flight + profile.outside_extra)
+    at = profile.base + held + in_flight + profile.outside_extra
+    peak = max(peak, at)
+    if trace is not None:
+        trace.append(("loss", at))
     s.compute += profile.outside_s
     in_place = {j for j, _ in s.inflight}  # their sources still live: used in place, not reloaded
     for j in in_place:
@@ -195,7 +203,10 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         held -= resident[i]
         ahead = sum(moved[j] for j in ready if i - prefetch <= j < i and j not in in_place)
         # its activations are all back (reloaded or recomputed) while its backward runs
-        peak = max(peak, profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra)
+        at = profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
+        peak = max(peak, at)
+        if trace is not None:
+            trace.append((f"backward {i}", at))
         s.compute = max(s.compute, ready[i])
         s.compute += g.backward_s + (g.forward_s if recompute[i] else 0.0)
         grads += g.grads
