@@ -8,8 +8,11 @@ asked for when the device is CUDA.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
+import warnings
 import weakref
 from typing import Callable
 
@@ -27,10 +30,30 @@ class HostMemoryError(MemoryError):
     """Host memory for a commit could not be had; the group stays resident (R10)."""
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_backed(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous memory, in 2 MiB pages where the kernel allows, with its
+    pages faulted in by all cores: locking 512 times fewer, already present pages is what
+    makes pinning about twice as fast as pinning a plain allocation."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages here
+        region.madvise(mmap.MADV_HUGEPAGE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    host.zero_()
+    return host
+
+
 def exact_host_allocator(nbytes: int, pinned: bool) -> torch.Tensor:
     """A new host buffer of exactly ``nbytes``, page-locked in place when ``pinned``. Pinning
     is slow, so this suits a caller that keeps its buffers (fast's pool)."""
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    if pinned and nbytes >= HUGE_PAGE:
+        host = _huge_page_backed(nbytes)
+    else:
+        host = torch.empty(nbytes, dtype=torch.uint8)
     if pinned:
         compat.pin_exactly(host)
     return host

@@ -18,13 +18,13 @@ the first group opened after a backward pass began.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .. import compat, policy
-from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose
+from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose, simulate
 from .probe import Probe
 
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
@@ -58,6 +58,11 @@ class _Step:
     outside_peak: int = 0
 
 
+def _key(plan: Plan) -> tuple[Any, ...]:
+    """A plan's identity: what each group does and the copy window."""
+    return plan.groups, plan.max_inflight, plan.prefetch
+
+
 class BudgetController:
     """Keeps a fast offloader's peak device memory under ``budget`` bytes at the least step time."""
 
@@ -71,6 +76,7 @@ class BudgetController:
         self.measured_peak: int | None = None
         self.measured_step_s: float | None = None
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
+        self._measured: dict[Any, int] = {}  # plan -> the most it allocated above the base, measured
         self._profiling: _Step | None = None
         self._reprofile = True
         self._step_start: Any = None
@@ -88,6 +94,8 @@ class BudgetController:
         if self._reprofile:
             self._profiling = _Step(start=self.probe.mark(), base=self.probe.allocated())
             self._reprofile = False
+        elif self.profile is not None and self.probe.allocated() != self.profile.base:
+            self._rebase(self.probe.allocated())
         self.probe.reset_peak()
         self._step_start = now
         self._position = 0
@@ -211,18 +219,42 @@ class BudgetController:
         self.profile = Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
                                outside_extra=max(step.outside_peak - (step.base + held), 0))
         self.plans = candidates(self.profile)
+        profiled = tuple(GroupPlan("recompute_offload" if m.recomputed else "offload") for m in step.groups)
+        peak, step_s = simulate(self.profile, profiled, 0, 0)
+        self.plans.append(Plan(profiled, 0, 0, peak, step_s))
+        self._measured = {}
+        if self.probe.cuda:  # it ran: its peak is known
+            self._measured[_key(self.plans[-1])] = self.profiled_peak - step.base
         self._choose()
 
     def _choose(self) -> None:
-        """The fastest plan for the budget less the margin. The budget itself must be reachable
-        (else the error names the smallest peak); where only the margin makes it unreachable,
-        the plan that needs the least memory runs."""
+        """The fastest plan for the budget less the margin. A plan that has run is judged by
+        its measured peak, against the budget itself (the margin covers the model's error,
+        and a measured peak has none). The budget itself must be reachable (else the error
+        names the smallest peak); where only the margin makes it unreachable, the plan that
+        needs the least memory runs."""
         assert self.profile is not None
-        choose(self.profile, self.budget, self.plans)  # raises if the budget is out of reach
+        base = self.profile.base
+
+        def judged(margin: int) -> list[Plan]:
+            return [replace(p, peak=self._measured[_key(p)] + base) if _key(p) in self._measured
+                    else replace(p, peak=p.peak + margin) for p in self.plans]
+
+        choose(self.profile, self.budget, judged(0))  # raises if the budget is out of reach
         try:
-            self.plan = choose(self.profile, self.budget - self.margin, self.plans)
+            chosen = choose(self.profile, self.budget, judged(self.margin))
         except BudgetTooSmall:
-            self.plan = min(self.plans, key=lambda p: (p.peak, p.step_s))
+            chosen = min(judged(self.margin), key=lambda p: (p.peak, p.step_s))
+        self.plan = next(p for p in self.plans if _key(p) == _key(chosen))
+
+    def _rebase(self, base: int) -> None:
+        """What is allocated when the first group opens changed (optimizer state created after
+        the first step, say): every plan's peak moves by as much."""
+        assert self.profile is not None
+        delta = base - self.profile.base
+        self.profile = replace(self.profile, base=base)
+        self.plans = [replace(p, peak=p.peak + delta) for p in self.plans]
+        self._choose()
 
     def _backward_ended(self) -> None:
         """The step's backward pass is over: its peak (and, while profiling, the end of the
@@ -234,7 +266,11 @@ class BudgetController:
             return
         self.measured_peak = self.probe.peak()
         self._last_span = (self._step_start, now)
-        if self.plan is not None and self.measured_peak > self.budget:
+        if self.plan is None or self.profile is None or not self.probe.cuda:
+            return
+        key = _key(self.plan)
+        self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
+        if self.measured_peak > self.budget:
             self.margin += self.measured_peak - self.budget + self.budget // 100
             self._choose()
 

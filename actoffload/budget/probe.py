@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from ..hostmem import exact_host_allocator
+
+_BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
+
 
 class Probe:
     """Device memory and time for one device.
@@ -56,12 +60,19 @@ class Probe:
         return end - start
 
     def bandwidth(self) -> tuple[float, float]:
-        """Pinned copy bandwidth ``(device to host, host to device)`` in bytes per second."""
+        """Pinned copy bandwidth ``(device to host, host to device)`` in bytes per second,
+        measured once per device and process (the bus does not change)."""
         if not self.cuda:
             return 10e9, 10e9  # a nominal figure: CPU "copies" are memcpy
+        key = str(self.device)
+        if key not in _BANDWIDTH:
+            _BANDWIDTH[key] = self._measure_bandwidth()
+        return _BANDWIDTH[key]
+
+    def _measure_bandwidth(self) -> tuple[float, float]:
         n = 64 << 20
         dev = torch.empty(n, dtype=torch.uint8, device=self.device)
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host = exact_host_allocator(n, pinned=True)
         out = []
         for copy in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, non_blocking=True)):
             copy()  # warm up

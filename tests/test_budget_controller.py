@@ -1,0 +1,57 @@
+"""The budget controller's judgement: measured peaks beat the model, and a base that grows
+(optimizer state made after the first step) moves every plan (CPU; the probe is faked)."""
+
+from dataclasses import replace
+
+import torch
+
+from actoffload.budget.controller import BudgetController, _key
+from actoffload.budget.planner import GroupPlan, GroupProfile, Plan, Profile, candidates, simulate
+
+MiB = 1 << 20
+
+
+def _controller(budget: int, measured_least: int | None = None) -> tuple[BudgetController, Plan]:
+    """A controller planned over four equal groups; ``measured_least``: the profiling step's
+    measured peak above the base (the least-memory plan ran)."""
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3,
+                     forward_extra=16 * MiB, backward_extra=16 * MiB)
+    profile = Profile((g,) * 4, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+    c = BudgetController(budget, torch.device("cpu"))
+    c.profile, c.plans = profile, candidates(profile)
+    least_groups = (GroupPlan("recompute_offload"),) * 4
+    least = Plan(least_groups, 0, 0, *simulate(profile, least_groups, 0, 0))
+    c.plans.append(least)
+    if measured_least is not None:
+        c._measured[_key(least)] = measured_least
+    c._choose()
+    return c, least
+
+
+def test_controller_a_plan_that_ran_is_judged_by_its_measured_peak():
+    _, least = _controller(1 << 40)
+    below_every_model = least.peak - 4 * MiB  # the model was pessimistic; the step measured less
+    c, _ = _controller(below_every_model, measured_least=below_every_model - 100 * MiB)
+    assert _key(c.plan) == _key(least)
+
+
+def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within_the_budget():
+    c, least = _controller(1 << 40, measured_least=0)
+    keep = max(c.plans, key=lambda p: p.peak)
+    c.budget = keep.peak
+    c._choose()
+    assert _key(c.plan) == _key(keep)
+    c.margin = 1 << 40  # every model figure now out of reach
+    c._choose()
+    assert _key(c.plan) == _key(least)  # measured: still fits
+
+
+def test_controller_a_larger_base_moves_every_plan():
+    c, _ = _controller(1 << 40)
+    keep = max(c.plans, key=lambda p: p.peak)
+    c.budget = keep.peak
+    c._choose()
+    assert all(p.action == "keep" for p in c.plan.groups)
+    c._rebase(c.profile.base + 32 * MiB)  # Adam's state appeared after the first step
+    assert c.plan.peak <= c.budget and not all(p.action == "keep" for p in c.plan.groups)
+    assert replace(keep, peak=keep.peak + 32 * MiB) in c.plans
