@@ -126,3 +126,23 @@ def pin_exactly(host: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
     torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0))
     weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+
+
+def host_cache_emptier() -> Callable[[], None] | None:
+    """PyTorch's call that gives its cached pinned host memory back (its name moved between
+    releases), or ``None`` where this torch has none."""
+    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def empty_host_cache() -> bool:
+    """Give PyTorch's cached pinned host memory back to the system, for benchmarks that run
+    many offloaders in one process; ``False`` where there is nothing to do (no CUDA)."""
+    fn = host_cache_emptier()
+    if fn is None or not torch.cuda.is_available():
+        return False
+    fn()
+    return True

@@ -55,3 +55,38 @@ def test_controller_a_larger_base_moves_every_plan():
     c._rebase(c.profile.base + 32 * MiB)  # Adam's state appeared after the first step
     assert c.plan.peak <= c.budget and not all(p.action == "keep" for p in c.plan.groups)
     assert replace(keep, peak=keep.peak + 32 * MiB) in c.plans
+
+
+def test_controller_measures_what_the_model_promises_and_keeps_the_fastest_measured():
+    c, _ = _controller(1 << 40)
+    keep = c.plan
+    assert all(p.action == "keep" for p in keep.groups)
+    c.budget = keep.peak - 1  # keeping everything no longer fits
+    c._choose()
+    first = c.plan
+    c._runs[_key(first)] = 2
+    c._times[_key(first)] = [10 * first.step_s]  # far slower than modelled
+    c._choose()
+    second = c.plan
+    assert _key(second) != _key(first) and second.step_s < 10 * first.step_s  # the model's next promise runs
+    c._runs[_key(second)] = 2
+    c._times[_key(second)] = [2 * first.step_s]
+    c._choose()
+    assert _key(c.plan) not in (_key(first),)  # never back to the slow one
+    for _ in range(10):  # a model that is always wrong: exploring stops after EXPLORE plans
+        k = _key(c.plan)
+        c._runs[k] = 2
+        c._times.setdefault(k, [20 * first.step_s])
+        c._choose()
+    from actoffload.budget.controller import EXPLORE
+    assert len(c._runs) <= EXPLORE + 1
+    assert _key(c.plan) == _key(second)  # the fastest measured
+
+
+def test_controller_a_measured_plan_the_model_cannot_beat_stays():
+    c, _ = _controller(1 << 40)
+    keep = c.plan
+    c._runs[_key(keep)] = 2
+    c._times[_key(keep)] = [keep.step_s]  # as modelled: no plan promises to be faster
+    c._choose()
+    assert _key(c.plan) == _key(keep)

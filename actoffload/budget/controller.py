@@ -18,7 +18,8 @@ the first group opened after a backward pass began.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, can
 from .probe import Probe
 
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
+EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
 
 
 @dataclass
@@ -84,6 +86,9 @@ class BudgetController:
         self._bandwidth: tuple[float, float] | None = None
         self._awaiting_backward_end = False
         self._last_span: tuple[Any, Any] | None = None  # (start, end) marks of the latest step
+        self._runs: dict[Any, int] = {}  # plan -> steps it ran
+        self._times: dict[Any, list[float]] = {}  # plan -> measured step seconds (not its first step)
+        self._untimed: tuple[Any, Any, Any] | None = None  # (plan, start, end) of a step to time
 
     # ------------------------------------------------------------------ a step
     def step_begins(self) -> None:
@@ -91,6 +96,8 @@ class BudgetController:
         now = self.probe.mark()
         if self._profiling is not None:
             self._finish_profiling(now)
+        else:
+            self._time_last_step()
         if self._reprofile:
             self._profiling = _Step(start=self.probe.mark(), base=self.probe.allocated())
             self._reprofile = False
@@ -99,6 +106,8 @@ class BudgetController:
         self.probe.reset_peak()
         self._step_start = now
         self._position = 0
+        if self._profiling is None and self.plan is not None:
+            self._runs[_key(self.plan)] = self._runs.get(_key(self.plan), 0) + 1
 
     def action(self, recomputable: bool) -> GroupPlan:
         """What the next group of this step does (it is opening)."""
@@ -188,7 +197,7 @@ class BudgetController:
     def _finish_profiling(self, end: Any) -> None:
         step, self._profiling = self._profiling, None
         assert step is not None
-        if step.last_touch is not None:
+        if step.last_touch is not None and step.backward_end is None:  # no end seen: up to now
             last = step.groups[step.last_touch]
             last.backward_peak = max(last.backward_peak, self.probe.peak())
         self.profiled_peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
@@ -241,11 +250,46 @@ class BudgetController:
                     else replace(p, peak=p.peak + margin) for p in self.plans]
 
         choose(self.profile, self.budget, judged(0))  # raises if the budget is out of reach
-        try:
-            chosen = choose(self.profile, self.budget, judged(self.margin))
-        except BudgetTooSmall:
+        fitting = [p for p in judged(self.margin) if p.peak <= self.budget]
+        if not fitting:
             chosen = min(judged(self.margin), key=lambda p: (p.peak, p.step_s))
+        else:
+            chosen = self._fastest(fitting)
         self.plan = next(p for p in self.plans if _key(p) == _key(chosen))
+
+    def _fastest(self, fitting: list[Plan]) -> Plan:
+        """Among plans that fit: the fastest measured one, unless the model promises a faster
+        one not yet measured and fewer than ``EXPLORE`` others were tried (each runs two
+        steps: its first pins host memory). The model misses costs it cannot see (hooks,
+        packing, contention); measuring what it promises finds them."""
+        assert self.profile is not None
+        profile = self.profile
+        by_model = sorted(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
+        timed = [p for p in fitting if _key(p) in self._times]
+        best = min(timed, key=lambda p: statistics.median(self._times[_key(p)])) if timed else None
+        for p in by_model:
+            if _key(p) in self._times:
+                continue
+            if best is not None and p.step_s >= statistics.median(self._times[_key(best)]):
+                break  # the model promises nothing faster than what was measured
+            if _key(p) in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
+                return p
+            break
+        return best if best is not None else by_model[0]
+
+    def _time_last_step(self) -> None:
+        """Record the latest planned step's time once it is known (never waits), and choose
+        again with it."""
+        if self._untimed is None:
+            return
+        key, start, end = self._untimed
+        if self.probe.cuda and not end.query():
+            return
+        self._untimed = None
+        first = key not in self._times
+        self._times.setdefault(key, []).append(self.probe.seconds(start, end))
+        if first and self.profile is not None:
+            self._choose()
 
     def _rebase(self, base: int) -> None:
         """What is allocated when the first group opens changed (optimizer state created after
@@ -262,19 +306,34 @@ class BudgetController:
         self._awaiting_backward_end = False
         now = self.probe.mark()
         if self._profiling is not None:
-            self._profiling.backward_end = now
+            step = self._profiling
+            step.backward_end = now
+            if step.last_touch is not None:  # the first group's backward ran until now
+                last = step.groups[step.last_touch]
+                last.backward_peak = max(last.backward_peak, self.probe.peak())
             return
         self.measured_peak = self.probe.peak()
         self._last_span = (self._step_start, now)
-        if self.plan is None or self.profile is None or not self.probe.cuda:
+        if self.plan is None or self.profile is None:
+            return
+        if not self.probe.cuda:  # host time says nothing of a device's pace
             return
         key = _key(self.plan)
+        if self._runs.get(key, 0) >= 2:  # its first step pinned host memory: not its pace
+            self._untimed = (key, self._step_start, now)
         self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
         if self.measured_peak > self.budget:
             self.margin += self.measured_peak - self.budget + self.budget // 100
             self._choose()
 
     # ------------------------------------------------------------------ reporting
+    def _peak_at(self) -> str:
+        """Where the chosen plan's modelled peak falls: ``"forward 3"``, ``"loss"``, ``"backward 0"``."""
+        assert self.plan is not None and self.profile is not None
+        trace: list[tuple[str, int]] = []
+        simulate(self.profile, self.plan.groups, self.plan.max_inflight, self.plan.prefetch, trace)
+        return max(trace, key=lambda t: t[1])[0] if trace else "start"
+
     @property
     def last_step_s(self) -> float | None:
         """The latest step's time, from its first group's opening to its backward's end (no wait:
@@ -292,6 +351,8 @@ class BudgetController:
                        prefetch=self.plan.prefetch, predicted_peak_bytes=self.plan.peak,
                        predicted_step_s=self.plan.step_s,
                        smallest_reachable_bytes=min(p.peak for p in self.plans),
+                       plans_tried=len(self._runs), peak_at=self._peak_at(),
+                       profile=asdict(self.profile),
                        profiled_peak_bytes=self.profiled_peak if self.probe.cuda else None)
         out.update(measured_peak_bytes=self.measured_peak if self.probe.cuda else None,
                    measured_step_s=self.last_step_s if self.probe.cuda else None)

@@ -243,6 +243,22 @@ def candidates(profile: Profile) -> list[Plan]:
                     break
                 current = best[1]
                 out.append(current)
+    out += _recompute_first(profile)
+    return out
+
+
+def _recompute_first(profile: Profile) -> list[Plan]:
+    """Recompute the first k recomputable groups and keep the others, for every k: what a
+    user checkpointing by hand would pick (the greedy path need not pass through it), also
+    with those groups' inputs offloaded."""
+    n = len(profile.groups)
+    recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
+    out = []
+    for k in range(1, len(recomputable) + 1):
+        first = set(recomputable[:k])
+        for action, windows in (("recompute", [(0, 0)]), ("recompute_offload", [(1, 1), (2, 2)])):
+            groups = tuple(GroupPlan(action) if i in first else GroupPlan() for i in range(n))
+            out += [_evaluated(profile, groups, w, pf) for w, pf in windows]
     return out
 
 
