@@ -14,7 +14,7 @@ import contextlib
 import threading
 import weakref
 from functools import partial
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Iterator, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -182,7 +182,13 @@ class Engine(Generic[GroupT, MovedT]):
         """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
         forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
         on the way (what the group would have saved, for a memory plan's profile)."""
-        return _SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)), contextlib.nullcontext()
+        return _SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)), self._recomputing(group)
+
+    @contextlib.contextmanager
+    def _recomputing(self, group: GroupT) -> Iterator[None]:
+        """Around the recomputation of ``group``'s forward in backward (a memory plan measures
+        what it allocates)."""
+        yield
 
     def _seen_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> None:
         """A tensor the checkpointed forward of ``group`` saved (and checkpoint discarded)."""

@@ -28,11 +28,12 @@ schedule that ties them together:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -191,6 +192,16 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if self._budget is None or group.planned is None:
             return None
         return self._budget.move_at_most(group.position, group.planned)
+
+    @contextlib.contextmanager
+    def _recomputing(self, group: FastGroup) -> Iterator[None]:
+        if self._budget is not None:
+            self._budget.recompute_begins(group.position)
+        try:
+            yield
+        finally:
+            if self._budget is not None:
+                self._budget.recompute_ends(group.position)
 
     def _seen_under_checkpoint(self, group: FastGroup, t: torch.Tensor) -> None:
         if self._budget is not None and self._budget.profiling:

@@ -81,3 +81,15 @@ def test_planner_prefers_recompute_where_the_bus_is_slow_and_offload_where_it_is
         profile = Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=bw, h2d_bps=bw)
         plan = choose(profile, 700 * MiB)
         assert plan.groups[0].action == action, (bw, plan)
+
+
+def test_planner_reaches_below_recomputing_everything_by_reloading_the_first_groups():
+    """The first group's backward comes last, with every gradient made: recomputing it peaks
+    higher there than reloading it, so the least memory offloads it rather than recomputes."""
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3,
+                     forward_extra=64 * MiB, backward_extra=32 * MiB, grads=16 * MiB, recompute_extra=48 * MiB)
+    p = Profile((g,) * 4, base=0, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9)
+    everything_recomputed = simulate(p, (GroupPlan("recompute_offload"),) * 4, 0, 0)[0]
+    least = min(candidates(p), key=lambda plan: plan.peak)
+    assert least.peak < everything_recomputed
+    assert least.groups[0].action == "offload"

@@ -42,7 +42,8 @@ class _Measured:
     touched: Any = None  # backward reached it
     allocated_at_start: int = 0
     forward_peak: int = 0  # above allocated_at_start
-    backward_peak: int = 0  # absolute, while its backward ran
+    backward_peak: int = 0  # absolute, while its backward ran (its recomputation aside)
+    recompute_peak: int = 0  # absolute, while its forward ran again in backward
     spans: tuple[int, ...] = ()  # offloadable bytes it would save (not recomputed)
     kept: int = 0
     inputs: int = 0  # bytes it saved while recomputed
@@ -183,6 +184,22 @@ class BudgetController:
         step.groups[position].touched = now
         step.last_touch = position
 
+    def recompute_begins(self, position: int) -> None:
+        """Backward recomputes the group at ``position``: what came before is its backward's."""
+        step = self._profiling
+        if step is None or position >= len(step.groups):
+            return
+        m = step.groups[position]
+        m.backward_peak = max(m.backward_peak, self.probe.peak())
+        self.probe.reset_peak()
+
+    def recompute_ends(self, position: int) -> None:
+        step = self._profiling
+        if step is None or position >= len(step.groups):
+            return
+        step.groups[position].recompute_peak = max(step.groups[position].recompute_peak, self.probe.peak())
+        self.probe.reset_peak()
+
     def window(self) -> tuple[int, int] | None:
         """``(max_inflight, prefetch)`` the plan sets, or ``None`` to use the settings."""
         if self._profiling is not None:
@@ -201,7 +218,7 @@ class BudgetController:
             last = step.groups[step.last_touch]
             last.backward_peak = max(last.backward_peak, self.probe.peak())
         self.profiled_peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
-                                 + [m.backward_peak for m in step.groups])
+                                 + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
         if not step.groups or any(m.end is None for m in step.groups):
             self._reprofile = True
             return
@@ -220,7 +237,8 @@ class BudgetController:
             forward_extra = m.forward_peak
             backward_extra = m.backward_peak - (step.base + held + saves)
             groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
-                                       max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0)))
+                                       max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0),
+                                       recompute_extra=max(m.recompute_peak - m.backward_peak, 0)))
             held += 0 if m.recomputed else m.kept
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:

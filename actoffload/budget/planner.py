@@ -39,8 +39,10 @@ class GroupProfile:
     recompute); ``forward_extra``: the most bytes allocated during its forward above what was
     allocated when it began (as profiled, recomputed: temporaries, among them what it would
     save); ``backward_extra``: the most bytes allocated during its backward beyond what the
-    model counts (temporaries, gradients of activations);
-    ``grads``: bytes of parameter gradients its backward allocates.
+    model counts (temporaries, gradients of activations); ``recompute_extra``: how much
+    higher memory goes while backward runs its forward again (recomputed plans only: a
+    group moved out and reloaded skips that peak); ``grads``: bytes of parameter gradients
+    its backward allocates.
     """
 
     name: str
@@ -52,6 +54,7 @@ class GroupProfile:
     forward_extra: int = 0
     backward_extra: int = 0
     grads: int = 0
+    recompute_extra: int = 0
 
     @property
     def offloadable(self) -> int:
@@ -203,7 +206,8 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         held -= resident[i]
         ahead = sum(moved[j] for j in ready if i - prefetch <= j < i and j not in in_place)
         # its activations are all back (reloaded or recomputed) while its backward runs
-        at = profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
+        at = (profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
+              + (g.recompute_extra if recompute[i] else 0))
         peak = max(peak, at)
         if trace is not None:
             trace.append((f"backward {i}", at))
@@ -248,9 +252,10 @@ def candidates(profile: Profile) -> list[Plan]:
 
 
 def _recompute_first(profile: Profile) -> list[Plan]:
-    """Recompute the first k recomputable groups and keep the others, for every k: what a
-    user checkpointing by hand would pick (the greedy path need not pass through it), also
-    with those groups' inputs offloaded."""
+    """Plans the greedy path need not pass through: recompute the first k recomputable
+    groups and keep the others, for every k (what a user checkpointing by hand would pick),
+    also with those groups' inputs offloaded; and offload the first j groups whole while
+    recomputing the others with their inputs offloaded."""
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
     out = []
@@ -259,6 +264,12 @@ def _recompute_first(profile: Profile) -> list[Plan]:
         for action, windows in (("recompute", [(0, 0)]), ("recompute_offload", [(1, 1), (2, 2)])):
             groups = tuple(GroupPlan(action) if i in first else GroupPlan() for i in range(n))
             out += [_evaluated(profile, groups, w, pf) for w, pf in windows]
+    # the least memory: the first groups' backward comes last, with every gradient made; a group
+    # reloaded there skips its recomputation's peak
+    for j in range(1, n + 1):
+        groups = tuple(GroupPlan("offload") if i < j or g.inputs is None else GroupPlan("recompute_offload")
+                       for i, g in enumerate(profile.groups))
+        out += [_evaluated(profile, groups, w, pf) for w, pf in ((0, 0), (1, 1))]
     return out
 
 

@@ -167,7 +167,8 @@ def measure(w: Workload, method: str, device: torch.device, steps: int, warmup: 
                 times.append(elapsed)
                 peaks.append(torch.cuda.max_memory_allocated(device) if cuda else 0)
             del loss
-        grads = [t.grad.detach().clone() for t in w.trainable if t.grad is not None]
+        # kept on the host: a copy on the device would raise every later method's peak
+        grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
     finally:
         if handle is not None:
             handle.remove()
