@@ -252,7 +252,7 @@ def _compile_kernels(device: torch.device) -> None:
 
 
 def sweep(device: torch.device, small: bool, log=print, done=lambda results: None,
-          only: set[str] | None = None) -> list[dict[str, Any]]:
+          only: set[str] | None = None, skip: set[str] = frozenset()) -> list[dict[str, Any]]:
     """Every workload in turn; ``done(results so far)`` after each (to save partial results).
     A workload that fails is reported with its error and the sweep goes on."""
     steps, warmup = (2, 1) if small else (4, 2)
@@ -261,7 +261,7 @@ def sweep(device: torch.device, small: bool, log=print, done=lambda results: Non
     for build in workloads(device, small):
         try:
             w = build()
-            if only and w.name not in only:
+            if (only and w.name not in only) or w.name in skip:
                 continue
             log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
             gc.freeze()  # the model and torch stay: each step's collection walks only its own garbage
@@ -361,12 +361,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="results JSON")
     p.add_argument("--plot", help="peak memory against step time, as a PNG")
     p.add_argument("--only", default="", help="comma-separated workloads to run (default: all)")
+    p.add_argument("--include", action="append", default=[], metavar="JSON",
+                   help="results of an earlier run on the same GPU: its workloads join these (and are not run "
+                        "again), so a sweep can be split over several sessions")
     args = p.parse_args(argv)
+    earlier: list[dict[str, Any]] = []
+    for path in args.include:
+        try:
+            with open(path) as f:
+                earlier += json.load(f)["workloads"]
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--include {path}: not a budget sweep's results ({e})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_deterministic(True)
     env = describe(device)
 
     def save(results: list[dict[str, Any]]) -> dict[str, Any]:
+        results = earlier + results
         doc = {"env": env, "workloads": results,
                "verdicts": {r["workload"]: verdicts(r) for r in results if "error" not in r}}
         if args.out:
@@ -376,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
 
     only = {name for name in args.only.split(",") if name}
     results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True),
-                    done=save, only=only)
+                    done=save, only=only, skip={r["workload"] for r in earlier})
     doc = save(results)
     print(json.dumps(doc["verdicts"], indent=1, default=float))
     if args.plot:
-        plot([r for r in results if "error" not in r], args.plot, f"memory budgets on {env['gpu']}")
+        plot([r for r in doc["workloads"] if "error" not in r], args.plot, f"memory budgets on {env['gpu']}")
     return 0
 
 
