@@ -156,6 +156,9 @@ class Engine(Generic[GroupT, MovedT]):
         self._group_opens(group)
         if compat.mutation_on_saved_allowed():
             hooks = self._delegating_hooks(group)
+        elif group.kept_whole:
+            hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
+                                                             partial(self._unpack_kept, group))
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
         hooks.__enter__()
@@ -255,6 +258,12 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _commit(self, group: GroupT) -> None:
         """Decide (policy) and start moving what the plan says (implementation)."""
+        if group.kept_whole:
+            group.state = GroupState.COMMITTED
+            self._committed(group, policy.GroupPlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
+            for obs in self._observers:
+                obs.on_commit(group.name, dict(group.summary))
+            return
         plan = self._plan(group, committed=True)
         self._committed(group, plan)
         tensors = [s.tensor for s in group.saved]
@@ -337,6 +346,8 @@ class Engine(Generic[GroupT, MovedT]):
             if group.state is not GroupState.PENDING:
                 return
             group.state = GroupState.RESIDENT
+        if group.kept_whole:
+            return
         self._plan(group, committed=False)
         # Decided: each kept buffer is freed as soon as autograd releases its handle, node
         # by node, as without an offloader (not when the whole group's backward is over).
@@ -379,6 +390,23 @@ class Engine(Generic[GroupT, MovedT]):
         for obs in self._observers:
             obs.on_save(group.name, t)
         return s
+
+    def _pack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
+        """A save of a group that keeps everything: autograd holds it; only its bytes are counted
+        (each storage once), so that a memory plan notices when the workload changes."""
+        try:
+            group.kept_storages[compat.storage_key(t)] = t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError):  # no storage of its own (a wrapper subclass)
+            group.kept_storages[id(t)] = t.nbytes
+        group.summary["saved"] += 1
+        group.summary["kept"]["budget"] = group.summary["saved"]
+        return t
+
+    def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
+        if compat.in_backward():
+            self._backward_began = True
+            self._on_backward(group)
+        return t
 
     @compat.not_traced
     def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:

@@ -183,6 +183,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if self._budget is not None:
             group.planned = self._budget.action(group.recomputable)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
+            group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
 
     def _group_closing(self, group: FastGroup) -> None:
         if self._budget is not None:

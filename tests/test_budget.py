@@ -143,3 +143,17 @@ def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_add
     saved = [g["offloaded_bytes"] for g in run().stats()["groups"].values()][-cfg.n_layers:]
     profile = run(memory_budget=1 << 40)._budget.profile
     assert [g.offloadable + g.kept for g in profile.groups] == saved
+
+
+def test_budget_groups_kept_whole_are_left_to_autograd_and_still_notice_a_new_workload():
+    blocks = _blocks()
+    expected, _ = _steps(blocks, None, steps=3)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    got, plans = _steps(blocks, off, steps=3)
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
+    s = off.stats()["groups"]["0"]
+    assert s["offloaded"] == 0 and s["kept"] == {"budget": s["saved"]} and s["saved"] >= 3
+    _, plans = _steps(blocks, off, steps=3, rows=128)  # twice the bytes in every kept group
+    assert [p["state"] for p in plans] == ["planned", "profiling", "planned"]

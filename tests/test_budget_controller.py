@@ -90,3 +90,18 @@ def test_controller_a_measured_plan_the_model_cannot_beat_stays():
     c._times[_key(keep)] = [keep.step_s]  # as modelled: no plan promises to be faster
     c._choose()
     assert _key(c.plan) == _key(keep)
+
+
+def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_modelled_bus():
+    c, least = _controller(1 << 40)
+    c._profiled = least.groups
+    mover = next(p for p in c.plans if any(g.action == "offload" for g in p.groups))
+    bus = c.profile.d2h_bps
+    c._runs[_key(mover)] = 2
+    c._untimed = (_key(mover), 0.0, 2 * mover.step_s + 1e-3)  # CPU marks: host seconds
+    c._time_last_step()
+    assert c.profile.d2h_bps < bus
+    again = next(p for p in c.plans if _key(p) == _key(mover))
+    assert abs(again.step_s - (2 * mover.step_s + 1e-3)) < 0.01 * again.step_s  # the model now agrees
+    keep = next(p for p in c.plans if all(g.action == "keep" for g in p.groups))
+    assert keep.step_s == min(p.step_s for p in c.plans)  # moving nothing is unaffected

@@ -30,6 +30,8 @@ from .probe import Probe
 
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
+CALIBRATIONS = 3  # times the bus may be re-measured from a step that moved bytes
+CALIBRATION_SLACK = 0.05  # a step this much slower than modelled is noise, not a slower bus
 
 
 @dataclass
@@ -90,6 +92,9 @@ class BudgetController:
         self._runs: dict[Any, int] = {}  # plan -> steps it ran
         self._times: dict[Any, list[float]] = {}  # plan -> measured step seconds (not its first step)
         self._untimed: tuple[Any, Any, Any] | None = None  # (plan, start, end) of a step to time
+        self._profiled: tuple[GroupPlan, ...] = ()  # what the profiling step ran
+        self._calibrated = 0  # times the bus was re-measured from a step
+        self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
 
     # ------------------------------------------------------------------ a step
     def step_begins(self) -> None:
@@ -160,6 +165,13 @@ class BudgetController:
                 m.kept = kept
             return
         if self.profile is None or position >= len(self.profile.groups):
+            return
+        if self.plan is not None and self.plan.groups[position].action == "keep":
+            # counted by whole storages, not spans: compared with its own first count
+            kept = sum(n for r, n in plan.stayed if r == "budget")
+            first = self._kept_first.setdefault(position, kept)
+            if abs(kept - first) > WORKLOAD_CHANGE * max(first, 1):
+                self._reprofile = True
             return
         g = self.profile.groups[position]
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
@@ -245,14 +257,20 @@ class BudgetController:
             outside = self.probe.seconds(step.last_exit, touches[-1])
         self.profile = Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
                                outside_extra=max(step.outside_peak - (step.base + held), 0))
-        self.plans = candidates(self.profile)
-        profiled = tuple(GroupPlan("recompute_offload" if m.recomputed else "offload") for m in step.groups)
-        peak, step_s = simulate(self.profile, profiled, 0, 0)
-        self.plans.append(Plan(profiled, 0, 0, peak, step_s))
-        self._measured = {}
+        self._profiled = tuple(GroupPlan("recompute_offload" if m.recomputed else "offload") for m in step.groups)
+        self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
+        self._kept_first = {}
+        self._plan_all()
         if self.probe.cuda:  # it ran: its peak is known
             self._measured[_key(self.plans[-1])] = self.profiled_peak - step.base
         self._choose()
+
+    def _plan_all(self) -> None:
+        """Every candidate plan under the current profile; the profiled plan last."""
+        assert self.profile is not None
+        self.plans = candidates(self.profile)
+        peak, step_s = simulate(self.profile, self._profiled, 0, 0)
+        self.plans.append(Plan(self._profiled, 0, 0, peak, step_s))
 
     def _choose(self) -> None:
         """The fastest plan for the budget less the margin. A plan that has run is judged by
@@ -305,9 +323,32 @@ class BudgetController:
             return
         self._untimed = None
         first = key not in self._times
-        self._times.setdefault(key, []).append(self.probe.seconds(start, end))
+        seconds = self.probe.seconds(start, end)
+        self._times.setdefault(key, []).append(seconds)
         if first and self.profile is not None:
+            self._calibrate_bus(next(p for p in self.plans if _key(p) == key), seconds)
             self._choose()
+
+    def _calibrate_bus(self, plan: Plan, seconds: float) -> None:
+        """A plan that moves bytes ran slower than modelled: what moving costs beyond the copies
+        (hooks, packing, contention with compute) shows as a slower bus. Find the bandwidth at
+        which the model gives the measured time, and plan again with it (a few times at most)."""
+        assert self.profile is not None
+        profile = self.profile
+        if (self._calibrated >= CALIBRATIONS or seconds <= plan.step_s * (1 + CALIBRATION_SLACK)
+                or not any(p.moved(g) for p, g in zip(plan.groups, profile.groups))):
+            return
+        lo, hi = 1e-3, 1.0  # a factor on both bandwidths: the model's time falls as it grows
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            slower = replace(profile, d2h_bps=profile.d2h_bps * mid, h2d_bps=profile.h2d_bps * mid)
+            if simulate(slower, plan.groups, plan.max_inflight, plan.prefetch)[1] > seconds:
+                lo = mid
+            else:
+                hi = mid
+        self.profile = replace(profile, d2h_bps=profile.d2h_bps * hi, h2d_bps=profile.h2d_bps * hi)
+        self._calibrated += 1
+        self._plan_all()
 
     def _rebase(self, base: int) -> None:
         """What is allocated when the first group opens changed (optimizer state created after
