@@ -386,6 +386,20 @@ class BudgetController:
             self._choose()
 
     # ------------------------------------------------------------------ reporting
+    def _tried(self) -> list[dict[str, Any]]:
+        """Each plan that ran since profiling: what the model said and what was measured."""
+        out = []
+        for p in self.plans:
+            k = _key(p)
+            if k in self._runs and all(_key(q) != k for q in self.plans[: self.plans.index(p)]):
+                out.append({"actions": [g.action for g in p.groups], "max_inflight": p.max_inflight,
+                            "prefetch": p.prefetch, "steps": self._runs[k], "predicted_peak_bytes": p.peak,
+                            "measured_peak_bytes": (self._measured[k] + self.profile.base  # type: ignore[union-attr]
+                                                    if k in self._measured else None),
+                            "predicted_step_s": p.step_s,
+                            "measured_step_s": statistics.median(self._times[k]) if k in self._times else None})
+        return out
+
     def _peak_at(self) -> str:
         """Where the chosen plan's modelled peak falls: ``"forward 3"``, ``"loss"``, ``"backward 0"``."""
         assert self.plan is not None and self.profile is not None
@@ -410,7 +424,7 @@ class BudgetController:
                        prefetch=self.plan.prefetch, predicted_peak_bytes=self.plan.peak,
                        predicted_step_s=self.plan.step_s,
                        smallest_reachable_bytes=min(p.peak for p in self.plans),
-                       plans_tried=len(self._runs), peak_at=self._peak_at(),
+                       plans_tried=len(self._runs), peak_at=self._peak_at(), tried=self._tried(),
                        profile=asdict(self.profile),
                        profiled_peak_bytes=self.profiled_peak if self.probe.cuda else None)
         out.update(measured_peak_bytes=self.measured_peak if self.probe.cuda else None,
