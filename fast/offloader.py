@@ -180,6 +180,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             self._budget.step_begins()
 
     def _group_opens(self, group: FastGroup) -> None:
+        # Copies finished while the last group ran: free their sources now, not at the next
+        # group that moves something (groups that keep everything may come in between).
+        self._reap()
         if self._budget is not None:
             group.planned = self._budget.action(group.recomputable)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
