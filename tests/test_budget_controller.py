@@ -1,8 +1,6 @@
 """The budget controller's judgement: measured peaks beat the model, and a base that grows
 (optimizer state made after the first step) moves every plan (CPU; the probe is faked)."""
 
-from dataclasses import replace
-
 import torch
 
 from actoffload.budget.controller import BudgetController, _key
@@ -18,7 +16,7 @@ def _controller(budget: int, measured_least: int | None = None) -> tuple[BudgetC
                      forward_extra=16 * MiB, backward_extra=16 * MiB)
     profile = Profile((g,) * 4, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
     c = BudgetController(budget, torch.device("cpu"))
-    c.profile, c.plans = profile, candidates(profile)
+    c.profile, c.plans, c._reprofile = profile, candidates(profile), False  # as if profiled
     least_groups = (GroupPlan("recompute_offload"),) * 4
     least = Plan(least_groups, 0, 0, *simulate(profile, least_groups, 0, 0))
     c.plans.append(least)
@@ -46,15 +44,29 @@ def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within
     assert _key(c.plan) == _key(least)  # measured: still fits
 
 
-def test_controller_a_larger_base_moves_every_plan():
-    c, _ = _controller(1 << 40)
-    keep = max(c.plans, key=lambda p: p.peak)
-    c.budget = keep.peak
-    c._choose()
-    assert all(p.action == "keep" for p in c.plan.groups)
-    c._rebase(c.profile.base + 32 * MiB)  # Adam's state appeared after the first step
-    assert c.plan.peak <= c.budget and not all(p.action == "keep" for p in c.plan.groups)
-    assert replace(keep, peak=keep.peak + 32 * MiB) in c.plans
+class _Allocated:
+    """A probe whose allocated bytes the test sets (the rest as on the CPU)."""
+
+    def __init__(self, probe, allocated):
+        self._probe, self.bytes = probe, allocated
+
+    def allocated(self):
+        return self.bytes
+
+    def __getattr__(self, name):
+        return getattr(self._probe, name)
+
+
+def test_controller_a_changed_base_profiles_again():
+    """Gradients kept from the last step, or optimizer state made after the first, change what
+    is allocated when a step begins: the profile no longer holds."""
+    c, _ = _controller(512 * MiB)
+    c.probe = _Allocated(c.probe, c.profile.base + 1024)  # noise: same workload
+    c.step_begins()
+    assert not c.profiling
+    c.probe.bytes = c.profile.base + 64 * MiB  # Adam's state appeared
+    c.step_begins()
+    assert c.profiling
 
 
 def test_controller_measures_what_the_model_promises_and_keeps_the_fastest_measured():

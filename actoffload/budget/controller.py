@@ -104,11 +104,16 @@ class BudgetController:
             self._finish_profiling(now)
         else:
             self._time_last_step()
+        base = self.probe.allocated()
+        if self.profile is not None and abs(base - self.profile.base) > max(1 << 20, self.budget // 100):
+            # What is allocated when the first group opens changed: gradients kept from the last
+            # step (then backward accumulates into them, allocating nothing), optimizer state made
+            # after the first. The profile's peaks no longer hold, and shifting them would count
+            # kept gradients twice: measure again.
+            self._reprofile = True
         if self._reprofile:
-            self._profiling = _Step(start=self.probe.mark(), base=self.probe.allocated())
+            self._profiling = _Step(start=self.probe.mark(), base=base)
             self._reprofile = False
-        elif self.profile is not None and self.probe.allocated() != self.profile.base:
-            self._rebase(self.probe.allocated())
         self.probe.reset_peak()
         self._step_start = now
         self._position = 0
@@ -349,15 +354,6 @@ class BudgetController:
         self.profile = replace(profile, d2h_bps=profile.d2h_bps * hi, h2d_bps=profile.h2d_bps * hi)
         self._calibrated += 1
         self._plan_all()
-
-    def _rebase(self, base: int) -> None:
-        """What is allocated when the first group opens changed (optimizer state created after
-        the first step, say): every plan's peak moves by as much."""
-        assert self.profile is not None
-        delta = base - self.profile.base
-        self.profile = replace(self.profile, base=base)
-        self.plans = [replace(p, peak=p.peak + delta) for p in self.plans]
-        self._choose()
 
     def _backward_ended(self) -> None:
         """The step's backward pass is over: its peak (and, while profiling, the end of the
