@@ -50,6 +50,14 @@ def test_bench_writes_results_and_compares_with_a_previous_run(tmp_path, capsys)
     assert "hook_overhead.fast_kept_us_per_tensor" in capsys.readouterr().out
 
 
+def test_bench_budgets_section_runs_the_budget_sweep(tmp_path):
+    assert cli.main(["bench", "--quick", "--only", "budgets", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    sweep = json.loads(path.read_text())["budget_sweep"]
+    assert {w["workload"] for w in sweep["workloads"]} == set(sweep["verdicts"]) >= {"stack_small", "llama"}
+    assert all(c["bitwise"] for v in sweep["verdicts"].values() for c in v["cells"] if "error" not in c)
+
+
 def test_bench_rejects_an_unknown_section():
     with pytest.raises(SystemExit, match=r"unknown section\(s\) \['nope'\]; valid ones are: bandwidth"):
         cli.main(["bench", "--only", "nope"])

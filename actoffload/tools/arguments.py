@@ -19,7 +19,8 @@ from typing import Any
 IMPL_NAMES = ("ref", "fast")
 ROLE_NAMES = ("attn_norm", "qkv", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "expert_fc2")
 BASELINES = ("save_on_cpu",)  # what users would use otherwise, beside our implementations
-SECTIONS = ("bandwidth", "copies", "sweep", "steps", "bitwise", "hooks")
+SECTIONS = ("bandwidth", "copies", "sweep", "steps", "bitwise", "hooks", "budgets")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # the budget sweep is long (about 10 min on an H100): asked for by name
 
 CPU_DEFAULTS = dict(d_model=128, layers=4, n_heads=4, seq_len=64, batch=8, vocab=512, steps=4, experts=4)
 CUDA_DEFAULTS = dict(d_model=1024, layers=8, n_heads=16, seq_len=1024, batch=8, vocab=8192, steps=8, experts=8)
@@ -40,6 +41,7 @@ Measure fast against the bus, against no offload and against its peers.
   actoffload bench                      on a GPU: the whole matrix (about 4 min on an H100)
   actoffload bench --quick              small sizes (CPU or GPU): checks that it runs
   actoffload bench --compare OLD.json   then print the change of every figure
+  actoffload bench --only budgets       the memory-budget sweep (about 10 min on an H100)
 
 Writes <gpu>-<date>-<commit>.json into --out and prints a summary. Every ratio is of
 figures measured side by side in this one run on this one card; the pinned-copy
@@ -130,8 +132,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for the results JSON, made if missing (default: benchmarks/results when run "
                         "from a checkout, else the current folder)")
     p.add_argument("--only", default="", metavar="SECTION[,SECTION]",
-                   help=f"sections to run, from: {', '.join(SECTIONS)}; sweep is left out with --quick "
-                        "(default: all)")
+                   help=f"sections to run, from: {', '.join(SECTIONS)}; sweep is left out with --quick; "
+                        "budgets is the memory-budget sweep against checkpointing and save_on_cpu "
+                        "(default: all but budgets)")
     p.add_argument("--compare", metavar="OLD.json", default=None,
                    help="then print the change of every figure against this results file of an earlier "
                         "'actoffload bench' (default: no comparison)")
@@ -309,7 +312,7 @@ def check_bench(args: argparse.Namespace) -> BenchOptions:
         opts = check_bench(parser.parse_args(["--only", "steps"]))
         opts.sections   # frozenset({'steps'})
     """
-    sections = _names("--only", args.only) if args.only else list(SECTIONS)
+    sections = _names("--only", args.only) if args.only else list(DEFAULT_SECTIONS)
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"--only: unknown section(s) {unknown}; valid ones are: {', '.join(SECTIONS)}")

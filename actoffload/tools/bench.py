@@ -327,6 +327,13 @@ def measure(sections: set[str], quick: bool) -> dict[str, Any]:
     if "hooks" in sections:
         print("  hooks ...", file=sys.stderr, flush=True)
         res["hook_overhead"] = hook_overhead(device, 400 if quick else 4000, 100, 3 if quick else 10)
+    if "budgets" in sections:  # last: it turns deterministic kernels on (its gradients are compared)
+        from . import budget_sweep
+
+        use_deterministic(True)
+        workloads = budget_sweep.sweep(device, quick, log=lambda line: print("  " + line, file=sys.stderr, flush=True))
+        res["budget_sweep"] = {"workloads": workloads, "verdicts": {w["workload"]: budget_sweep.verdicts(w)
+                                                                   for w in workloads if "error" not in w}}
     return res
 
 
@@ -440,4 +447,7 @@ def summary(res: dict) -> dict:
                     out[k][r] = v[r]
     if "hook_overhead" in res:
         out["hook_overhead"] = res["hook_overhead"]
+    if "budget_sweep" in res:
+        out["budget_verdicts"] = {name: {k: v for k, v in verdict.items() if k != "cells"}
+                                  for name, verdict in res["budget_sweep"]["verdicts"].items()}
     return out
