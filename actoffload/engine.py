@@ -405,6 +405,8 @@ class Engine(Generic[GroupT, MovedT]):
     def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         if compat.in_backward():
             self._backward_began = True
+            if group.state is GroupState.PENDING:
+                self._freeze(group)
             self._on_backward(group)
         return t
 
@@ -483,7 +485,7 @@ class Engine(Generic[GroupT, MovedT]):
         with self._lock:
             for ref in self._pending:  # not committed yet: report as keep_last would leave them
                 g = ref()
-                if g is not None and g.state is GroupState.PENDING:
+                if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
                       for name, s in self._window.items() if s}

@@ -91,8 +91,8 @@ class FastGroup(Group):
         self.reloading = False  # its reload was enqueued (or its sources used in place)
         self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
         self.would_save: list[SavedFact] = []  # under checkpoint while profiling
-        # storage address -> (weak reference, key its facts get): checkpoint frees what the
-        # forward saves, so an address can come back as a different storage
+        # storage key -> (weak reference, key its facts get): checkpoint frees what the
+        # forward saves, so a key can come back as a different storage
         self.seen_storages: dict[int, tuple[Any, int]] = {}
 
 
@@ -218,7 +218,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if fact.key is not None:
                 ref, key = group.seen_storages.get(fact.key, (None, fact.key))
                 if ref is None or ref.expired():
-                    if ref is not None:  # the address was freed and reused: not an alias
+                    if ref is not None:  # the key was freed and reused: not an alias
                         key = next(self._fresh_keys)
                     group.seen_storages[fact.key] = (compat.storage_weakref(t), key)
                 fact = dataclasses.replace(fact, key=key)

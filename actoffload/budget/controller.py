@@ -4,16 +4,19 @@ The fast offloader calls these methods at the points of a step where it already 
 work (a group opens or closes, is committed, is reached by backward). A step begins at
 the first group opened after a backward pass began.
 
-- **Profiling** (the first step, and again when the workload changes, for example a new
-  sequence length): the least-memory plan the offloader can run without knowing
-  anything: every wrapped module recomputed with its inputs moved out, every other group
-  moved out whole, copies synchronous (``max_inflight=0``, ``prefetch=0``). Meanwhile it
-  measures each group's compute time, the bytes it would save, and the most memory its
-  forward and its backward allocate beyond them.
-- **Planning**: :func:`actoffload.budget.planner.choose` picks the fastest plan whose
-  modelled peak fits the budget, less a margin.
+- **Profiling** (the first step, and again when the workload changes: another sequence
+  length, or what is allocated when the step begins): the least-memory plan the
+  offloader can run without knowing anything: every wrapped module recomputed with its
+  inputs moved out, every other group moved out whole, copies synchronous
+  (``max_inflight=0``, ``prefetch=0``). Meanwhile it measures each group's compute time,
+  the bytes it would save, and the most memory its forward, its backward and its
+  recomputation in backward allocate beyond them.
+- **Planning**: among the planner's candidates, the fastest whose peak fits: measured for
+  a plan that ran, modelled (plus a margin) for the others.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
-  widens the margin by as much, and the next step runs the plan chosen for it.
+  widens the margin by as much. Each plan's steps are timed; while the model rates an
+  untried plan faster than the fastest measured, a few more are tried, and a plan that
+  moved bytes slower than modelled slows the modelled bus.
 """
 
 from __future__ import annotations
@@ -384,10 +387,11 @@ class BudgetController:
     # ------------------------------------------------------------------ reporting
     def _tried(self) -> list[dict[str, Any]]:
         """Each plan that ran since profiling: what the model said and what was measured."""
-        out = []
+        out, seen = [], set()
         for p in self.plans:
             k = _key(p)
-            if k in self._runs and all(_key(q) != k for q in self.plans[: self.plans.index(p)]):
+            if k in self._runs and k not in seen:
+                seen.add(k)
                 out.append({"actions": [g.action for g in p.groups], "max_inflight": p.max_inflight,
                             "prefetch": p.prefetch, "steps": self._runs[k], "predicted_peak_bytes": p.peak,
                             "measured_peak_bytes": (self._measured[k] + self.profile.base  # type: ignore[union-attr]

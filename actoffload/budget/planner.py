@@ -247,11 +247,11 @@ def candidates(profile: Profile) -> list[Plan]:
                     break
                 current = best[1]
                 out.append(current)
-    out += _recompute_first(profile)
+    out += _families(profile)
     return out
 
 
-def _recompute_first(profile: Profile) -> list[Plan]:
+def _families(profile: Profile) -> list[Plan]:
     """Plans the greedy path need not pass through: recompute the first k recomputable
     groups and keep the others, for every k (what a user checkpointing by hand would pick),
     also with those groups' inputs offloaded; and offload the first j groups whole while
