@@ -261,8 +261,7 @@ class Engine(Generic[GroupT, MovedT]):
         if group.kept_whole:
             group.state = GroupState.COMMITTED
             self._committed(group, policy.GroupPlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
-            for obs in self._observers:
-                obs.on_commit(group.name, dict(group.summary))
+            self._report_commit(group)
             return
         plan = self._plan(group, committed=True)
         self._committed(group, plan)
@@ -292,6 +291,9 @@ class Engine(Generic[GroupT, MovedT]):
         group.moved, group.uses = needed, uses
         group.state = GroupState.COMMITTED
         group.saved = []  # decided: each buffer now lives exactly as long as its handle
+        self._report_commit(group)
+
+    def _report_commit(self, group: GroupT) -> None:
         for obs in self._observers:
             obs.on_commit(group.name, dict(group.summary))
 
@@ -405,9 +407,7 @@ class Engine(Generic[GroupT, MovedT]):
     def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         if compat.in_backward():
             self._backward_began = True
-            if group.state is GroupState.PENDING:
-                self._freeze(group)
-            self._on_backward(group)
+        self._reached(group)
         return t
 
     @compat.not_traced
@@ -417,10 +417,14 @@ class Engine(Generic[GroupT, MovedT]):
         if isinstance(handle, DelegatedHandle):
             return handle.unpack(handle.packed)
         group: GroupT = handle.group  # type: ignore[assignment]
+        self._reached(group)
+        return self._restore_handle(handle)
+
+    def _reached(self, group: GroupT) -> None:
+        """An unpack of ``group``: a group not committed yet stays resident; reloads may start."""
         if group.state is GroupState.PENDING:
             self._freeze(group)
         self._on_backward(group)
-        return self._restore_handle(handle)
 
     def _restore_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
         group: GroupT = handle.group  # type: ignore[assignment]
