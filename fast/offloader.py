@@ -11,8 +11,10 @@ schedule that ties them together:
   blocking), so the allocator cannot hand their memory to new work before the copy has
   read it; at most ``max_inflight`` groups wait that way, older ones make the compute
   stream wait on their event instead (stream-ordered, still no host synchronization).
-- **Backward**: the first unpack of a group starts its reload (if not prefetched) and
-  the reload of the next ``prefetch`` groups this backward pass will reach. Reload
+- **Backward**: the first unpack of a group starts its reload (or the rest of it, if
+  prefetched) and the reload of the next ``prefetch`` groups this backward pass will
+  reach, each in part: the spans its forward saved last (backward needs them first), up
+  to half its bytes, so that reloading ahead holds half a group, not a whole one. Reload
   buffers are allocated on the compute stream (so its allocator reuses them when
   backward frees them); the reload stream first waits for that allocation point and for
   the span's offload copy. Every restored tensor makes the consuming stream wait on the
@@ -51,6 +53,11 @@ from .packing import PACKERS, Packer
 from .pool import Block, PinnedPool
 from .streams import CopyStreams
 
+# Of a group reloaded ahead, the share of bytes brought back before backward reaches it.
+# Whole groups ahead made fast's peak exceed ref's by more than a group (ref reloads a
+# tensor only when backward unpacks it); half keeps most of the overlap.
+PREFETCH_SHARE = 0.5
+
 
 class _Copied:
     """One commit's copy out: the pool blocks it filled and the event of its last copy.
@@ -81,6 +88,23 @@ class FastMoved(Moved):
         self.uses_left = 0
 
 
+def _first_needed(spans: list[FastMoved], share: float) -> tuple[list[FastMoved], list[FastMoved]]:
+    """Split a group's spans (in the order its forward saved them) into those to reload ahead,
+    the last saved up to ``share`` of the bytes plus every packed one (one copy brings them
+    all), and the rest."""
+    total = sum(m.nbytes for m in spans)
+    first: list[FastMoved] = []
+    rest: list[FastMoved] = []
+    taken = 0
+    for m in reversed(spans):
+        if m.packed_offset is not None or taken < share * total:
+            first.append(m)
+            taken += m.nbytes
+        else:
+            rest.append(m)
+    return first, rest
+
+
 class FastGroup(Group):
     """A group in fast: whether its backward began, whether its reload was started, and
     what a memory plan has it do."""
@@ -89,6 +113,7 @@ class FastGroup(Group):
         super().__init__(name, prev, first_seq)
         self.reached = False  # its backward began (first unpack seen)
         self.reloading = False  # its reload was enqueued (or its sources used in place)
+        self.reload_rest = False  # prefetched in part: the rest comes back when backward reaches it
         self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
         self.would_save: list[SavedFact] = []  # under checkpoint while profiling
         # storage key -> (weak reference, key its facts get): checkpoint frees what the
@@ -106,9 +131,10 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       memory at the peak; more lets compute run further ahead of a slower bus (on a
       bus-bound d=2048 stack on an H100, 2 was 12% faster than 1) and lets backward use
       more of the last groups in place. 0 makes compute wait for every copy out.
-    - ``prefetch`` (default 1): groups reloaded ahead of the one backward is in. Each
-      costs up to one group's activations of device memory; 0 makes each group's
-      backward wait for its own reload.
+    - ``prefetch`` (default 1): groups reloaded ahead of the one backward is in, each in
+      part: the spans backward needs first, about half its bytes, and the rest when
+      backward reaches it. Each costs about half a group's activations of device
+      memory; 0 makes each group's backward wait for its own reload.
     - ``pack_below`` (default 4 MiB): spans smaller than this are gathered into one
       buffer by a Triton kernel and cross the bus in one copy (per-tensor copies reach
       full bus speed only from about 1-4 MiB). Costs one staging buffer of that group's
@@ -116,10 +142,12 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
-    - ``pin_ahead`` (default on): on CUDA, when the pinned pool must allocate a block (the
-      first step), it allocates one more of that size on a background thread, so pinning
-      host memory overlaps the GPU's work instead of adding to the first step. Costs at
-      most one extra pooled block per size class of host memory.
+    - ``pin_ahead`` (default off): on CUDA, when the pinned pool must allocate a block
+      (the first step), it allocates one more of that size on a background thread, to
+      overlap pinning with the GPU's work. Costs at most one extra pooled block per size
+      class of host memory. Off by default: pinning on two threads at once contends in
+      the kernel and the driver (on an H200 host the decoder's first step took 0.71 s
+      with it, 0.62 s without).
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
       device memory a training step may allocate, everything included (parameters,
       gradients, optimizer state, the offloader's own buffers). The first step profiles
@@ -142,7 +170,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     impl = "fast"
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
-                 pack_below: int = 4 << 20, packer: str = "auto", pin_ahead: bool = True,
+                 pack_below: int = 4 << 20, packer: str = "auto", pin_ahead: bool = False,
                  memory_budget: int | str | None = None, **settings: Any):
         super().__init__(impl, **settings)
         self.max_inflight = check_count("max_inflight", max_inflight)
@@ -351,13 +379,16 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if self._budget is not None:
             self._budget.backward_reaches(group.position)
         self._reap()  # first free what finished copies no longer need, then allocate reloads
-        self._start_reload(group)
+        if not self._start_reload(group) and group.reload_rest:
+            group.reload_rest = False
+            self._reload(group)
         for ahead in self._upcoming(group, self._copy_window()[1]):
-            if self._start_reload(ahead):
+            if self._start_reload(ahead, PREFETCH_SHARE):
                 self.counters["prefetched_groups"] += 1
 
-    def _start_reload(self, group: FastGroup) -> bool:
-        """Bring a committed group back once (first touch or prefetch); True if started now."""
+    def _start_reload(self, group: FastGroup, share: float = 1.0) -> bool:
+        """Bring a committed group back once (first touch or prefetch: ``share`` of its bytes,
+        those backward needs first); True if started now."""
         with self._lock:
             if group.state is not GroupState.COMMITTED or group.reloading:
                 return False
@@ -383,20 +414,25 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for m, uses in zip(group.moved, group.uses):
             if isinstance(m, FastMoved) and m.dev is not None:
                 m.uses_left += uses  # held (in place, or reloaded for another group): more uses come
-        self._reload(group)
+        group.reload_rest = self._reload(group, share)
         return True
 
-    def _reload(self, group: FastGroup) -> None:
+    def _reload(self, group: FastGroup, share: float = 1.0) -> bool:
         """Enqueue the reload of every span of ``group`` that is neither held nor still alive,
-        to be held until each of the group's buffers it serves was unpacked once."""
+        to be held until each of the group's buffers it serves was unpacked once; with
+        ``share`` < 1, only the spans saved last (backward needs them first) up to that share
+        of the bytes, and the packed ones. True if some were left for later."""
         need: list[FastMoved] = []
         for m, uses in zip(group.moved, group.uses):
             assert isinstance(m, FastMoved)
             if m.dev is None and (m.weak is None or m.weak.get(self.device) is None):
                 need.append(m)
                 m.uses_left = uses
+        later: list[FastMoved] = []
+        if share < 1.0:
+            need, later = _first_needed(need, share)
         if not need:
-            return
+            return bool(later)
         for m in need:  # on the compute stream: its allocator reuses them after backward
             m.dev = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
         by_copy: dict[int, list[FastMoved]] = {}
@@ -406,6 +442,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for spans in by_copy.values():
             self._reload_from(spans[0].copied, spans, allocated)  # type: ignore[arg-type]
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
+        return bool(later)
 
     def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any) -> None:
         packed = [m for m in need if m.packed_offset is not None]

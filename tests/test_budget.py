@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import actoffload as ao
+from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.budget.probe import Probe
 from helpers import assert_bitwise
 
@@ -17,7 +18,7 @@ def _blocks():
         torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D)) for _ in range(4))
 
 
-def _steps(blocks, off, steps=4, rows=64):
+def _steps(blocks, off, steps=PROFILE_STEPS + 2, rows=64):
     """Gradients of each step; ``off`` wraps the blocks (a plan may recompute them)."""
     handle = ao.wrap(blocks, off) if off is not None else None
     out, plans = [], []
@@ -47,8 +48,9 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
     got, plans = _steps(_blocks(), off)
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
-    assert plans[0]["state"] == "profiling" and plans[1]["state"] == "planned"  # profiled, then planned
-    assert all(p["predicted_peak_bytes"] <= budget for p in plans[1:])
+    states = [p["state"] for p in plans]
+    assert states == ["profiling"] * PROFILE_STEPS + ["planned"] * 2  # profiled, then planned
+    assert all(p["predicted_peak_bytes"] <= budget for p in plans[PROFILE_STEPS:])
     actions = [g["action"] for g in plans[-1]["groups"]]
     if budget >= 8 * GROUP_BYTES:
         assert actions == ["keep"] * 4  # everything fits: nothing moves
@@ -76,16 +78,17 @@ def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
     with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest reachable peak"):
-        _steps(_blocks(), off, steps=2)
+        _steps(_blocks(), off, steps=PROFILE_STEPS + 1)
 
 
 def test_budget_profiles_again_when_the_workload_changes():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
     blocks = _blocks()
-    _, plans = _steps(blocks, off, steps=3, rows=64)
+    _, plans = _steps(blocks, off, rows=64)
     first = plans[-1]["predicted_peak_bytes"]
-    _, plans = _steps(blocks, off, steps=3, rows=128)  # another sequence length: twice the bytes
-    assert [p["state"] for p in plans] == ["planned", "profiling", "planned"]  # seen at commit, profiled next
+    _, plans = _steps(blocks, off, rows=128)  # another sequence length: twice the bytes
+    # seen at commit, profiled from the next step
+    assert [p["state"] for p in plans] == ["planned"] + ["profiling"] * PROFILE_STEPS + ["planned"]
     assert plans[-1]["predicted_peak_bytes"] != first and plans[-1]["predicted_peak_bytes"] <= 3 * GROUP_BYTES
 
 
@@ -95,7 +98,7 @@ def test_budget_works_with_groups_opened_by_hand():
     expected, _ = _steps(blocks, None)
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0)
     got = []
-    for step in range(4):
+    for step in range(PROFILE_STEPS + 2):
         x = torch.randn(64, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
         h = x * 1
         for i, b in enumerate(blocks):
@@ -136,7 +139,7 @@ def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_add
         tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
         off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, **settings)
         with ao.wrap(model.blocks, off):
-            for _ in range(2):
+            for _ in range(PROFILE_STEPS + 1):
                 model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
         return off
 
@@ -147,13 +150,13 @@ def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_add
 
 def test_budget_groups_kept_whole_are_left_to_autograd_and_still_notice_a_new_workload():
     blocks = _blocks()
-    expected, _ = _steps(blocks, None, steps=3)
+    expected, _ = _steps(blocks, None)
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
-    got, plans = _steps(blocks, off, steps=3)
+    got, plans = _steps(blocks, off)
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
     assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
     s = off.stats()["groups"]["0"]
     assert s["offloaded"] == 0 and s["kept"] == {"budget": s["saved"]} and s["saved"] >= 3
-    _, plans = _steps(blocks, off, steps=3, rows=128)  # twice the bytes in every kept group
-    assert [p["state"] for p in plans] == ["planned", "profiling", "planned"]
+    _, plans = _steps(blocks, off, rows=128)  # twice the bytes in every kept group
+    assert [p["state"] for p in plans] == ["planned"] + ["profiling"] * PROFILE_STEPS + ["planned"]

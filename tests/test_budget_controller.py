@@ -3,7 +3,7 @@
 
 import torch
 
-from actoffload.budget.controller import BudgetController, _key
+from actoffload.budget.controller import TIMINGS, BudgetController, _key, _merged
 from actoffload.budget.planner import GroupPlan, GroupProfile, Plan, Profile, candidates, simulate
 
 MiB = 1 << 20
@@ -79,16 +79,20 @@ def test_controller_measures_what_the_model_promises_and_keeps_the_fastest_measu
     c._runs[_key(first)] = 2
     c._times[_key(first)] = [10 * first.step_s]  # far slower than modelled
     c._choose()
+    assert _key(c.plan) == _key(first)  # one timed step is not a measurement yet
+    c._runs[_key(first)] = 3
+    c._times[_key(first)].append(11 * first.step_s)
+    c._choose()
     second = c.plan
     assert _key(second) != _key(first) and second.step_s < 10 * first.step_s  # the model's next promise runs
-    c._runs[_key(second)] = 2
-    c._times[_key(second)] = [2 * first.step_s]
+    c._runs[_key(second)] = 3
+    c._times[_key(second)] = [2 * first.step_s, 3 * first.step_s]
     c._choose()
     assert _key(c.plan) not in (_key(first),)  # never back to the slow one
     for _ in range(10):  # a model that is always wrong: exploring stops after EXPLORE plans
         k = _key(c.plan)
-        c._runs[k] = 2
-        c._times.setdefault(k, [20 * first.step_s])
+        c._runs[k] = 3
+        c._times.setdefault(k, [20 * first.step_s] * TIMINGS)
         c._choose()
     from actoffload.budget.controller import EXPLORE
     assert len(c._runs) <= EXPLORE + 1
@@ -98,8 +102,8 @@ def test_controller_measures_what_the_model_promises_and_keeps_the_fastest_measu
 def test_controller_a_measured_plan_the_model_cannot_beat_stays():
     c, _ = _controller(1 << 40)
     keep = c.plan
-    c._runs[_key(keep)] = 2
-    c._times[_key(keep)] = [keep.step_s]  # as modelled: no plan promises to be faster
+    c._runs[_key(keep)] = 3
+    c._times[_key(keep)] = [keep.step_s] * TIMINGS  # as modelled: no plan promises to be faster
     c._choose()
     assert _key(c.plan) == _key(keep)
 
@@ -117,3 +121,17 @@ def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_model
     assert abs(again.step_s - (2 * mover.step_s + 1e-3)) < 0.01 * again.step_s  # the model now agrees
     keep = next(p for p in c.plans if all(g.action == "keep" for g in p.groups))
     assert keep.step_s == min(p.step_s for p in c.plans)  # moving nothing is unaffected
+
+
+def test_controller_two_profiling_steps_merge_to_the_faster_time_and_the_larger_memory():
+    """The first profiling step also pins host memory: its times run long, its peaks do not lie."""
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=3e-3, backward_s=2e-3,
+                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB)
+    h = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=4e-3,
+                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB)
+    first = Profile((g,), base=100 * MiB, outside_s=2e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+    second = Profile((h,), base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=4 * MiB)
+    m = _merged(first, second).groups[0]
+    assert (m.forward_s, m.backward_s) == (1e-3, 2e-3)
+    assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
+    assert _merged(first, second).outside_s == 1e-3 and _merged(first, second).outside_extra == 8 * MiB

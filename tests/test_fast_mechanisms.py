@@ -30,7 +30,7 @@ def test_pool_reuses_blocks_of_a_size_class():
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(device):
     model = mlp_stack(4, 64, device)
-    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1, pin_ahead=False)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1)
     stats = train_steps(off, model, 20, device, batch=64)
     allocs = [s["host_allocations"] for s in stats]
     peaks = [s["host_bytes_in_use"] + s["host_bytes_pooled"] for s in stats]
@@ -44,7 +44,7 @@ def test_fast_pool_allocating_ahead_stops_after_the_first_steps(device):
     """With pin_ahead (on CUDA), blocks pinned ahead during the first step may land after it:
     the count settles by the third step and stays."""
     model = mlp_stack(4, 64, device)
-    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1)
+    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1, pin_ahead=True)
     allocs = [s["host_allocations"] for s in train_steps(off, model, 12, device, batch=64)]
     assert allocs[0] > 0 and len(set(allocs[2:])) == 1
     assert off.stats()["host_bytes_in_use"] == 0
@@ -155,3 +155,35 @@ def test_pool_allocates_one_block_ahead_per_size_class_and_serves_the_next_reque
     assert len(calls) == 2  # a hit allocates nothing, ahead or not
     pool.put(a)
     pool.put(b)
+
+
+def test_fast_reloads_ahead_only_what_backward_needs_first_and_the_rest_on_arrival():
+    """A prefetched group comes back in two parts: the spans its forward saved last (about
+    half its bytes) ahead, the rest when backward reaches it; every byte exactly once."""
+    from actoffload.fast import offloader as fast_offloader
+
+    model = mlp_stack(4, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, prefetch=1, pack_below=0)
+    calls = []
+    reload = off._reload
+
+    def recording(group, share=1.0):
+        before = off.counters.get("h2d_bytes", 0)
+        left = reload(group, share)
+        calls.append((group.name, share, off.counters.get("h2d_bytes", 0) - before, left))
+        return left
+
+    off._reload = recording
+    run_groups(model, x, off).sum().backward()
+    assert_bitwise(grads_of(model, x), expected)
+    share = fast_offloader.PREFETCH_SHARE
+    ahead = [c for c in calls if c[1] == share]
+    assert [c[0] for c in ahead] == ["2", "1", "0"]  # each reached group prefetches the one before
+    assert all(c[3] for c in ahead)  # each left some spans for later
+    for name, _, nbytes, _ in ahead:
+        total = off.stats()["groups"][name]["offloaded_bytes"]
+        rest = sum(c[2] for c in calls if c[0] == name and c[1] == 1.0)
+        assert 0 < nbytes < total and nbytes + rest == total and nbytes >= share * total
+    assert off.counters["h2d_bytes"] == off.stats()["offloaded_bytes"]

@@ -61,7 +61,7 @@ def test_marked_policy_with_a_selection_offloads_exactly_that_role(device, impl,
 def test_attention_roles_select_what_those_ops_save(device, impl, attention):
     model = _model(device, attention=attention)
     assert ao.select_modules(model, {"qkv", "attn_norm"}) == [
-        ("blocks.0", "attn_norm"), ("blocks.0.attn", "qkv"), ("blocks.1", "attn_norm"), ("blocks.1.attn", "qkv")]
+        ("blocks.0.attn", "attn_norm"), ("blocks.0.attn", "qkv"), ("blocks.1.attn", "attn_norm"), ("blocks.1.attn", "qkv")]
     off = off_for(impl, device, keep_last=0, policy="marked")
     with ao.wrap(model.blocks, off):
         y = model(torch.randn(B, T, D, device=device) * 1)

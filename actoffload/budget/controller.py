@@ -4,13 +4,15 @@ The fast offloader calls these methods at the points of a step where it already 
 work (a group opens or closes, is committed, is reached by backward). A step begins at
 the first group opened after a backward pass began.
 
-- **Profiling** (the first step, and again when the workload changes: another sequence
-  length, or what is allocated when the step begins): the least-memory plan the
-  offloader can run without knowing anything: every wrapped module recomputed with its
-  inputs moved out, every other group moved out whole, copies synchronous
-  (``max_inflight=0``, ``prefetch=0``). Meanwhile it measures each group's compute time,
-  the bytes it would save, and the most memory its forward, its backward and its
-  recomputation in backward allocate beyond them.
+- **Profiling** (the first two steps, and again when the workload changes: another
+  sequence length, or what is allocated when the step begins): the least-memory plan
+  the offloader can run without knowing anything: every wrapped module recomputed with
+  its inputs moved out, every other group moved out whole, copies synchronous
+  (``max_inflight=0``, ``prefetch=0``). Meanwhile it measures each group's compute time
+  (the faster of the two steps: the first also pins host memory and grows the
+  allocator's pools; a recomputed group's forward timed again in backward), the bytes it
+  would save, and the most memory its forward, its backward and its recomputation in
+  backward allocate beyond them.
 - **Planning**: among the planner's candidates, the fastest whose peak fits: measured for
   a plan that ran, modelled (plus a margin) for the others.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
@@ -21,7 +23,6 @@ the first group opened after a backward pass began.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -31,8 +32,10 @@ from .. import compat, policy
 from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose, simulate
 from .probe import Probe
 
+PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
+TIMINGS = 2  # timed steps that measure a plan (after its first, which pins host memory)
 CALIBRATIONS = 3  # times the bus may be re-measured from a step that moved bytes
 CALIBRATION_SLACK = 0.05  # a step this much slower than modelled is noise, not a slower bus
 
@@ -49,6 +52,8 @@ class _Measured:
     forward_peak: int = 0  # above allocated_at_start
     backward_peak: int = 0  # absolute, while its backward ran (its recomputation aside)
     recompute_peak: int = 0  # absolute, while its forward ran again in backward
+    recompute_start: Any = None  # its forward run again in backward: the time it takes
+    recompute_end: Any = None
     spans: tuple[int, ...] = ()  # offloadable bytes it would save (not recomputed)
     kept: int = 0
     inputs: int = 0  # bytes it saved while recomputed
@@ -64,6 +69,22 @@ class _Step:
     last_exit: Any = None
     backward_end: Any = None
     outside_peak: int = 0
+
+
+def _same_workload(a: Profile, b: Profile) -> bool:
+    return len(a.groups) == len(b.groups) and all(
+        (x.spans, x.kept, x.inputs) == (y.spans, y.kept, y.inputs) for x, y in zip(a.groups, b.groups))
+
+
+def _merged(a: Profile, b: Profile) -> Profile:
+    """Two profiling steps of one workload: the faster time and the larger memory of each."""
+    groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
+                           forward_extra=max(x.forward_extra, y.forward_extra),
+                           backward_extra=max(x.backward_extra, y.backward_extra),
+                           recompute_extra=max(x.recompute_extra, y.recompute_extra))
+                   for x, y in zip(a.groups, b.groups))
+    return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
+                   outside_extra=max(a.outside_extra, b.outside_extra))
 
 
 def _key(plan: Plan) -> tuple[Any, ...]:
@@ -96,6 +117,7 @@ class BudgetController:
         self._times: dict[Any, list[float]] = {}  # plan -> measured step seconds (not its first step)
         self._untimed: tuple[Any, Any, Any] | None = None  # (plan, start, end) of a step to time
         self._profiled: tuple[GroupPlan, ...] = ()  # what the profiling step ran
+        self._partial: Profile | None = None  # the first profiling step's, until the next is done
         self._calibrated = 0  # times the bus was re-measured from a step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
 
@@ -212,13 +234,18 @@ class BudgetController:
         m = step.groups[position]
         m.backward_peak = max(m.backward_peak, self.probe.peak())
         self.probe.reset_peak()
+        if m.recompute_start is None:
+            m.recompute_start = self.probe.mark()
 
     def recompute_ends(self, position: int) -> None:
         step = self._profiling
         if step is None or position >= len(step.groups):
             return
-        step.groups[position].recompute_peak = max(step.groups[position].recompute_peak, self.probe.peak())
+        m = step.groups[position]
+        m.recompute_peak = max(m.recompute_peak, self.probe.peak())
         self.probe.reset_peak()
+        if m.recompute_end is None:
+            m.recompute_end = self.probe.mark()
 
     def window(self) -> tuple[int, int] | None:
         """``(max_inflight, prefetch)`` the plan sets, or ``None`` to use the settings."""
@@ -237,11 +264,31 @@ class BudgetController:
         if step.last_touch is not None and step.backward_end is None:  # no end seen: up to now
             last = step.groups[step.last_touch]
             last.backward_peak = max(last.backward_peak, self.probe.peak())
-        self.profiled_peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
-                                 + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
+        peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
+                   + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
         if not step.groups or any(m.end is None for m in step.groups):
-            self._reprofile = True
+            self._reprofile, self._partial = True, None
             return
+        profile = self._profile_of(step, end)
+        if self._partial is not None and _same_workload(self._partial, profile):
+            profile = _merged(self._partial, profile)
+            peak = max(peak, self.profiled_peak or 0)
+            self._partial = None
+        elif PROFILE_STEPS > 1:  # the first of the profiling steps
+            self._partial, self.profiled_peak, self._reprofile = profile, peak, True
+            return
+        self.profile, self.profiled_peak = profile, peak
+        self._profiled = tuple(GroupPlan("recompute_offload" if g.inputs is not None else "offload")
+                               for g in profile.groups)
+        self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
+        self._kept_first = {}
+        self._plan_all()
+        if self.probe.cuda:  # it ran: its peak is known
+            self._measured[_key(self.plans[-1])] = peak - profile.base
+        self._choose()
+
+    def _profile_of(self, step: _Step, end: Any) -> Profile:
+        """What one profiling step measured, as the planner reads it."""
         if self._bandwidth is None:
             self._bandwidth = self.probe.bandwidth()
         d2h, h2d = self._bandwidth
@@ -250,9 +297,16 @@ class BudgetController:
         touches = [m.touched for m in step.groups]
         for i, m in enumerate(step.groups):
             fwd = self.probe.seconds(m.start, m.end)
+            if m.recompute_start is not None and m.recompute_end is not None:
+                # Its forward again, in backward: the first forward of a first step also waits
+                # for the host (pinning memory, copying out synchronously), its recomputation not.
+                recompute = self.probe.seconds(m.recompute_start, m.recompute_end)
+                fwd = min(fwd, recompute)
+            else:
+                recompute = fwd if m.recomputed else 0.0
             after = touches[i - 1] if i > 0 and touches[i - 1] is not None else (step.backward_end or end)
             bwd = self.probe.seconds(m.touched, after) if m.touched is not None else 2 * fwd
-            bwd -= m.moved / h2d + (fwd if m.recomputed else 0.0)  # its reload and its recompute
+            bwd -= m.moved / h2d + recompute  # its reload and its recompute
             saves = sum(m.spans) + m.kept
             forward_extra = m.forward_peak
             backward_extra = m.backward_peak - (step.base + held + saves)
@@ -263,15 +317,8 @@ class BudgetController:
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = self.probe.seconds(step.last_exit, touches[-1])
-        self.profile = Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
-                               outside_extra=max(step.outside_peak - (step.base + held), 0))
-        self._profiled = tuple(GroupPlan("recompute_offload" if m.recomputed else "offload") for m in step.groups)
-        self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
-        self._kept_first = {}
-        self._plan_all()
-        if self.probe.cuda:  # it ran: its peak is known
-            self._measured[_key(self.plans[-1])] = self.profiled_peak - step.base
-        self._choose()
+        return Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
+                       outside_extra=max(step.outside_peak - (step.base + held), 0))
 
     def _plan_all(self) -> None:
         """Every candidate plan under the current profile; the profiled plan last."""
@@ -303,23 +350,27 @@ class BudgetController:
 
     def _fastest(self, fitting: list[Plan]) -> Plan:
         """Among plans that fit: the fastest measured one, unless the model promises a faster
-        one not yet measured and fewer than ``EXPLORE`` others were tried (each runs two
-        steps: its first pins host memory). The model misses costs it cannot see (hooks,
+        one not yet measured and fewer than ``EXPLORE`` others were tried (each runs
+        ``TIMINGS`` + 1 steps: its first pins host memory). The model misses costs it cannot see (hooks,
         packing, contention); measuring what it promises finds them."""
         assert self.profile is not None
         profile = self.profile
         by_model = sorted(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
-        timed = [p for p in fitting if _key(p) in self._times]
-        best = min(timed, key=lambda p: statistics.median(self._times[_key(p)])) if timed else None
+        timed = [p for p in fitting if len(self._times.get(_key(p), ())) >= TIMINGS]
+        best = min(timed, key=lambda p: self._time_of(p)) if timed else None
         for p in by_model:
-            if _key(p) in self._times:
+            if len(self._times.get(_key(p), ())) >= TIMINGS:
                 continue
-            if best is not None and p.step_s >= statistics.median(self._times[_key(best)]):
+            if best is not None and p.step_s >= self._time_of(best):
                 break  # the model promises nothing faster than what was measured
             if _key(p) in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
                 return p
             break
         return best if best is not None else by_model[0]
+
+    def _time_of(self, plan: Plan) -> float:
+        """A plan's measured step time: the least of its timed steps (noise only adds)."""
+        return min(self._times[_key(plan)])
 
     def _time_last_step(self) -> None:
         """Record the latest planned step's time once it is known (never waits), and choose
@@ -397,7 +448,7 @@ class BudgetController:
                             "measured_peak_bytes": (self._measured[k] + self.profile.base  # type: ignore[union-attr]
                                                     if k in self._measured else None),
                             "predicted_step_s": p.step_s,
-                            "measured_step_s": statistics.median(self._times[k]) if k in self._times else None})
+                            "measured_step_s": min(self._times[k]) if k in self._times else None})
         return out
 
     def _peak_at(self) -> str:

@@ -20,6 +20,7 @@ time from the compute stream, the two copy streams and the ordering between them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
@@ -56,7 +57,7 @@ class GroupProfile:
     grads: int = 0
     recompute_extra: int = 0
 
-    @property
+    @cached_property  # read in every simulation step: summed once
     def offloadable(self) -> int:
         return sum(self.spans)
 
@@ -204,7 +205,7 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
                     s.h2d = max(s.compute, s.h2d) + moved[j] / profile.h2d_bps
                 ready[j] = s.h2d if moved[j] and j not in in_place else 0.0
         held -= resident[i]
-        ahead = sum(moved[j] for j in ready if i - prefetch <= j < i and j not in in_place)
+        ahead = sum(moved[j] for j in range(max(0, i - prefetch), i) if j in ready and j not in in_place)
         # its activations are all back (reloaded or recomputed) while its backward runs
         at = (profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
               + (g.recompute_extra if recompute[i] else 0))
@@ -254,8 +255,9 @@ def candidates(profile: Profile) -> list[Plan]:
 def _families(profile: Profile) -> list[Plan]:
     """Plans the greedy path need not pass through: recompute the first k recomputable
     groups and keep the others, for every k (what a user checkpointing by hand would pick),
-    also with those groups' inputs offloaded; and offload the first j groups whole while
-    recomputing the others with their inputs offloaded."""
+    also with those groups' inputs offloaded; recompute every group with the first k
+    groups' inputs offloaded; and offload the first j groups whole while recomputing the
+    others with their inputs offloaded."""
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
     out = []
@@ -264,6 +266,13 @@ def _families(profile: Profile) -> list[Plan]:
         for action, windows in (("recompute", [(0, 0)]), ("recompute_offload", [(1, 1), (2, 2)])):
             groups = tuple(GroupPlan(action) if i in first else GroupPlan() for i in range(n))
             out += [_evaluated(profile, groups, w, pf) for w, pf in windows]
+    # everything recomputed, the first k groups' inputs moved out: held longest, they are
+    # what checkpointing every group keeps at the end of forward
+    for k in range(1, len(recomputable)):
+        first = set(recomputable[:k])
+        groups = tuple(GroupPlan("recompute_offload" if i in first else "recompute") if g.inputs is not None
+                       else GroupPlan() for i, g in enumerate(profile.groups))
+        out += [_evaluated(profile, groups, w, pf) for w, pf in ((1, 1), (2, 2))]
     # the least memory: the first groups' backward comes last, with every gradient made; a group
     # reloaded there skips its recomputation's peak
     for j in range(1, n + 1):

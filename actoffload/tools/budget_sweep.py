@@ -3,7 +3,8 @@
 For each workload, measured side by side in one run on one card: no offloading,
 activation checkpointing of every block, the best hand-picked selective checkpointing
 (the fewest checkpointed blocks that fit each budget), ``save_on_cpu``, ref and fast
-offloading everything, and fast with a ``memory_budget`` at five levels from the
+offloading everything, and fast with a ``memory_budget`` (each block's two halves a
+group) at five levels from the
 smallest peak it can reach to the peak without offloading (plus one just under the
 peak of checkpointing every block). Each figure is a pair: median step time
 (forward + backward) and peak device memory allocated during the step, everything
@@ -25,8 +26,8 @@ import torch.utils.checkpoint
 
 import actoffload as ao
 from actoffload import compat
-from actoffload.budget.controller import EXPLORE
-from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, next_token_loss
+from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS
+from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, next_token_loss, sublayers
 
 GiB = 1 << 30
 LEVELS = 5
@@ -34,13 +35,22 @@ LEVELS = 5
 
 @dataclass
 class Workload:
-    """A model whose ``blocks`` are the groups, and a step: loss of one batch, backward."""
+    """A model with ``blocks``, and a step: loss of one batch, backward.
+
+    Checkpointing and offloading everything work block by block, as users set them up; a
+    memory budget gets each block's two halves (:func:`sublayers`) as groups, so that its
+    plan can go below checkpointing every block, where backward holds a whole block's
+    recomputed activations at once."""
 
     name: str
     model: torch.nn.Module
     blocks: torch.nn.ModuleList
     loss: Callable[[Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor], int], torch.Tensor]
     trainable: list[torch.Tensor]  # what gradients are compared for (parameters and the input)
+
+    @property
+    def halves(self) -> list[torch.nn.Module]:
+        return sublayers(self.blocks)
 
 
 def _stack(name: str, d: int, layers: int, batch: int, seq: int, device: torch.device, dtype: torch.dtype) -> Workload:
@@ -137,13 +147,15 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(w: Workload, method: str, device: torch.device, steps: int, warmup: int,
-            offloader: Callable[[], ao.Offloader] | None = None, checkpointed: int = 0) -> dict[str, Any]:
+            offloader: Callable[[], ao.Offloader] | None = None, checkpointed: int = 0,
+            halves: bool = False) -> dict[str, Any]:
     """Median step seconds, peak device bytes, the gradients of the last step, and what the
-    offloader reports. ``method``: a label; ``offloader`` builds one (it wraps the blocks)."""
+    offloader reports. ``method``: a label; ``offloader`` builds one, which wraps the blocks
+    (their halves with ``halves``)."""
     cuda = device.type == "cuda"
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     off = offloader() if offloader is not None else None
-    handle = ao.wrap(w.blocks, off) if off is not None else None
+    handle = ao.wrap(w.halves if halves else w.blocks, off) if off is not None else None
     call = _checkpointed(checkpointed) if checkpointed else _plain
     times, peaks, first = [], [], None
     try:
@@ -207,9 +219,9 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     res["methods"]["save_on_cpu"] = keep(measure(w, "save_on_cpu", device, steps, warmup))
     res["methods"]["ref"] = keep(measure(w, "ref", device, steps, warmup, lambda: ao.Offloader(impl="ref", device=device)))
     res["methods"]["fast"] = keep(measure(w, "fast", device, steps, warmup, lambda: ao.Offloader(impl="fast", device=device)))
-    # the least a plan reaches: the profiling step runs the least-memory plan
-    least = measure(w, "fast_budget_profile", device, 1, 1,
-                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50))["plan"]
+    # the least a plan reaches: the profiling steps run the least-memory plan
+    least = measure(w, "fast_budget_profile", device, 1, PROFILE_STEPS,
+                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50), halves=True)["plan"]
     high = res["methods"]["none"]["peak_bytes"]
     if high == 0:  # the CPU has no allocator to read: one cell runs the planner end to end
         budgets = [1 << 40]
@@ -224,11 +236,11 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         budgets = sorted(set(levels + [under_ckpt]))
     # a budget's first steps profile, then may try a few plans the model rates fastest (two
     # steps each: the first pins host memory) before keeping the fastest measured
-    settle = warmup + 2 * (EXPLORE + 2)
+    settle = warmup + PROFILE_STEPS - 1 + (TIMINGS + 1) * (EXPLORE + 2)
     for budget in budgets:
         try:
             r = measure(w, "fast_budget", device, steps, settle,
-                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget))
+                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget), halves=True)
         except ValueError as e:  # no plan fits
             res["budgets"].append({"budget_bytes": budget, "error": str(e)})
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB: {e}")
@@ -255,7 +267,7 @@ def sweep(device: torch.device, small: bool, log=print, done=lambda results: Non
           only: set[str] | None = None, skip: set[str] = frozenset()) -> list[dict[str, Any]]:
     """Every workload in turn; ``done(results so far)`` after each (to save partial results).
     A workload that fails is reported with its error and the sweep goes on."""
-    steps, warmup = (2, 1) if small else (4, 2)
+    steps, warmup = (2, 1) if small else (6, 2)
     _compile_kernels(device)
     out: list[dict[str, Any]] = []
     for build in workloads(device, small):

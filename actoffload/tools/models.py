@@ -2,14 +2,16 @@
 
 Reads top to bottom: config, attention, MLP (dense, or mixture of experts), block,
 model. ``model.blocks`` is the list to hand to :func:`actoffload.wrap` (one offload
-group per block). Modules carry offload roles (``attn_norm``, ``qkv``, ``core_attn``,
-``attn_proj``, ``mlp_norm``; the experts ``expert_fc1``, ``moe_act``, ``expert_fc2``) for
-:func:`actoffload.select_modules`.
+group per block); :func:`sublayers` lists each block's two halves (attention, MLP, each
+with its norm) for groups half a block wide. Modules carry offload roles (``attn_norm``,
+``qkv``, ``core_attn``, ``attn_proj``, ``mlp_norm``; the experts ``expert_fc1``,
+``moe_act``, ``expert_fc2``) for :func:`actoffload.select_modules`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -42,18 +44,22 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    offload_roles = ("qkv", "core_attn", "attn_proj")
+    """LayerNorm -> causal self-attention (the block adds the residual)."""
+
+    offload_roles = ("attn_norm", "qkv", "core_attn", "attn_proj")
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.attention = cfg.attention
+        self.norm = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.qkv(x)
+        normed = self.norm(x)
+        qkv = self.qkv(normed)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in qkv.split(C, dim=2))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -65,33 +71,44 @@ class Attention(nn.Module):
             y = probs @ v
             core = (qkv, probs)
         y = y.transpose(1, 2).reshape(B, T, C)
-        select_in_forward(self, {"qkv": x, "core_attn": core, "attn_proj": y})
+        select_in_forward(self, {"attn_norm": x, "qkv": normed, "core_attn": core, "attn_proj": y})
         return self.proj(y)
 
 
 class MLP(nn.Module):
+    """LayerNorm -> fc1 -> GELU -> fc2."""
+
+    offload_roles = ("mlp_norm",)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model)
         self.fc1 = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        select_in_forward(self, {"mlp_norm": x})  # what the norm saves
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 class MoE(nn.Module):
-    """Router (top-k, softmax weights) -> tokens sorted by expert -> GroupedMLP -> combine."""
+    """LayerNorm -> router (top-k, softmax weights) -> tokens sorted by expert -> GroupedMLP
+    -> combine."""
+
+    offload_roles = ("mlp_norm",)
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.top_k = cfg.top_k
+        self.norm = nn.LayerNorm(cfg.d_model)
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = GroupedMLP(cfg.n_experts, cfg.d_model, cfg.mlp_ratio * cfg.d_model,
                                   activation=cfg.expert_activation, fp8=cfg.expert_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        flat = x.reshape(B * T, C)
+        select_in_forward(self, {"mlp_norm": x})  # what the norm saves
+        flat = self.norm(x).reshape(B * T, C)
         weights, experts = self.router(flat).topk(self.top_k, dim=-1)
         weights = weights.softmax(dim=-1)
         expert_of = experts.flatten()  # [N * k], slot i belongs to token i // k
@@ -103,19 +120,28 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    offload_roles = ("attn_norm", "mlp_norm")
+    """Pre-norm residual block: ``x + attn(x)``, then ``+ mlp(...)``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mid = x + self.attn(self.ln1(x))
-        select_in_forward(self, {"attn_norm": x, "mlp_norm": mid})  # what the norms save
-        return mid + self.mlp(self.ln2(mid))
+        mid = x + self.attn(x)
+        return mid + self.mlp(mid)
+
+
+def sublayers(blocks: Iterable[nn.Module]) -> list[nn.Module]:
+    """Each block's attention and MLP (norms included), in forward order: wrapped, they are
+    groups half a block wide, so a memory plan can recompute or offload one half and keep
+    the other, and backward holds one half's activations at a time.
+
+    Example::
+
+        ao.wrap(sublayers(model.blocks), off)      # groups "0" (attention of block 0), "1", ...
+    """
+    return [m for b in blocks for m in (b.attn, b.mlp)]
 
 
 class GPT(nn.Module):
@@ -171,18 +197,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention with rotary embeddings; eager softmax (deterministic on CUDA)."""
+    """RMSNorm -> grouped-query attention with rotary embeddings; eager softmax
+    (deterministic on CUDA)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.kv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.head_dim, bias=False)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
+        x = self.norm(x)
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(B, T, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -194,23 +223,33 @@ class LlamaAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
 
-class LlamaBlock(nn.Module):
-    """RMSNorm -> attention -> residual; RMSNorm -> SwiGLU MLP -> residual."""
+class SwiGLU(nn.Module):
+    """RMSNorm -> SwiGLU MLP."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
-        self.attn = LlamaAttention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn, bias=False)
         self.down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """``x + attn(x)``, then ``+ mlp(...)``; each half normalises its own input."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn = LlamaAttention(cfg)
+        self.mlp = SwiGLU(cfg)
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(self.cfg, x.device, x.dtype)
-        h = x + self.attn(self.attn_norm(x), cos, sin)
-        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h = x + self.attn(x, cos, sin)
+        return h + self.mlp(h)
 
 
 class Llama(nn.Module):
