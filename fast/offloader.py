@@ -319,6 +319,13 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
             self._report_copy("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
+        if packed and self._streams.d2h is not None:
+            # Their bytes are in the stage: an in-flight group holds its large sources and the
+            # stage (its bytes once), not the packed sources too. The allocator reuses their
+            # memory only after the copy stream has packed them; backward reloads them.
+            for m in packed:
+                m.source().record_stream(self._streams.d2h)
+                m.storage = None
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)

@@ -432,7 +432,7 @@ class BudgetController:
             self._untimed = (key, self._step_start, now)
         self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
         if self.measured_peak > self.budget:
-            self.margin += self.measured_peak - self.budget + self.budget // 100
+            self.margin += self.measured_peak - self.budget + max(1 << 20, self.budget // 400)
             self._choose()
 
     # ------------------------------------------------------------------ reporting
