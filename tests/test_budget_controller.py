@@ -39,7 +39,7 @@ def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within
     c.budget = keep.peak
     c._choose()
     assert _key(c.plan) == _key(keep)
-    c.margin = 1 << 40  # every model figure now out of reach
+    c.margins = {(w, pf): 1 << 40 for w in range(3) for pf in range(3)}  # every model figure out of reach
     c._choose()
     assert _key(c.plan) == _key(least)  # measured: still fits
 
@@ -135,3 +135,31 @@ def test_controller_two_profiling_steps_merge_to_the_faster_time_and_the_larger_
     assert (m.forward_s, m.backward_s) == (1e-3, 2e-3)
     assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
     assert _merged(first, second).outside_s == 1e-3 and _merged(first, second).outside_extra == 8 * MiB
+
+
+class _Overshooting(_Allocated):
+    """A CUDA-like probe whose step peaks the test sets."""
+
+    cuda = True
+
+    def __init__(self, probe, peak):
+        super().__init__(probe, 0)
+        self.peak_bytes = peak
+
+    def peak(self):
+        return self.peak_bytes
+
+
+def test_controller_an_overshoot_widens_the_margin_of_its_own_copy_window_only():
+    c, _ = _controller(1 << 40)
+    keep = c.plan
+    c.budget = keep.peak - 1  # keeping everything no longer fits
+    c._choose()
+    ran = c.plan
+    window = (ran.max_inflight, ran.prefetch)
+    c.probe = _Overshooting(c.probe, c.budget + 10 * MiB)
+    c._backward_ended()
+    c.probe = c.probe._probe
+    assert c.margins == {window: 10 * MiB + max(MiB, c.budget // 400)}
+    assert c.stats()["margins"] == {f"{window[0]}/{window[1]}": c.margins[window]}
+    assert _key(c.plan) != _key(ran)  # measured over the budget: another plan runs

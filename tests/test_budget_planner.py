@@ -93,3 +93,16 @@ def test_planner_reaches_below_recomputing_everything_by_reloading_the_first_gro
     least = min(candidates(p), key=lambda plan: plan.peak)
     assert least.peak < everything_recomputed
     assert least.groups[0].action == "offload"
+
+
+def test_simulate_counts_a_full_window_of_copies_in_flight_however_fast_the_bus():
+    """A copy may run late (a plan's first step pins host memory): memory is modelled for
+    the last max_inflight groups still holding their sources, time for the modelled bus."""
+    g = GroupProfile("g", spans=(100,), kept=0, inputs=None, forward_s=1.0, backward_s=1.0)
+    p = Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=1e12, h2d_bps=1e12)
+    offload = (GroupPlan("offload"),) * 4
+    for window, in_flight in ((0, 0), (1, 100), (2, 200)):
+        trace: list = []
+        simulate(p, offload, window, 0, trace)
+        assert dict(trace)["forward 3"] == in_flight + 100  # plus what group 3 saves
+        assert dict(trace)["loss"] == in_flight  # the window now ends with group 3

@@ -14,9 +14,10 @@ the first group opened after a backward pass began.
   would save, and the most memory its forward, its backward and its recomputation in
   backward allocate beyond them.
 - **Planning**: among the planner's candidates, the fastest whose peak fits: measured for
-  a plan that ran, modelled (plus a margin) for the others.
+  a plan that ran, modelled (plus its copy window's margin) for the others.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
-  widens the margin by as much. Each plan's steps are timed; while the model rates an
+  widens the margin of that plan's copy window (``max_inflight``, ``prefetch``) by as
+  much. Each plan's steps are timed; while the model rates an
   untried plan faster than the fastest measured, a few more are tried, and a plan that
   moved bytes slower than modelled slows the modelled bus.
 """
@@ -98,7 +99,10 @@ class BudgetController:
     def __init__(self, budget: int, device: torch.device):
         self.budget = budget
         self.probe = Probe(device)
-        self.margin = 0
+        # (max_inflight, prefetch) -> bytes the model's peaks are raised by: where it erred is
+        # the copy window's modelling (copies in flight, reloads ahead), so an overshoot widens
+        # the margin of its own window only
+        self.margins: dict[tuple[int, int], int] = {}
         self.profile: Profile | None = None
         self.plans: list[Plan] = []
         self.plan: Plan | None = None
@@ -336,17 +340,25 @@ class BudgetController:
         assert self.profile is not None
         base = self.profile.base
 
-        def judged(margin: int) -> list[Plan]:
+        def judged(with_margins: bool) -> list[Plan]:
             return [replace(p, peak=self._measured[_key(p)] + base) if _key(p) in self._measured
-                    else replace(p, peak=p.peak + margin) for p in self.plans]
+                    else replace(p, peak=p.peak + (self._margin(p) if with_margins else 0)) for p in self.plans]
 
-        choose(self.profile, self.budget, judged(0))  # raises if the budget is out of reach
-        fitting = [p for p in judged(self.margin) if p.peak <= self.budget]
+        choose(self.profile, self.budget, judged(False))  # raises if the budget is out of reach
+        fitting = [p for p in judged(True) if p.peak <= self.budget]
         if not fitting:
-            chosen = min(judged(self.margin), key=lambda p: (p.peak, p.step_s))
+            chosen = min(judged(True), key=lambda p: (p.peak, p.step_s))
         else:
             chosen = self._fastest(fitting)
         self.plan = next(p for p in self.plans if _key(p) == _key(chosen))
+
+    def _margin(self, plan: Plan) -> int:
+        return self.margins.get((plan.max_inflight, plan.prefetch), 0)
+
+    @property
+    def margin(self) -> int:
+        """The margin of the running plan's copy window."""
+        return self._margin(self.plan) if self.plan is not None else 0
 
     def _fastest(self, fitting: list[Plan]) -> Plan:
         """Among plans that fit: the fastest measured one, unless the model promises a faster
@@ -432,7 +444,9 @@ class BudgetController:
             self._untimed = (key, self._step_start, now)
         self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
         if self.measured_peak > self.budget:
-            self.margin += self.measured_peak - self.budget + max(1 << 20, self.budget // 400)
+            window = (self.plan.max_inflight, self.plan.prefetch)
+            self.margins[window] = (self.margins.get(window, 0) + self.measured_peak - self.budget
+                                    + max(1 << 20, self.budget // 400))
             self._choose()
 
     # ------------------------------------------------------------------ reporting
@@ -469,6 +483,7 @@ class BudgetController:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"memory_budget": self.budget, "margin": self.margin,
+                               "margins": {f"{w}/{pf}": m for (w, pf), m in self.margins.items()},
                                "state": "profiling" if self._profiling is not None or self.plan is None else "planned"}
         if self.plan is not None and self.profile is not None:
             out.update(groups=self.plan.describe(self.profile), max_inflight=self.plan.max_inflight,

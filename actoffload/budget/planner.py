@@ -147,8 +147,9 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     """Modelled ``(peak bytes, step seconds)`` of ``groups`` with this window and prefetch.
 
     Memory, checked at each group's forward and backward: ``base``, what the earlier
-    groups left resident, copy sources still in flight, what backward has reloaded ahead,
-    gradients so far, and the group's own activations and measured extra (temporaries).
+    groups left resident, copy sources in flight (the last ``max_inflight`` groups moved:
+    a copy may run late), what backward has reloaded ahead, gradients so far, and the
+    group's own activations and measured extra (temporaries).
     Time: the forward runs group after group; a group's copy out starts when it is done and
     the copy stream is free; compute waits for the oldest copy once more than
     ``max_inflight`` groups hold their sources. Groups still copying out when backward
@@ -165,8 +166,11 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     s = _Streams()
     peak = profile.base
     held = 0  # bytes the groups done so far keep on the device
+    # Memory counts the worst case of the window: a copy that runs late (the first step of a
+    # plan pins host memory) leaves the last max_inflight groups holding their sources.
+    window: list[int] = []
     for i, g in enumerate(gs):
-        in_flight = sum(moved[j] for j, _ in s.inflight)
+        in_flight = sum(moved[j] for j in window)
         # forward_extra was measured recomputed, where what the group saves was temporary:
         # saving it keeps those bytes (at least) alive until the group ends
         saves = 0 if recompute[i] else g.offloadable + g.kept
@@ -179,18 +183,21 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         if moved[i]:
             s.d2h = max(s.compute, s.d2h) + moved[i] / profile.d2h_bps
             s.inflight.append((i, s.d2h))
+            window = (window + [i])[-max_inflight:] if max_inflight else []
         s.inflight = [(j, e) for j, e in s.inflight if e > s.compute]  # done: sources freed
         while len(s.inflight) > max_inflight:
             _, end = s.inflight.pop(0)
             s.compute = max(s.compute, end)  # compute waits for the oldest copy
-    in_flight = sum(moved[j] for j, _ in s.inflight)
+    in_flight = sum(moved[j] for j in window)
     at = profile.base + held + in_flight + profile.outside_extra
     peak = max(peak, at)
     if trace is not None:
         trace.append(("loss", at))
     s.compute += profile.outside_s
-    in_place = {j for j, _ in s.inflight}  # their sources still live: used in place, not reloaded
-    for j in in_place:
+    # sources still live when backward begins are used in place, not reloaded: for time, those
+    # the model has still copying; for memory, the whole window (held until their backward)
+    in_place = {j for j, _ in s.inflight}
+    for j in window:
         resident[j] += moved[j]
         held += moved[j]
     peak = max(peak, profile.base + held)
@@ -205,7 +212,7 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
                     s.h2d = max(s.compute, s.h2d) + moved[j] / profile.h2d_bps
                 ready[j] = s.h2d if moved[j] and j not in in_place else 0.0
         held -= resident[i]
-        ahead = sum(moved[j] for j in range(max(0, i - prefetch), i) if j in ready and j not in in_place)
+        ahead = sum(moved[j] for j in range(max(0, i - prefetch), i) if j in ready and j not in window)
         # its activations are all back (reloaded or recomputed) while its backward runs
         at = (profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
               + (g.recompute_extra if recompute[i] else 0))
