@@ -126,13 +126,13 @@ def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_model
 def test_controller_two_profiling_steps_merge_to_the_faster_time_and_the_larger_memory():
     """The first profiling step also pins host memory: its times run long, its peaks do not lie."""
     g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=3e-3, backward_s=2e-3,
-                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB)
+                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB, recompute_s=5e-4)
     h = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=4e-3,
-                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB)
+                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB, recompute_s=7e-4)
     first = Profile((g,), base=100 * MiB, outside_s=2e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
     second = Profile((h,), base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=4 * MiB)
     m = _merged(first, second).groups[0]
-    assert (m.forward_s, m.backward_s) == (1e-3, 2e-3)
+    assert (m.forward_s, m.backward_s, m.recompute_s) == (1e-3, 2e-3, 5e-4)
     assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
     assert _merged(first, second).outside_s == 1e-3 and _merged(first, second).outside_extra == 8 * MiB
 

@@ -2,6 +2,7 @@
 on many random profiles (CPU only; the planner never touches a device)."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -106,3 +107,15 @@ def test_simulate_counts_a_full_window_of_copies_in_flight_however_fast_the_bus(
         simulate(p, offload, window, 0, trace)
         assert dict(trace)["forward 3"] == in_flight + 100  # plus what group 3 saves
         assert dict(trace)["loss"] == in_flight  # the window now ends with group 3
+
+
+def test_simulate_charges_recomputation_its_measured_time():
+    """Checkpointing stops recomputing once the last saved tensor is back: a measured
+    recomputation shorter than the forward is what a recomputed group's backward adds."""
+    g = GroupProfile("g", spans=(100,), kept=0, inputs=10, forward_s=4.0, backward_s=2.0)
+    p = Profile((g,), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    recompute = (GroupPlan("recompute"),)
+    assert simulate(p, recompute, 0, 0)[1] == 4.0 + 2.0 + 4.0  # unmeasured: its forward again
+    measured = Profile((replace(g, recompute_s=1.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    assert simulate(measured, recompute, 0, 0)[1] == 4.0 + 2.0 + 1.5
+    assert simulate(measured, (GroupPlan(),), 0, 0)[1] == 4.0 + 2.0  # kept: no recomputation

@@ -10,7 +10,8 @@ the first group opened after a backward pass began.
   its inputs moved out, every other group moved out whole, copies synchronous
   (``max_inflight=0``, ``prefetch=0``). Meanwhile it measures each group's compute time
   (the faster of the two steps: the first also pins host memory and grows the
-  allocator's pools; a recomputed group's forward timed again in backward), the bytes it
+  allocator's pools) and its recomputation in backward (which stops once the last saved
+  tensor is back, so it costs less than the forward), the bytes it
   would save, and the most memory its forward, its backward and its recomputation in
   backward allocate beyond them.
 - **Planning**: among the planner's candidates, the fastest whose peak fits: measured for
@@ -77,9 +78,14 @@ def _same_workload(a: Profile, b: Profile) -> bool:
         (x.spans, x.kept, x.inputs) == (y.spans, y.kept, y.inputs) for x, y in zip(a.groups, b.groups))
 
 
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _merged(a: Profile, b: Profile) -> Profile:
     """Two profiling steps of one workload: the faster time and the larger memory of each."""
     groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
+                           recompute_s=_least(x.recompute_s, y.recompute_s),
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra))
@@ -301,13 +307,10 @@ class BudgetController:
         touches = [m.touched for m in step.groups]
         for i, m in enumerate(step.groups):
             fwd = self.probe.seconds(m.start, m.end)
+            measured_recompute = None
             if m.recompute_start is not None and m.recompute_end is not None:
-                # Its forward again, in backward: the first forward of a first step also waits
-                # for the host (pinning memory, copying out synchronously), its recomputation not.
-                recompute = self.probe.seconds(m.recompute_start, m.recompute_end)
-                fwd = min(fwd, recompute)
-            else:
-                recompute = fwd if m.recomputed else 0.0
+                measured_recompute = self.probe.seconds(m.recompute_start, m.recompute_end)
+            recompute = measured_recompute if measured_recompute is not None else (fwd if m.recomputed else 0.0)
             after = touches[i - 1] if i > 0 and touches[i - 1] is not None else (step.backward_end or end)
             bwd = self.probe.seconds(m.touched, after) if m.touched is not None else 2 * fwd
             bwd -= m.moved / h2d + recompute  # its reload and its recompute
@@ -316,7 +319,8 @@ class BudgetController:
             backward_extra = m.backward_peak - (step.base + held + saves)
             groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
                                        max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0),
-                                       recompute_extra=max(m.recompute_peak - m.backward_peak, 0)))
+                                       recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
+                                       recompute_s=measured_recompute))
             held += 0 if m.recomputed else m.kept
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:

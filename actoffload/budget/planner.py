@@ -43,7 +43,8 @@ class GroupProfile:
     model counts (temporaries, gradients of activations); ``recompute_extra``: how much
     higher memory goes while backward runs its forward again (recomputed plans only: a
     group moved out and reloaded skips that peak); ``grads``: bytes of parameter gradients
-    its backward allocates.
+    its backward allocates; ``recompute_s``: how long backward took to run its forward again
+    (less than ``forward_s``: checkpointing stops once the last saved tensor is back).
     """
 
     name: str
@@ -56,6 +57,12 @@ class GroupProfile:
     backward_extra: int = 0
     grads: int = 0
     recompute_extra: int = 0
+    recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds backward spends running its forward again (its forward's, if not measured)."""
+        return self.forward_s if self.recompute_s is None else self.recompute_s
 
     @cached_property  # read in every simulation step: summed once
     def offloadable(self) -> int:
@@ -155,7 +162,7 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     ``max_inflight`` groups hold their sources. Groups still copying out when backward
     begins are used in place. In backward a group's reload starts when backward reaches
     it or the group ``prefetch`` later, and its backward starts once the reload is done;
-    recomputing adds the group's forward to its backward. ``trace`` collects the modelled
+    recomputing adds the group's recomputation to its backward. ``trace`` collects the modelled
     bytes at each checkpoint: ``("forward 3", bytes)``, ``("loss", bytes)``, ...
     """
     gs = profile.groups
@@ -220,7 +227,7 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
         if trace is not None:
             trace.append((f"backward {i}", at))
         s.compute = max(s.compute, ready[i])
-        s.compute += g.backward_s + (g.forward_s if recompute[i] else 0.0)
+        s.compute += g.backward_s + (g.recompute_time if recompute[i] else 0.0)
         grads += g.grads
     return peak, s.compute
 

@@ -267,7 +267,7 @@ def sweep(device: torch.device, small: bool, log=print, done=lambda results: Non
           only: set[str] | None = None, skip: set[str] = frozenset()) -> list[dict[str, Any]]:
     """Every workload in turn; ``done(results so far)`` after each (to save partial results).
     A workload that fails is reported with its error and the sweep goes on."""
-    steps, warmup = (2, 1) if small else (6, 2)
+    steps, warmup = (2, 1) if small else (8, 2)
     _compile_kernels(device)
     out: list[dict[str, Any]] = []
     for build in workloads(device, small):
