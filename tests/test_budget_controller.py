@@ -163,3 +163,25 @@ def test_controller_an_overshoot_widens_the_margin_of_its_own_copy_window_only()
     assert c.margins == {window: 10 * MiB + max(MiB, c.budget // 400)}
     assert c.stats()["margins"] == {f"{window[0]}/{window[1]}": c.margins[window]}
     assert _key(c.plan) != _key(ran)  # measured over the budget: another plan runs
+
+
+def test_controller_a_step_faster_than_modelled_shrinks_the_modelled_compute():
+    """In a step that waits on the host, profiling's own work inflates the compute times."""
+    c, least = _controller(1 << 40)
+    c._profiled = least.groups
+    keep = c.plan
+    c._runs[_key(keep)] = 2
+    c._untimed = (_key(keep), 0.0, 0.5 * keep.step_s)  # CPU marks: host seconds
+    c._time_last_step()
+    again = next(p for p in c.plans if _key(p) == _key(keep))
+    assert abs(again.step_s - 0.5 * keep.step_s) < 0.01 * keep.step_s  # the model now agrees
+    assert c.profile.d2h_bps == 20e9  # the bus is left alone
+
+
+def test_planner_plans_that_move_nothing_have_one_copy_window():
+    """A window of copies matters only to a plan that moves bytes: the same groups under
+    another window are the same plan (tried, measured and given a margin once)."""
+    c, _ = _controller(1 << 40)
+    for p in c.plans:
+        if not any(g.action in ("offload", "recompute_offload") for g in p.groups):
+            assert (p.max_inflight, p.prefetch) == (0, 0)

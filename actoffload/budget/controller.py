@@ -19,8 +19,9 @@ the first group opened after a backward pass began.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
   widens the margin of that plan's copy window (``max_inflight``, ``prefetch``) by as
   much. Each plan's steps are timed; while the model rates an
-  untried plan faster than the fastest measured, a few more are tried, and a plan that
-  moved bytes slower than modelled slows the modelled bus.
+  untried plan faster than the fastest measured, a few more are tried. A plan that moved
+  bytes slower than modelled slows the modelled bus; one faster than modelled shrinks the
+  modelled compute.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: it
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
 TIMINGS = 2  # timed steps that measure a plan (after its first, which pins host memory)
-CALIBRATIONS = 3  # times the bus may be re-measured from a step that moved bytes
-CALIBRATION_SLACK = 0.05  # a step this much slower than modelled is noise, not a slower bus
+CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
+CALIBRATION_SLACK = 0.05  # a step this much off the model is noise
 
 
 @dataclass
@@ -401,27 +402,41 @@ class BudgetController:
         seconds = self.probe.seconds(start, end)
         self._times.setdefault(key, []).append(seconds)
         if first and self.profile is not None:
-            self._calibrate_bus(next(p for p in self.plans if _key(p) == key), seconds)
+            self._calibrate(next(p for p in self.plans if _key(p) == key), seconds)
             self._choose()
 
-    def _calibrate_bus(self, plan: Plan, seconds: float) -> None:
-        """A plan that moves bytes ran slower than modelled: what moving costs beyond the copies
-        (hooks, packing, contention with compute) shows as a slower bus. Find the bandwidth at
-        which the model gives the measured time, and plan again with it (a few times at most)."""
+    def _calibrate(self, plan: Plan, seconds: float) -> None:
+        """Make the model agree with a plan's first measured time, and plan again (a few times
+        at most). Slower than modelled while moving bytes: what moving costs beyond the
+        copies (hooks, packing, contention with compute) shows as a slower bus. Faster than
+        modelled: the profile's compute times ran long (in a step that waits on the host,
+        profiling's own host work shows between kernels), so they shrink."""
         assert self.profile is not None
         profile = self.profile
-        if (self._calibrated >= CALIBRATIONS or seconds <= plan.step_s * (1 + CALIBRATION_SLACK)
-                or not any(p.moved(g) for p, g in zip(plan.groups, profile.groups))):
+        moves = any(p.moved(g) for p, g in zip(plan.groups, profile.groups))
+        if self._calibrated >= CALIBRATIONS:
             return
-        lo, hi = 1e-3, 1.0  # a factor on both bandwidths: the model's time falls as it grows
+        bus = seconds > plan.step_s * (1 + CALIBRATION_SLACK) and moves
+        if bus:
+            def scaled(f: float) -> Profile:  # a factor on both bandwidths
+                return replace(profile, d2h_bps=profile.d2h_bps * f, h2d_bps=profile.h2d_bps * f)
+        elif seconds < plan.step_s * (1 - CALIBRATION_SLACK):
+            def scaled(f: float) -> Profile:  # a factor on every compute time
+                return replace(profile, outside_s=profile.outside_s * f, groups=tuple(
+                    replace(g, forward_s=g.forward_s * f, backward_s=g.backward_s * f,
+                            recompute_s=None if g.recompute_s is None else g.recompute_s * f)
+                    for g in profile.groups))
+        else:
+            return
+        # bus: the model's time falls as the factor grows; compute: it grows with the factor
+        lo, hi = 1e-3, 1.0
         for _ in range(20):
             mid = (lo + hi) / 2
-            slower = replace(profile, d2h_bps=profile.d2h_bps * mid, h2d_bps=profile.h2d_bps * mid)
-            if simulate(slower, plan.groups, plan.max_inflight, plan.prefetch)[1] > seconds:
+            if (simulate(scaled(mid), plan.groups, plan.max_inflight, plan.prefetch)[1] > seconds) == bus:
                 lo = mid
             else:
                 hi = mid
-        self.profile = replace(profile, d2h_bps=profile.d2h_bps * hi, h2d_bps=profile.h2d_bps * hi)
+        self.profile = scaled(hi if bus else lo)
         self._calibrated += 1
         self._plan_all()
 

@@ -233,6 +233,8 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
 
 
 def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
+    if not any(p.moved(g) for p, g in zip(groups, profile.groups)):
+        w = pf = 0  # nothing crosses the bus: one plan, whatever the copy window
     peak, step = simulate(profile, groups, w, pf)
     return Plan(groups, w, pf, peak, step)
 
