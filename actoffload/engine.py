@@ -276,6 +276,7 @@ class Engine(Generic[GroupT, MovedT]):
             raise
         needed: list[Moved] = list(moved)
         uses = [len(span.members) for span in plan.spans]
+        saved_at = [min(span.members) for span in plan.spans]
         for span, m in zip(plan.spans, moved):
             self._let_go(group, span, m)
             m.guard = group.saved[span.members[0]].guard
@@ -288,7 +289,8 @@ class Engine(Generic[GroupT, MovedT]):
             self._let_go(group, span, earlier)
             needed.append(earlier)
             uses.append(len(span.members))
-        group.moved, group.uses = needed, uses
+            saved_at.append(min(span.members))
+        group.moved, group.uses, group.saved_at = needed, uses, saved_at
         group.state = GroupState.COMMITTED
         group.saved = []  # decided: each buffer now lives exactly as long as its handle
         self._report_commit(group)

@@ -103,6 +103,7 @@ class Group:
         # and how many of its buffers each one serves
         self.moved: list[Moved] = []
         self.uses: list[int] = []
+        self.saved_at: list[int] = []  # each span's first save in the group (forward order)
         self.summary: dict[str, Any] = {"saved": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": {}}
         self.opened_after = 0  # groups of the same offloader opened since this one
         self.prev: weakref.ref[Group] | None = weakref.ref(prev) if prev is not None else None

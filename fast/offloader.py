@@ -13,13 +13,15 @@ schedule that ties them together:
   stream wait on their event instead (stream-ordered, still no host synchronization).
 - **Backward**: the first unpack of a group starts its reload (or the rest of it, if
   prefetched) and the reload of the next ``prefetch`` groups this backward pass will
-  reach, each in part: the spans its forward saved last (backward needs them first), up
-  to half its bytes, so that reloading ahead holds half a group, not a whole one. Reload
+  reach, each in part: the spans its forward saved last (backward needs them first),
+  whole spans until half its bytes, and its packed small spans, so that reloading ahead
+  holds about half a group, not a whole one. Reload
   buffers are allocated on the compute stream (so its allocator reuses them when
   backward frees them); the reload stream first waits for that allocation point and for
   the span's offload copy. Every restored tensor makes the consuming stream wait on the
-  reload's event: a reload is never used before it completes. Spans whose copy out is
-  still in flight are used in place instead (no bus, no wait).
+  reload's event: a reload is never used before it completes. Large spans whose copy out
+  is still in flight are used in place instead (no bus, no wait); packed ones were let go
+  once packed and come back from the host.
 - **Lifetime**: a commit's pool blocks go back to the pool when nothing uses its spans
   any more (its group, and any later group that shares a span, are freed); a block's
   fence (its last reload) orders its next reuse. A reload is held strongly until each
@@ -88,15 +90,15 @@ class FastMoved(Moved):
         self.uses_left = 0
 
 
-def _first_needed(spans: list[FastMoved], share: float) -> tuple[list[FastMoved], list[FastMoved]]:
-    """Split a group's spans (in the order its forward saved them) into those to reload ahead,
-    the last saved up to ``share`` of the bytes plus every packed one (one copy brings them
-    all), and the rest."""
+def _first_needed(spans: list[FastMoved], saved_at: list[int], share: float) -> tuple[list[FastMoved], list[FastMoved]]:
+    """Split a group's spans into those to reload ahead and the rest: the last saved in
+    forward (``saved_at``: each one's first save; backward needs them first), whole spans
+    until ``share`` of the bytes is reached, and every packed one (one copy brings them all)."""
     total = sum(m.nbytes for m in spans)
     first: list[FastMoved] = []
     rest: list[FastMoved] = []
     taken = 0
-    for m in reversed(spans):
+    for _, m in sorted(zip(saved_at, spans), key=lambda pair: -pair[0]):
         if m.packed_offset is not None or taken < share * total:
             first.append(m)
             taken += m.nbytes
@@ -113,7 +115,8 @@ class FastGroup(Group):
         super().__init__(name, prev, first_seq)
         self.reached = False  # its backward began (first unpack seen)
         self.reloading = False  # its reload was enqueued (or its sources used in place)
-        self.reload_rest = False  # prefetched in part: the rest comes back when backward reaches it
+        # prefetched in part: the spans (and their uses) that come back when backward reaches it
+        self.reload_rest: list[tuple[FastMoved, int]] = []
         self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
         self.would_save: list[SavedFact] = []  # under checkpoint while profiling
         # storage key -> (weak reference, key its facts get): checkpoint frees what the
@@ -150,14 +153,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       with it, 0.62 s without).
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
       device memory a training step may allocate, everything included (parameters,
-      gradients, optimizer state, the offloader's own buffers). The first step profiles
-      (the least-memory plan: every wrapped module recomputed with its inputs moved out,
-      every other group moved out, copies synchronous); from the second on, each group
+      gradients, optimizer state, the offloader's own buffers). The first two steps
+      profile (the least-memory plan: every wrapped module recomputed with its inputs
+      moved out, every other group moved out, copies synchronous); from the third on, each group
       keeps, offloads (all or its largest spans) or recomputes (modules given to
       ``ao.wrap``, under activation checkpointing) as the fastest plan that fits says, and
       ``max_inflight``/``prefetch`` are the plan's; ``keep_last`` does not apply. A new
       workload (another sequence length) profiles again; a step over the budget makes the
-      next plan leave that much more room. ``stats()["plan"]`` shows the plan, its
+      next plan with the same copy window leave that much more room. ``stats()["plan"]`` shows the plan, its
       predicted peak and time, and the last step's measured ones. A budget no plan
       reaches raises ``ValueError`` naming the smallest reachable peak.
 
@@ -386,9 +389,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if self._budget is not None:
             self._budget.backward_reaches(group.position)
         self._reap()  # first free what finished copies no longer need, then allocate reloads
-        if not self._start_reload(group) and group.reload_rest:
-            group.reload_rest = False
-            self._reload(group)
+        if not self._start_reload(group):
+            with self._lock:
+                rest, group.reload_rest = group.reload_rest, []
+            if rest:
+                for m, uses in rest:
+                    if m.dev is not None:  # brought back meanwhile for another group: more uses come
+                        m.uses_left += uses
+                self._reload(group)
         for ahead in self._upcoming(group, self._copy_window()[1]):
             if self._start_reload(ahead, PREFETCH_SHARE):
                 self.counters["prefetched_groups"] += 1
@@ -421,25 +429,33 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for m, uses in zip(group.moved, group.uses):
             if isinstance(m, FastMoved) and m.dev is not None:
                 m.uses_left += uses  # held (in place, or reloaded for another group): more uses come
-        group.reload_rest = self._reload(group, share)
+        rest = self._reload(group, share)
+        with self._lock:
+            group.reload_rest = rest
         return True
 
-    def _reload(self, group: FastGroup, share: float = 1.0) -> bool:
+    def _reload(self, group: FastGroup, share: float = 1.0) -> list[tuple[FastMoved, int]]:
         """Enqueue the reload of every span of ``group`` that is neither held nor still alive,
         to be held until each of the group's buffers it serves was unpacked once; with
-        ``share`` < 1, only the spans saved last (backward needs them first) up to that share
-        of the bytes, and the packed ones. True if some were left for later."""
+        ``share`` < 1, only those backward needs first (:func:`_first_needed`). Returns the
+        spans left for later, with their uses."""
         need: list[FastMoved] = []
-        for m, uses in zip(group.moved, group.uses):
+        saved_at: list[int] = []
+        uses_of: dict[int, int] = {}
+        for m, uses, at in zip(group.moved, group.uses, group.saved_at):
             assert isinstance(m, FastMoved)
             if m.dev is None and (m.weak is None or m.weak.get(self.device) is None):
                 need.append(m)
-                m.uses_left = uses
+                saved_at.append(at)
+                uses_of[id(m)] = uses
         later: list[FastMoved] = []
         if share < 1.0:
-            need, later = _first_needed(need, share)
+            need, later = _first_needed(need, saved_at, share)
+        for m in need:
+            m.uses_left = uses_of[id(m)]
+        rest = [(m, uses_of[id(m)]) for m in later]
         if not need:
-            return bool(later)
+            return rest
         for m in need:  # on the compute stream: its allocator reuses them after backward
             m.dev = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
         by_copy: dict[int, list[FastMoved]] = {}
@@ -449,7 +465,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for spans in by_copy.values():
             self._reload_from(spans[0].copied, spans, allocated)  # type: ignore[arg-type]
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
-        return bool(later)
+        return rest
 
     def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any) -> None:
         packed = [m for m in need if m.packed_offset is not None]

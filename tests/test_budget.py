@@ -161,3 +161,19 @@ def test_budget_groups_kept_whole_are_left_to_autograd_and_still_notice_a_new_wo
     assert s["offloaded"] == 0 and s["kept"] == {"budget": s["saved"]} and s["saved"] >= 3
     _, plans = _steps(blocks, off, rows=128)  # twice the bytes in every kept group
     assert [p["state"] for p in plans] == ["planned"] + ["profiling"] * PROFILE_STEPS + ["planned"]
+
+
+def test_budget_profiling_ends_though_the_batch_varies_a_little():
+    """Batches a few percent apart are one workload: profiling takes its steps and plans."""
+    blocks = _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 2):
+            x = torch.randn(64 + 2 * (step % 2), D, requires_grad=True)  # 64, 66, 64, ...
+            h = x * 1
+            for b in blocks:
+                h = h + b(h)
+            h.square().sum().backward()
+            for p in blocks.parameters():
+                p.grad = None
+    assert off.stats()["plan"]["state"] == "planned"

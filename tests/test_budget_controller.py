@@ -1,6 +1,8 @@
 """The budget controller's judgement: measured peaks beat the model, and a base that grows
 (optimizer state made after the first step) moves every plan (CPU; the probe is faked)."""
 
+from dataclasses import replace
+
 import torch
 
 from actoffload.budget.controller import TIMINGS, BudgetController, _key, _merged
@@ -185,3 +187,50 @@ def test_planner_plans_that_move_nothing_have_one_copy_window():
     for p in c.plans:
         if not any(g.action in ("offload", "recompute_offload") for g in p.groups):
             assert (p.max_inflight, p.prefetch) == (0, 0)
+
+
+def _run_steps(c: BudgetController, steps: int, slower: float) -> None:
+    """Steps as the offloader drives them: each plan's steps after its first are timed, the
+    measured time ``slower`` times what the model says."""
+    for _ in range(steps):
+        k = _key(c.plan)
+        c._runs[k] = c._runs.get(k, 0) + 1
+        if c._runs[k] >= 2:
+            c._untimed = (k, 0.0, slower * c.plan.step_s)  # CPU marks: host seconds
+            c._time_last_step()
+
+
+def test_controller_keeps_trying_what_the_model_promises_step_by_step():
+    c, least = _controller(1 << 40)
+    c._profiled = least.groups
+    c.budget = c.plan.peak - 1  # keeping everything no longer fits: plans to choose from
+    c._choose()
+    _run_steps(c, 4 * (TIMINGS + 1) * 2, slower=3.0)  # the model always promises too much
+    from actoffload.budget.controller import EXPLORE
+    assert 3 <= len(c._runs) <= EXPLORE + 1
+
+
+def test_controller_profiles_are_merged_only_for_one_workload_on_one_base():
+    from actoffload.budget.controller import _same_workload
+
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+    a = Profile((g,) * 2, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9)
+    assert _same_workload(a, a, MiB)
+    slightly = replace(a, groups=(replace(g, spans=(66 * MiB,)),) * 2)  # a batch 3% larger
+    assert _same_workload(a, slightly, MiB)
+    assert not _same_workload(a, replace(a, groups=(replace(g, spans=(80 * MiB,)),) * 2), MiB)
+    # gradients kept from the first step: in its backward, and in the second's base
+    assert not _same_workload(a, replace(a, base=164 * MiB), MiB)
+
+
+def test_controller_does_not_shrink_compute_past_what_the_bus_allows():
+    """A bus-bound plan faster than modelled says nothing about compute: the model stays."""
+    g = GroupProfile("g", spans=(1 << 30,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+    profile = Profile((g,) * 4, base=100 * MiB, outside_s=1e-3, d2h_bps=1e9, h2d_bps=1e9)
+    c = BudgetController(1 << 40, torch.device("cpu"))
+    c.profile, c._reprofile = profile, False
+    c._profiled = (GroupPlan("offload"),) * 4
+    c._plan_all()
+    mover = Plan((GroupPlan("offload"),) * 4, 0, 0, *simulate(profile, (GroupPlan("offload"),) * 4, 0, 0))
+    c._calibrate(mover, 0.9 * mover.step_s)  # bus time alone is more than that
+    assert c.profile == profile

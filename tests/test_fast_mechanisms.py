@@ -187,3 +187,20 @@ def test_fast_reloads_ahead_only_what_backward_needs_first_and_the_rest_on_arriv
         rest = sum(c[2] for c in calls if c[0] == name and c[1] == 1.0)
         assert 0 < nbytes < total and nbytes + rest == total and nbytes >= share * total
     assert off.counters["h2d_bytes"] == off.stats()["offloaded_bytes"]
+
+
+def test_fast_reloads_ahead_by_forward_order_not_by_the_order_spans_were_planned():
+    """A memory plan lists a group's spans largest first; what backward needs first is what
+    forward saved last, whatever the list's order."""
+    from types import SimpleNamespace
+
+    from actoffload.fast.offloader import _first_needed
+
+    spans = [SimpleNamespace(nbytes=n, packed_offset=None, name=name)
+             for n, name in ((600, "big, saved first"), (400, "saved last"), (200, "saved second"))]
+    saved_at = [0, 9, 4]
+    first, rest = _first_needed(spans, saved_at, 0.5)  # whole spans until 600 of 1200 bytes
+    assert [m.name for m in first] == ["saved last", "saved second"] and [m.name for m in rest] == ["big, saved first"]
+    packed = SimpleNamespace(nbytes=10, packed_offset=0, name="packed, saved first")
+    first, _ = _first_needed(spans + [packed], saved_at + [-1], 0.5)
+    assert "packed, saved first" in [m.name for m in first]  # one copy brings every packed span

@@ -74,9 +74,17 @@ class _Step:
     outside_peak: int = 0
 
 
-def _same_workload(a: Profile, b: Profile) -> bool:
-    return len(a.groups) == len(b.groups) and all(
-        (x.spans, x.kept, x.inputs) == (y.spans, y.kept, y.inputs) for x, y in zip(a.groups, b.groups))
+def _same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
+    """Two profiling steps saw one workload: the same groups saving about the same bytes
+    (within ``WORKLOAD_CHANGE``), on about the same base (gradients kept from the first step
+    would otherwise count in its backward and in the second's base)."""
+    if len(a.groups) != len(b.groups) or abs(a.base - b.base) > base_tolerance:
+        return False
+    for x, y in zip(a.groups, b.groups):
+        then, now = x.offloadable + x.kept, y.offloadable + y.kept
+        if (x.inputs is None) != (y.inputs is None) or abs(now - then) > WORKLOAD_CHANGE * max(then, 1):
+            return False
+    return True
 
 
 def _least(a: float | None, b: float | None) -> float | None:
@@ -141,7 +149,7 @@ class BudgetController:
         else:
             self._time_last_step()
         base = self.probe.allocated()
-        if self.profile is not None and abs(base - self.profile.base) > max(1 << 20, self.budget // 100):
+        if self.profile is not None and abs(base - self.profile.base) > self._base_tolerance():
             # What is allocated when the first group opens changed: gradients kept from the last
             # step (then backward accumulates into them, allocating nothing), optimizer state made
             # after the first. The profile's peaks no longer hold, and shifting them would count
@@ -155,6 +163,10 @@ class BudgetController:
         self._position = 0
         if self._profiling is None and self.plan is not None:
             self._runs[_key(self.plan)] = self._runs.get(_key(self.plan), 0) + 1
+
+    def _base_tolerance(self) -> int:
+        """How much what is allocated when a step begins may move before the profile is stale."""
+        return max(1 << 20, self.budget // 100)
 
     def action(self, recomputable: bool) -> GroupPlan:
         """What the next group of this step does (it is opening)."""
@@ -281,14 +293,15 @@ class BudgetController:
             self._reprofile, self._partial = True, None
             return
         profile = self._profile_of(step, end)
-        if self._partial is not None and _same_workload(self._partial, profile):
-            profile = _merged(self._partial, profile)
-            peak = max(peak, self.profiled_peak or 0)
-            self._partial = None
+        if self._partial is not None:
+            if _same_workload(self._partial, profile, self._base_tolerance()):
+                profile = _merged(self._partial, profile)
+                peak = max(peak, self.profiled_peak or 0)
+            self._partial = None  # otherwise the latest alone: its workload and base hold from now on
         elif PROFILE_STEPS > 1:  # the first of the profiling steps
             self._partial, self.profiled_peak, self._reprofile = profile, peak, True
             return
-        self.profile, self.profiled_peak = profile, peak
+        self.profile, self.profiled_peak, self.margins = profile, peak, {}
         self._profiled = tuple(GroupPlan("recompute_offload" if g.inputs is not None else "offload")
                                for g in profile.groups)
         self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
@@ -401,9 +414,10 @@ class BudgetController:
         first = key not in self._times
         seconds = self.probe.seconds(start, end)
         self._times.setdefault(key, []).append(seconds)
-        if first and self.profile is not None:
-            self._calibrate(next(p for p in self.plans if _key(p) == key), seconds)
-            self._choose()
+        if self.profile is not None:
+            if first:
+                self._calibrate(next(p for p in self.plans if _key(p) == key), seconds)
+            self._choose()  # a plan measured: the model's next promise may run
 
     def _calibrate(self, plan: Plan, seconds: float) -> None:
         """Make the model agree with a plan's first measured time, and plan again (a few times
@@ -428,8 +442,11 @@ class BudgetController:
                     for g in profile.groups))
         else:
             return
-        # bus: the model's time falls as the factor grows; compute: it grows with the factor
-        lo, hi = 1e-3, 1.0
+        # bus: the model's time falls as the factor grows; compute: it grows with the factor,
+        # by at most a half (where halving compute cannot reach the time, the bus bounds it)
+        lo, hi = (1e-3, 1.0) if bus else (0.5, 1.0)
+        if not bus and simulate(scaled(lo), plan.groups, plan.max_inflight, plan.prefetch)[1] > seconds:
+            return
         for _ in range(20):
             mid = (lo + hi) / 2
             if (simulate(scaled(mid), plan.groups, plan.max_inflight, plan.prefetch)[1] > seconds) == bus:
