@@ -90,7 +90,8 @@ class FastMoved(Moved):
         self.uses_left = 0
 
 
-def _first_needed(spans: list[FastMoved], saved_at: list[int], share: float) -> tuple[list[FastMoved], list[FastMoved]]:
+def _first_needed(spans: list[FastMoved], saved_at: list[int],
+                  share: float) -> tuple[list[FastMoved], list[FastMoved]]:
     """Split a group's spans into those to reload ahead and the rest: the last saved in
     forward (``saved_at``: each one's first save; backward needs them first), whole spans
     until ``share`` of the bytes is reached, and every packed one (one copy brings them all)."""
@@ -456,18 +457,21 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         rest = [(m, uses_of[id(m)]) for m in later]
         if not need:
             return rest
-        for m in need:  # on the compute stream: its allocator reuses them after backward
-            m.dev = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+        # on the compute stream: its allocator reuses them after backward
+        dev = {id(m): torch.empty(m.nbytes, dtype=torch.uint8, device=self.device) for m in need}
         by_copy: dict[int, list[FastMoved]] = {}
         for m in need:
             by_copy.setdefault(id(m.copied), []).append(m)
         allocated = self._streams.record()
         for spans in by_copy.values():
-            self._reload_from(spans[0].copied, spans, allocated)  # type: ignore[arg-type]
+            self._reload_from(spans[0].copied, spans, allocated, dev)  # type: ignore[arg-type]
+        for m in need:  # published after its ready event: whoever sees the reload waits for it
+            m.dev = dev[id(m)]
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
         return rest
 
-    def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any) -> None:
+    def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any,
+                     dev: dict[int, torch.Tensor]) -> None:
         packed = [m for m in need if m.packed_offset is not None]
         large = [m for m in need if m.packed_offset is None]
         if 2 * sum(m.nbytes for m in packed) < rec.packed_total:
@@ -475,7 +479,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             large, packed = large + packed, []
         table = None
         if packed:  # host work first, off the copy stream's timeline
-            table = self._packer.prepare([m.dev for m in packed],  # type: ignore[misc]
+            table = self._packer.prepare([dev[id(m)] for m in packed],
                                          [m.packed_offset for m in packed],  # type: ignore[misc]
                                          rec.packed_total)
         with self._streams.on_h2d(allocated, rec.done):
@@ -485,7 +489,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
                 self._packer.unpack(table, stage)
             for m in large:
-                m.dev.copy_(m.host, non_blocking=True)  # type: ignore[union-attr,arg-type]
+                dev[id(m)].copy_(m.host, non_blocking=True)  # type: ignore[arg-type]
             self._report_copy("h2d", sum(m.nbytes for m in need), start)
         ready = self._streams.record(self._streams.h2d)
         for b in rec.blocks:

@@ -381,8 +381,8 @@ class BudgetController:
     def _fastest(self, fitting: list[Plan]) -> Plan:
         """Among plans that fit: the fastest measured one, unless the model promises a faster
         one not yet measured and fewer than ``EXPLORE`` others were tried (each runs
-        ``TIMINGS`` + 1 steps: its first pins host memory). The model misses costs it cannot see (hooks,
-        packing, contention); measuring what it promises finds them."""
+        ``TIMINGS`` + 1 steps: its first pins host memory). The model misses costs it
+        cannot see (hooks, packing, contention); measuring what it promises finds them."""
         assert self.profile is not None
         profile = self.profile
         by_model = sorted(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
