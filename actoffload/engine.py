@@ -185,7 +185,8 @@ class Engine(Generic[GroupT, MovedT]):
         """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
         forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
         on the way (what the group would have saved, for a memory plan's profile)."""
-        return _SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)), self._recomputing(group)
+        return (_SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)),
+                _EachTime(lambda: self._recomputing(group)))
 
     @contextlib.contextmanager
     def _recomputing(self, group: GroupT) -> Iterator[None]:
@@ -527,6 +528,23 @@ class _SeeingSaves:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+class _EachTime:
+    """A context made anew at every entry: checkpoint enters its recomputation context once
+    per recomputation, and a graph kept for a second backward recomputes again."""
+
+    def __init__(self, make: Any):
+        self._make = make
+        self._entered: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self._make()
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.pop().__exit__(*exc)
 
 
 def _nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list[Any]:

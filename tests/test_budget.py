@@ -177,3 +177,45 @@ def test_budget_profiling_ends_though_the_batch_varies_a_little():
             for p in blocks.parameters():
                 p.grad = None
     assert off.stats()["plan"]["state"] == "planned"
+
+
+def test_budget_a_step_with_more_groups_than_profiled_runs_and_profiles_again():
+    """A module called once more, or an evaluation forward before the next backward: the
+    extra groups move all they can, and the next steps profile the new workload."""
+    blocks = _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for calls in [[0, 1, 2, 3]] * (PROFILE_STEPS + 1) + [[0, 1, 2, 3, 3]]:
+            x = torch.randn(64, D, requires_grad=True)
+            h = x * 1
+            for i in calls:
+                h = h + blocks[i](h)
+            h.square().sum().backward()
+    assert off._budget._reprofile
+
+
+def test_budget_a_graph_kept_for_a_second_backward_recomputes_again():
+    blocks = _blocks()
+    expected, _ = _steps(blocks, None, steps=1)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(blocks, off):  # profiling: every block recomputed
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        h = x * 1
+        for b in blocks:
+            h = h + b(h)
+        loss = h.square().sum()
+        loss.backward(retain_graph=True)
+        first = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+        for t in [x, *blocks.parameters()]:
+            t.grad = None
+        loss.backward()
+        second = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    assert_bitwise(first, expected[0])
+    assert_bitwise(second, expected[0])
+
+
+def test_budget_too_small_says_so_at_every_step():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes"):
+            _steps(_blocks(), off, steps=PROFILE_STEPS + 1)

@@ -158,6 +158,8 @@ class BudgetController:
         if self._reprofile:
             self._profiling = _Step(start=self.probe.mark(), base=base)
             self._reprofile = False
+        if self._profiling is None and self.plan is None and self.profile is not None:
+            self._choose()  # no plan fitted the budget: say so again, as clearly
         self.probe.reset_peak()
         self._step_start = now
         self._position = 0
@@ -195,7 +197,8 @@ class BudgetController:
         """Bytes the plan lets the group at ``position`` move (``None``: all it can)."""
         if action.action in ("recompute", "keep"):
             return 0
-        if action.action == "recompute_offload" or self._profiling is not None or self.profile is None:
+        if (action.action == "recompute_offload" or self._profiling is not None or self.profile is None
+                or position >= len(self.profile.groups)):  # more groups than profiled: all it can
             return None
         return action.moved(self.profile.groups[position])
 
