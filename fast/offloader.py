@@ -37,7 +37,7 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -106,6 +106,13 @@ def _first_needed(spans: list[FastMoved], saved_at: list[int],
         else:
             rest.append(m)
     return first, rest
+
+
+def _add_held_uses(spans: Iterable[tuple[Moved, int]]) -> None:
+    """Spans already back on the device (held for other uses) are held for these uses too."""
+    for m, uses in spans:
+        if isinstance(m, FastMoved) and m.dev is not None:
+            m.uses_left += uses
 
 
 class FastGroup(Group):
@@ -394,9 +401,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             with self._lock:
                 rest, group.reload_rest = group.reload_rest, []
             if rest:
-                for m, uses in rest:
-                    if m.dev is not None:  # brought back meanwhile for another group: more uses come
-                        m.uses_left += uses
+                _add_held_uses(rest)  # brought back meanwhile for another group
                 self._reload(group)
         for ahead in self._upcoming(group, self._copy_window()[1]):
             if self._start_reload(ahead, PREFETCH_SHARE):
@@ -427,9 +432,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                     self._inflight.remove(entry)
                     self._release_sources(entry)
             self.counters["reused_in_flight_groups"] += 1
-        for m, uses in zip(group.moved, group.uses):
-            if isinstance(m, FastMoved) and m.dev is not None:
-                m.uses_left += uses  # held (in place, or reloaded for another group): more uses come
+        _add_held_uses(zip(group.moved, group.uses))  # in place, or reloaded for another group
         rest = self._reload(group, share)
         with self._lock:
             group.reload_rest = rest

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from .. import compat, policy
-from .planner import BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose, simulate
+from .planner import (BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose, moves_bytes,
+                      simulate)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
@@ -74,6 +75,11 @@ class _Step:
     outside_peak: int = 0
 
 
+def _new_workload(now: int, then: int) -> bool:
+    """Bytes saved now against then: more than ``WORKLOAD_CHANGE`` apart is another workload."""
+    return abs(now - then) > WORKLOAD_CHANGE * max(then, 1)
+
+
 def _same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
     """Two profiling steps saw one workload: the same groups saving about the same bytes
     (within ``WORKLOAD_CHANGE``), on about the same base (gradients kept from the first step
@@ -81,8 +87,7 @@ def _same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
     if len(a.groups) != len(b.groups) or abs(a.base - b.base) > base_tolerance:
         return False
     for x, y in zip(a.groups, b.groups):
-        then, now = x.offloadable + x.kept, y.offloadable + y.kept
-        if (x.inputs is None) != (y.inputs is None) or abs(now - then) > WORKLOAD_CHANGE * max(then, 1):
+        if (x.inputs is None) != (y.inputs is None) or _new_workload(y.offloadable + y.kept, x.offloadable + x.kept):
             return False
     return True
 
@@ -103,9 +108,14 @@ def _merged(a: Profile, b: Profile) -> Profile:
                    outside_extra=max(a.outside_extra, b.outside_extra))
 
 
+def _window(plan: Plan) -> tuple[int, int]:
+    """A plan's copy window: ``(max_inflight, prefetch)``."""
+    return plan.max_inflight, plan.prefetch
+
+
 def _key(plan: Plan) -> tuple[Any, ...]:
     """A plan's identity: what each group does and the copy window."""
-    return plan.groups, plan.max_inflight, plan.prefetch
+    return (plan.groups, *_window(plan))
 
 
 class BudgetController:
@@ -137,7 +147,7 @@ class BudgetController:
         self._untimed: tuple[Any, Any, Any] | None = None  # (plan, start, end) of a step to time
         self._profiled: tuple[GroupPlan, ...] = ()  # what the profiling step ran
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
-        self._calibrated = 0  # times the bus was re-measured from a step
+        self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
 
     # ------------------------------------------------------------------ a step
@@ -226,13 +236,13 @@ class BudgetController:
             # counted by whole storages, not spans: compared with its own first count
             kept = sum(n for r, n in plan.stayed if r == "budget")
             first = self._kept_first.setdefault(position, kept)
-            if abs(kept - first) > WORKLOAD_CHANGE * max(first, 1):
+            if _new_workload(kept, first):
                 self._reprofile = True
             return
         g = self.profile.groups[position]
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
         then = (g.inputs or 0) if recomputed else g.offloadable
-        if abs(now - then) > WORKLOAD_CHANGE * max(then, 1):
+        if _new_workload(now, then):
             self._reprofile = True
 
     def backward_reaches(self, position: int) -> None:
@@ -277,7 +287,7 @@ class BudgetController:
         """``(max_inflight, prefetch)`` the plan sets, or ``None`` to use the settings."""
         if self._profiling is not None:
             return 0, 0
-        return (self.plan.max_inflight, self.plan.prefetch) if self.plan is not None else None
+        return _window(self.plan) if self.plan is not None else None
 
     @property
     def profiling(self) -> bool:
@@ -374,7 +384,7 @@ class BudgetController:
         self.plan = next(p for p in self.plans if _key(p) == _key(chosen))
 
     def _margin(self, plan: Plan) -> int:
-        return self.margins.get((plan.max_inflight, plan.prefetch), 0)
+        return self.margins.get(_window(plan), 0)
 
     @property
     def margin(self) -> int:
@@ -389,10 +399,10 @@ class BudgetController:
         assert self.profile is not None
         profile = self.profile
         by_model = sorted(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
-        timed = [p for p in fitting if len(self._times.get(_key(p), ())) >= TIMINGS]
+        timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
         for p in by_model:
-            if len(self._times.get(_key(p), ())) >= TIMINGS:
+            if self._timed(p):
                 continue
             if best is not None and p.step_s >= self._time_of(best):
                 break  # the model promises nothing faster than what was measured
@@ -400,6 +410,10 @@ class BudgetController:
                 return p
             break
         return best if best is not None else by_model[0]
+
+    def _timed(self, plan: Plan) -> bool:
+        """Measured: ``TIMINGS`` of its steps were timed."""
+        return len(self._times.get(_key(plan), ())) >= TIMINGS
 
     def _time_of(self, plan: Plan) -> float:
         """A plan's measured step time: the least of its timed steps (noise only adds)."""
@@ -430,7 +444,7 @@ class BudgetController:
         profiling's own host work shows between kernels), so they shrink."""
         assert self.profile is not None
         profile = self.profile
-        moves = any(p.moved(g) for p, g in zip(plan.groups, profile.groups))
+        moves = moves_bytes(profile, plan.groups)
         if self._calibrated >= CALIBRATIONS:
             return
         bus = seconds > plan.step_s * (1 + CALIBRATION_SLACK) and moves
@@ -483,7 +497,7 @@ class BudgetController:
             self._untimed = (key, self._step_start, now)
         self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
         if self.measured_peak > self.budget:
-            window = (self.plan.max_inflight, self.plan.prefetch)
+            window = _window(self.plan)
             self.margins[window] = (self.margins.get(window, 0) + self.measured_peak - self.budget
                                     + max(1 << 20, self.budget // 400))
             self._choose()

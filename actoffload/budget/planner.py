@@ -232,8 +232,13 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     return peak, s.compute
 
 
+def moves_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> bool:
+    """Whether a plan moves any bytes across the bus."""
+    return any(p.moved(g) for p, g in zip(groups, profile.groups))
+
+
 def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
-    if not any(p.moved(g) for p, g in zip(groups, profile.groups)):
+    if not moves_bytes(profile, groups):
         w = pf = 0  # nothing crosses the bus: one plan, whatever the copy window
     peak, step = simulate(profile, groups, w, pf)
     return Plan(groups, w, pf, peak, step)
