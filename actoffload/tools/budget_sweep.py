@@ -3,7 +3,7 @@
 For each workload, measured side by side in one run on one card: no offloading,
 activation checkpointing of every block, the best hand-picked selective checkpointing
 (the fewest checkpointed blocks that fit each budget), ``save_on_cpu``, ref and fast
-offloading everything, and fast with a ``memory_budget`` (each block's two halves a
+offloading everything, and fast with a ``memory_budget`` (each block's three parts a
 group) at five levels from the
 smallest peak it can reach to the peak without offloading (plus one just under the
 peak of checkpointing every block). Each figure is a pair: median step time
@@ -38,7 +38,7 @@ class Workload:
     """A model with ``blocks``, and a step: loss of one batch, backward.
 
     Checkpointing and offloading everything work block by block, as users set them up; a
-    memory budget gets each block's two halves (:func:`sublayers`) as groups, so that its
+    memory budget gets each block's three parts (:func:`sublayers`) as groups, so that its
     plan can go below checkpointing every block, where backward holds a whole block's
     recomputed activations at once."""
 
@@ -49,7 +49,7 @@ class Workload:
     trainable: list[torch.Tensor]  # what gradients are compared for (parameters and the input)
 
     @property
-    def halves(self) -> list[torch.nn.Module]:
+    def parts(self) -> list[torch.nn.Module]:
         return sublayers(self.blocks)
 
 
@@ -148,14 +148,14 @@ def _sync(device: torch.device) -> None:
 
 def measure(w: Workload, method: str, device: torch.device, steps: int, warmup: int,
             offloader: Callable[[], ao.Offloader] | None = None, checkpointed: int = 0,
-            halves: bool = False) -> dict[str, Any]:
+            parts: bool = False) -> dict[str, Any]:
     """Median step seconds, peak device bytes, the gradients of the last step, and what the
     offloader reports. ``method``: a label; ``offloader`` builds one, which wraps the blocks
-    (their halves with ``halves``)."""
+    (their parts with ``parts``)."""
     cuda = device.type == "cuda"
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     off = offloader() if offloader is not None else None
-    handle = ao.wrap(w.halves if halves else w.blocks, off) if off is not None else None
+    handle = ao.wrap(w.parts if parts else w.blocks, off) if off is not None else None
     call = _checkpointed(checkpointed) if checkpointed else _plain
     times, peaks, first = [], [], None
     try:
@@ -221,7 +221,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     res["methods"]["fast"] = keep(measure(w, "fast", device, steps, warmup, lambda: ao.Offloader(impl="fast", device=device)))
     # the least a plan reaches: the profiling steps run the least-memory plan
     least = measure(w, "fast_budget_profile", device, 1, PROFILE_STEPS,
-                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50), halves=True)["plan"]
+                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50), parts=True)["plan"]
     high = res["methods"]["none"]["peak_bytes"]
     if high == 0:  # the CPU has no allocator to read: one cell runs the planner end to end
         budgets = [1 << 40]
@@ -240,7 +240,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     for budget in budgets:
         try:
             r = measure(w, "fast_budget", device, steps, settle,
-                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget), halves=True)
+                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget), parts=True)
         except ValueError as e:  # no plan fits
             res["budgets"].append({"budget_bytes": budget, "error": str(e)})
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB: {e}")

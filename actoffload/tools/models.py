@@ -2,10 +2,10 @@
 
 Reads top to bottom: config, attention, MLP (dense, or mixture of experts), block,
 model. ``model.blocks`` is the list to hand to :func:`actoffload.wrap` (one offload
-group per block); :func:`sublayers` lists each block's two halves (attention, MLP, each
-with its norm) for groups half a block wide. Modules carry offload roles (``attn_norm``,
-``qkv``, ``core_attn``, ``attn_proj``, ``mlp_norm``; the experts ``expert_fc1``,
-``moe_act``, ``expert_fc2``) for :func:`actoffload.select_modules`.
+group per block); :func:`sublayers` lists each block's three parts (Q/K/V projection,
+attention, MLP) for smaller groups. Modules carry offload roles (``attn_norm``, ``qkv``
+on the projection; ``core_attn``, ``attn_proj`` on the attention; ``mlp_norm``; the
+experts ``expert_fc1``, ``moe_act``, ``expert_fc2``) for :func:`actoffload.select_modules`.
 """
 
 from __future__ import annotations
@@ -43,36 +43,69 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-class Attention(nn.Module):
-    """LayerNorm -> causal self-attention (the block adds the residual)."""
+class QKV(nn.Module):
+    """LayerNorm -> the query, key and value projection, split into heads ``[B, H, T, D]``."""
 
-    offload_roles = ("attn_norm", "qkv", "core_attn", "attn_proj")
+    offload_roles = ("attn_norm", "qkv")
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.attention = cfg.attention
         self.norm = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         normed = self.norm(x)
-        qkv = self.qkv(normed)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in qkv.split(C, dim=2))
+        select_in_forward(self, {"attn_norm": x, "qkv": normed})
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in self.qkv(normed).split(C, dim=2))
+        return q, k, v
+
+
+def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager causal attention ``softmax(QK^T / sqrt(D)) V``: the output and the probabilities
+    (deterministic on CUDA, unlike SDPA's fused kernels)."""
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return probs @ v, probs
+
+
+class CoreAttention(nn.Module):
+    """Causal attention over heads ``[B, H, T, D]`` -> the output projection."""
+
+    offload_roles = ("core_attn", "attn_proj")
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention = cfg.attention
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = q.shape
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            core = (qkv, y)
+            core = (q, k, v, y)
         else:
-            scores = (q @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-            y = probs @ v
-            core = (qkv, probs)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        select_in_forward(self, {"attn_norm": x, "qkv": normed, "core_attn": core, "attn_proj": y})
+            y, probs = causal_softmax_attention(q, k, v)
+            core = (q, k, v, probs)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        select_in_forward(self, {"core_attn": core, "attn_proj": y})
         return self.proj(y)
+
+
+class Attention(nn.Module):
+    """LayerNorm -> causal self-attention (the block adds the residual), in two modules:
+    ``project`` (norm, Q/K/V) and ``core`` (attention, output projection)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.project = QKV(cfg)
+        self.core = CoreAttention(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.core(*self.project(x))
 
 
 class MLP(nn.Module):
@@ -133,15 +166,18 @@ class Block(nn.Module):
 
 
 def sublayers(blocks: Iterable[nn.Module]) -> list[nn.Module]:
-    """Each block's attention and MLP (norms included), in forward order: wrapped, they are
-    groups half a block wide, so a memory plan can recompute or offload one half and keep
-    the other, and backward holds one half's activations at a time.
+    """Each block's three parts in forward order: the attention's projection to queries,
+    keys and values (with its norm), the attention itself with its output projection, and
+    the MLP (with its norm). Wrapped, each is a group, so a memory plan can recompute or
+    offload one part and keep the others, and backward holds one part's activations at a
+    time (while the attention's backward runs, its norm and projection are not recomputed
+    yet).
 
     Example::
 
-        ao.wrap(sublayers(model.blocks), off)      # groups "0" (attention of block 0), "1", ...
+        ao.wrap(sublayers(model.blocks), off)      # groups "0" (block 0's Q/K/V), "1", "2", "3", ...
     """
-    return [m for b in blocks for m in (b.attn, b.mlp)]
+    return [m for b in blocks for m in (b.attn.project, b.attn.core, b.mlp)]
 
 
 class GPT(nn.Module):
@@ -196,9 +232,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-class LlamaAttention(nn.Module):
-    """RMSNorm -> grouped-query attention with rotary embeddings; eager softmax
-    (deterministic on CUDA)."""
+class LlamaQKV(nn.Module):
+    """RMSNorm -> queries ``[B, H, T, D]`` and keys, values ``[B, H_kv, T, D]``, queries and
+    keys rotated (rotary embeddings)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -207,20 +243,42 @@ class LlamaAttention(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.kv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.head_dim, bias=False)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         x = self.norm(x)
         q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(B, T, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-        return self.o(y.transpose(1, 2).reshape(B, T, C))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class LlamaCoreAttention(nn.Module):
+    """Grouped-query causal attention (each key/value head serves ``n_heads / n_kv_heads``
+    queries) -> the output projection."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.rep = cfg.n_heads // cfg.n_kv_heads
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = q.shape
+        y, _ = causal_softmax_attention(q, k.repeat_interleave(self.rep, dim=1), v.repeat_interleave(self.rep, dim=1))
+        return self.o(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class LlamaAttention(nn.Module):
+    """RMSNorm -> grouped-query attention with rotary embeddings, eager softmax; in two
+    modules: ``project`` (norm, Q/K/V, rotation) and ``core`` (attention, output projection)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.project = LlamaQKV(cfg)
+        self.core = LlamaCoreAttention(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.core(*self.project(x, cos, sin))
 
 
 class SwiGLU(nn.Module):
