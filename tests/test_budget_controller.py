@@ -234,3 +234,50 @@ def test_controller_does_not_shrink_compute_past_what_the_bus_allows():
     mover = Plan((GroupPlan("offload"),) * 4, 0, 0, *simulate(profile, (GroupPlan("offload"),) * 4, 0, 0))
     c._calibrate(mover, 0.9 * mover.step_s)  # bus time alone is more than that
     assert c.profile == profile
+
+
+class _Done:
+    """A CUDA event already reached."""
+
+    def query(self):
+        return True
+
+
+class _DeviceSteps:
+    """A probe as on CUDA whose every step takes ``seconds`` and allocates nothing."""
+
+    cuda = True
+
+    def __init__(self, seconds):
+        self.step_s = seconds
+
+    def mark(self):
+        return _Done()
+
+    def seconds(self, start, end):
+        return self.step_s
+
+    def peak(self):
+        return 0
+
+    def allocated(self):
+        return 0
+
+    def reset_peak(self):
+        pass
+
+
+def test_controller_stops_choosing_once_the_running_plan_is_measured(monkeypatch):
+    """Choosing again walks every candidate plan: host time in every step, for nothing once
+    the plan that runs is measured and nothing promises to beat it."""
+    c, _ = _controller(1 << 40)
+    c.probe = _DeviceSteps(c.plan.step_s)  # as modelled: nothing promises better
+    chosen = []
+    choose = c._choose
+    monkeypatch.setattr(c, "_choose", lambda: (chosen.append(_key(c.plan)), choose()))
+    for _ in range(20):
+        c._time_last_step()  # as step_begins does
+        c._runs[_key(c.plan)] = c._runs.get(_key(c.plan), 0) + 1
+        c._backward_ended()
+    assert c._timed(c.plan) and len(c._times[_key(c.plan)]) == TIMINGS
+    assert len(chosen) == TIMINGS

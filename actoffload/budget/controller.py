@@ -493,7 +493,9 @@ class BudgetController:
         if not self.probe.cuda:  # host time says nothing of a device's pace
             return
         key = _key(self.plan)
-        if self._runs.get(key, 0) >= 2:  # its first step pinned host memory: not its pace
+        # its first step pinned host memory: not its pace; once measured, choosing again at
+        # every step would cost host time for nothing
+        if self._runs.get(key, 0) >= 2 and not self._timed(self.plan):
             self._untimed = (key, self._step_start, now)
         self._measured[key] = max(self._measured.get(key, 0), self.measured_peak - self.profile.base)
         if self.measured_peak > self.budget:

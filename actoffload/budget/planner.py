@@ -19,7 +19,8 @@ time from the compute stream, the two copy streams and the ordering between them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
@@ -139,16 +140,6 @@ class Plan:
                  "resident_bytes": p.resident(g)} for g, p in zip(profile.groups, self.groups)]
 
 
-@dataclass
-class _Streams:
-    """Where the three streams' clocks stand in the simulation."""
-
-    compute: float = 0.0
-    d2h: float = 0.0
-    h2d: float = 0.0
-    inflight: list[tuple[int, float]] = field(default_factory=list)  # (group, copy end)
-
-
 def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, prefetch: int,
              trace: list[tuple[str, int]] | None = None) -> tuple[int, float]:
     """Modelled ``(peak bytes, step seconds)`` of ``groups`` with this window and prefetch.
@@ -170,66 +161,84 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     resident = [p.resident(g) for g, p in zip(gs, groups)]
     moved = [p.moved(g) for g, p in zip(gs, groups)]
     recompute = [p.action.startswith("recompute") for p in groups]
-    s = _Streams()
-    peak = profile.base
+    base, d2h_bps, h2d_bps = profile.base, profile.d2h_bps, profile.h2d_bps
+    # the three streams' clocks; copies out in order, so they also end in order
+    compute = d2h = 0.0
+    copying: deque[tuple[int, float]] = deque()  # (group, copy end) of copies not known done
+    peak = base
     held = 0  # bytes the groups done so far keep on the device
     # Memory counts the worst case of the window: a copy that runs late (the first step of a
     # plan pins host memory) leaves the last max_inflight groups holding their sources.
     window: list[int] = []
+    in_flight = 0  # bytes of the window's groups
     for i, g in enumerate(gs):
-        in_flight = sum(moved[j] for j in window)
         # forward_extra was measured recomputed, where what the group saves was temporary:
         # saving it keeps those bytes (at least) alive until the group ends
         saves = 0 if recompute[i] else g.offloadable + g.kept
-        at = profile.base + held + in_flight + max(saves, g.forward_extra)
-        peak = max(peak, at)
+        at = base + held + in_flight + (saves if saves > g.forward_extra else g.forward_extra)
+        if at > peak:
+            peak = at
         if trace is not None:
             trace.append((f"forward {i}", at))
-        s.compute += g.forward_s
+        compute += g.forward_s
         held += resident[i]
         if moved[i]:
-            s.d2h = max(s.compute, s.d2h) + moved[i] / profile.d2h_bps
-            s.inflight.append((i, s.d2h))
-            window = (window + [i])[-max_inflight:] if max_inflight else []
-        s.inflight = [(j, e) for j, e in s.inflight if e > s.compute]  # done: sources freed
-        while len(s.inflight) > max_inflight:
-            _, end = s.inflight.pop(0)
-            s.compute = max(s.compute, end)  # compute waits for the oldest copy
-    in_flight = sum(moved[j] for j in window)
-    at = profile.base + held + in_flight + profile.outside_extra
-    peak = max(peak, at)
+            d2h = (compute if compute > d2h else d2h) + moved[i] / d2h_bps
+            copying.append((i, d2h))
+            if max_inflight:
+                window.append(i)
+                if len(window) > max_inflight:
+                    del window[0]
+                in_flight = sum(moved[j] for j in window)
+        while copying and copying[0][1] <= compute:
+            copying.popleft()  # done: sources freed
+        while len(copying) > max_inflight:
+            _, end = copying.popleft()
+            if end > compute:
+                compute = end  # compute waits for the oldest copy
+    at = base + held + in_flight + profile.outside_extra
+    if at > peak:
+        peak = at
     if trace is not None:
         trace.append(("loss", at))
-    s.compute += profile.outside_s
+    compute += profile.outside_s
     # sources still live when backward begins are used in place, not reloaded: for time, those
     # the model has still copying; for memory, the whole window (held until their backward)
-    in_place = {j for j, _ in s.inflight}
+    in_place = {j for j, _ in copying}
     for j in window:
         resident[j] += moved[j]
         held += moved[j]
-    peak = max(peak, profile.base + held)
+    peak = max(peak, base + held)
+    in_window = set(window)
     grads = 0
-    ready: dict[int, float] = {}  # group -> when its bytes are back on the device
-    s.h2d = s.compute
-    for i in reversed(range(n)):
+    ready = [-1.0] * n  # group -> when its bytes are back on the device (-1: not started)
+    h2d = compute
+    for i in range(n - 1, -1, -1):
         g = gs[i]
         for j in range(i, max(-1, i - prefetch - 1), -1):  # reaching i: its reload, and prefetch
-            if j not in ready:
+            if ready[j] < 0:
                 if moved[j] and j not in in_place:
-                    s.h2d = max(s.compute, s.h2d) + moved[j] / profile.h2d_bps
-                ready[j] = s.h2d if moved[j] and j not in in_place else 0.0
+                    h2d = (compute if compute > h2d else h2d) + moved[j] / h2d_bps
+                    ready[j] = h2d
+                else:
+                    ready[j] = 0.0
         held -= resident[i]
-        ahead = sum(moved[j] for j in range(max(0, i - prefetch), i) if j in ready and j not in window)
+        ahead = 0
+        for j in range(max(0, i - prefetch), i):
+            if ready[j] >= 0 and j not in in_window:
+                ahead += moved[j]
         # its activations are all back (reloaded or recomputed) while its backward runs
-        at = (profile.base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
+        at = (base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
               + (g.recompute_extra if recompute[i] else 0))
-        peak = max(peak, at)
+        if at > peak:
+            peak = at
         if trace is not None:
             trace.append((f"backward {i}", at))
-        s.compute = max(s.compute, ready[i])
-        s.compute += g.backward_s + (g.recompute_time if recompute[i] else 0.0)
+        if ready[i] > compute:
+            compute = ready[i]
+        compute += g.backward_s + (g.recompute_time if recompute[i] else 0.0)
         grads += g.grads
-    return peak, s.compute
+    return peak, compute
 
 
 def moves_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> bool:
