@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from actoffload.budget.controller import TIMINGS, BudgetController, _key, _merged
-from actoffload.budget.planner import GroupPlan, GroupProfile, Plan, Profile, candidates, simulate
+from actoffload.budget.planner import GroupPlan, GroupProfile, Plan, Profile, candidates, choose, simulate
 
 MiB = 1 << 20
 
@@ -281,3 +281,33 @@ def test_controller_stops_choosing_once_the_running_plan_is_measured(monkeypatch
         c._backward_ended()
     assert c._timed(c.plan) and len(c._times[_key(c.plan)]) == TIMINGS
     assert len(chosen) == TIMINGS
+
+
+def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too():
+    """Where the model prefers moving bytes, the best plan without the bus (checkpointing by
+    hand) is measured as well, and kept if it is faster."""
+    from actoffload.budget.planner import moves_bytes
+
+    c, _ = _controller(1 << 40)
+    slow = tuple(replace(g, forward_s=5e-3) for g in c.profile.groups)  # recomputing costs, the bus hides
+    c.profile = replace(c.profile, groups=slow, d2h_bps=50e9, h2d_bps=50e9)
+    c.plans = candidates(c.profile)
+    still_peaks = {p.peak for p in c.plans if not moves_bytes(c.profile, p.groups)}
+    # a budget where the model's fastest plan moves bytes and one that moves none also fits
+    c.budget = next(b for b in sorted(still_peaks)
+                    if moves_bytes(c.profile, choose(c.profile, b, c.plans).groups))
+    c._choose()
+    first = c.plan
+    assert moves_bytes(c.profile, first.groups)
+    c._runs[_key(first)] = TIMINGS + 1
+    c._times[_key(first)] = [first.step_s] * TIMINGS  # as modelled: nothing promises better
+    c._choose()
+    still = c.plan
+    assert not moves_bytes(c.profile, still.groups) and still.step_s > first.step_s
+    c._runs[_key(still)] = TIMINGS + 1
+    c._times[_key(still)] = [0.9 * first.step_s] * TIMINGS  # the model overrated its recomputation
+    c._choose()
+    assert _key(c.plan) == _key(still)
+    c._times[_key(still)] = [1.1 * first.step_s] * TIMINGS  # as the model said: slower
+    c._choose()
+    assert _key(c.plan) == _key(first)
