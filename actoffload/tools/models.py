@@ -296,7 +296,7 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """``x + attn(x)``, then ``+ mlp(...)``; each half normalises its own input."""
+    """``x + attn(x)``, then ``+ mlp(...)``; the attention and the MLP each normalise their own input."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
