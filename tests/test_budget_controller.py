@@ -311,3 +311,61 @@ def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too():
     c._times[_key(still)] = [1.1 * first.step_s] * TIMINGS  # as the model said: slower
     c._choose()
     assert _key(c.plan) == _key(first)
+
+
+class _Event:
+    def __init__(self):
+        self.done = True
+
+    def query(self):
+        return self.done
+
+
+class _PendingSteps(_DeviceSteps):
+    """As :class:`_DeviceSteps`, with marks whose completion the test sets."""
+
+    def mark(self):
+        return _Event()
+
+    def bandwidth(self):
+        return 20e9, 20e9
+
+
+def test_controller_a_step_still_running_when_profiling_begins_is_not_timed_against_the_new_profile(monkeypatch):
+    from actoffload import compat, policy
+
+    monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
+    c, _ = _controller(1 << 40)
+    c.probe = _PendingSteps(c.plan.step_s)
+    for _ in range(2):  # the second step is queued for timing
+        c.step_begins()
+        c._backward_ended()
+    pending = c._untimed[2]
+    pending.done = False  # its end not reached when the next step begins
+    c._reprofile = True  # a new workload: three groups now
+    for _ in range(2):  # the profiling steps
+        c.step_begins()
+        for i in range(3):
+            c.action(True)
+            c.group_closing(i)
+            c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
+                        policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
+        for i in reversed(range(3)):
+            c.backward_reaches(i)
+        c._backward_ended()
+    pending.done = True
+    c.step_begins()  # profiling ends: a plan for three groups
+    c._backward_ended()
+    c.step_begins()  # once raised StopIteration: the old plan's step was timed against the new plans
+    assert all(len(k[0]) == 3 for k in c._times)
+
+
+def test_controller_a_measured_best_that_moves_no_bytes_is_not_checked_against_another():
+    c, _ = _controller(1 << 40)
+    keep = c.plan
+    recompute = next(p for p in c.plans if any(g.action == "recompute" for g in p.groups)
+                     and not any(g.action.endswith("offload") for g in p.groups))
+    c._runs = {_key(recompute): TIMINGS + 1}
+    c._times = {_key(recompute): [0.5 * keep.step_s] * TIMINGS}  # faster than any model figure
+    c._choose()
+    assert _key(c.plan) == _key(recompute)

@@ -75,6 +75,24 @@ def test_attention_roles_select_what_those_ops_save(device, impl, attention):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
+def test_under_policy_all_a_selection_narrows_only_the_module_that_has_the_role(device, impl):
+    """The Q/K/V projection and the attention are two modules: selecting ``qkv`` vetoes the
+    projection's other save (the norm's input) and leaves the attention's all candidates."""
+    model = _model(device, attention="eager")
+    ao.select_modules(model, {"qkv"})
+    off = off_for(impl, device, keep_last=0, min_offload_bytes=64)
+    with ao.wrap(model.blocks, off):
+        y = model(torch.randn(B, T, D, device=device) * 1)
+    heads = 2
+    for g in off.stats()["groups"].values():
+        assert g["kept"].get("vetoed", 0) == 1  # the norm's input
+        assert g["offloaded_bytes_by_role"] == {"qkv": B * T * D * 4}
+        assert g["offloaded_bytes"] >= B * T * D * 4 + B * heads * T * T * 4  # and the attention's saves
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_stats_report_offloaded_bytes_by_role(device, impl):
     model = _model(device, n_experts=4, top_k=2)
     ao.select_modules(model, {"moe_act", "expert_fc1"})

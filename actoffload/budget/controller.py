@@ -18,8 +18,9 @@ the first group opened after a backward pass began.
   a plan that ran, modelled (plus its copy window's margin) for the others.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
   widens the margin of that plan's copy window (``max_inflight``, ``prefetch``) by as
-  much. Each plan's steps are timed; while the model rates an
-  untried plan faster than the fastest measured, a few more are tried. A plan that moved
+  much. A plan's steps are timed until it is measured; while the model rates an
+  untried plan faster than the fastest measured, a few more are tried, and where the
+  fastest measured moves bytes, the fastest plan that moves none. A plan that moved
   bytes slower than modelled slows the modelled bus; one faster than modelled shrinks the
   modelled compute.
 """
@@ -319,6 +320,7 @@ class BudgetController:
                                for g in profile.groups)
         self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._kept_first = {}
+        self._untimed = None  # a step of the old profile's plans, maybe not over when profiling began
         self._plan_all()
         if self.probe.cuda:  # it ran: its peak is known
             self._measured[_key(self.plans[-1])] = peak - profile.base
@@ -415,8 +417,8 @@ class BudgetController:
         # hand would give) is measured too, once, so an error in either cannot keep the
         # slower one.
         still = next((p for p in by_model if not moves_bytes(profile, p.groups)), None)
-        if (best is not None and still is not None and not self._timed(still)
-                and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
+        if (best is not None and moves_bytes(profile, best.groups) and still is not None
+                and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
         return best if best is not None else by_model[0]
 
