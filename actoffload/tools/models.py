@@ -58,8 +58,9 @@ class QKV(nn.Module):
         B, T, C = x.shape
         normed = self.norm(x)
         select_in_forward(self, {"attn_norm": x, "qkv": normed})
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in self.qkv(normed).split(C, dim=2))
-        return q, k, v
+        q, k, v = self.qkv(normed).split(C, dim=2)
+        heads = (B, T, self.n_heads, C // self.n_heads)
+        return q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2), v.view(heads).transpose(1, 2)
 
 
 def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
