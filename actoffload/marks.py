@@ -53,7 +53,7 @@ def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
             with _lock:
                 entry = _marks.get(key)
                 old = entry[1] if entry is not None and not entry[0].expired() else 0
-                if old & flag == flag and (role is None or _roles.get(key) == role):
+                if (old & flag) == flag and (role is None or _roles.get(key) == role):
                     continue  # marked already (wrap marks its parameters at every forward)
                 _marks[key] = (StorageWeakRef(storage), old | flag)
                 if role is not None:

@@ -378,9 +378,10 @@ class BudgetController:
                     else replace(p, peak=p.peak + (self._margin(p) if with_margins else 0)) for p in self.plans]
 
         choose(self.profile, self.budget, judged(False))  # raises if the budget is out of reach
-        fitting = [p for p in judged(True) if p.peak <= self.budget]
+        with_margins = judged(True)
+        fitting = [p for p in with_margins if p.peak <= self.budget]
         if not fitting:
-            chosen = min(judged(True), key=lambda p: (p.peak, p.step_s))
+            chosen = min(with_margins, key=lambda p: (p.peak, p.step_s))
         else:
             chosen = self._fastest(fitting)
         self.plan = next(p for p in self.plans if _key(p) == _key(chosen))
@@ -455,10 +456,9 @@ class BudgetController:
         profiling's own host work shows between kernels), so they shrink."""
         assert self.profile is not None
         profile = self.profile
-        moves = moves_bytes(profile, plan.groups)
         if self._calibrated >= CALIBRATIONS:
             return
-        bus = seconds > plan.step_s * (1 + CALIBRATION_SLACK) and moves
+        bus = seconds > plan.step_s * (1 + CALIBRATION_SLACK) and moves_bytes(profile, plan.groups)
         if bus:
             def scaled(f: float) -> Profile:  # a factor on both bandwidths
                 return replace(profile, d2h_bps=profile.d2h_bps * f, h2d_bps=profile.h2d_bps * f)

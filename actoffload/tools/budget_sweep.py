@@ -234,8 +234,9 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
         under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
-    # a budget's first steps profile, then may try a few plans the model rates fastest (two
-    # steps each: the first pins host memory) before keeping the fastest measured
+    # a budget's first steps profile, then may try a few plans the model rates fastest and the
+    # fastest that moves no bytes (TIMINGS + 1 steps each: the first pins host memory) before
+    # keeping the fastest measured
     settle = warmup + PROFILE_STEPS - 1 + (TIMINGS + 1) * (EXPLORE + 2)
     for budget in budgets:
         try:
