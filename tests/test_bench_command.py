@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actoffload.tools import bench, cli
+from actoffload.tools import bench, budget_sweep, cli
 
 
 def _results(gpu="cpu", **figures):
@@ -56,6 +56,48 @@ def test_bench_budgets_section_runs_the_budget_sweep(tmp_path):
     sweep = json.loads(path.read_text())["budget_sweep"]
     assert {w["workload"] for w in sweep["workloads"]} == set(sweep["verdicts"]) >= {"stack_small", "llama"}
     assert all(c["bitwise"] for v in sweep["verdicts"].values() for c in v["cells"] if "error" not in c)
+    # each cell ran alternating steps with the fastest alternative that fits it, and is judged by them
+    cells = [c for v in sweep["verdicts"].values() for c in v["cells"]]
+    assert cells and all(c["vs_fastest_fitting_measured"] == "alternating" for c in cells)
+
+
+def test_paired_alternates_the_two_methods_step_by_step():
+    order = []
+
+    class Fake:
+        def __init__(self, label, seconds):
+            self.method = budget_sweep.Method(label)
+            self.seconds = seconds
+
+        def step(self, step):
+            order.append((self.method.label, step))
+            return self.seconds, 0
+
+    p = budget_sweep.paired(Fake("a", 0.003), Fake("b", 0.002), rounds=3, warmup=1, first_step=10)
+    assert order == [("b", 10), ("a", 11), ("b", 12), ("a", 13), ("b", 14), ("a", 15), ("b", 16)]
+    assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
+
+
+def test_verdicts_judge_a_cell_by_its_alternating_steps_where_they_ran():
+    def method(name, ms, gib):
+        return {"method": name, "step_ms": ms, "peak_bytes": gib << 30, "largest_group_bytes": 1 << 30,
+                "first_step_ms": ms}
+
+    m = {"none": method("none", 100, 9), "checkpoint_all": method("checkpoint_all", 140, 4),
+         "save_on_cpu": method("save_on_cpu", 700, 4), "ref": method("ref", 500, 4), "fast": method("fast", 300, 5)}
+    cell = {"budget_bytes": 9 << 30, "peak_bytes": 9 << 30, "step_ms": 110, "bitwise": True,
+            "first_step_ms": 200, "plan": {"predicted_step_s": 0.1}}
+    under = dict(cell, budget_bytes=(4 << 30) - 1, peak_bytes=(4 << 30) - 2, step_ms=160, under_checkpoint_all=True,
+                 paired={"against": "checkpoint_all", "ratio": 1.05})
+    workload = {"methods": m, "selective": [], "budgets": [dict(cell), under]}
+    v = budget_sweep.verdicts(workload)
+    assert v["cells"][0]["vs_fastest_fitting"] == pytest.approx(1.10)
+    assert v["cells"][0]["vs_fastest_fitting_measured"] == "separately"
+    assert v["below_checkpoint_all"] and v["below_checkpoint_all_time_ratio"] == 1.05  # 160/140 apart: 1.14
+    workload["budgets"][0]["paired"] = {"against": "none", "ratio": 1.02}
+    v = budget_sweep.verdicts(workload)
+    assert v["cells"][0]["vs_fastest_fitting"] == 1.02
+    assert v["cells"][0]["vs_fastest_fitting_separately"] == pytest.approx(1.10)
 
 
 def test_bench_rejects_an_unknown_section():

@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 
 import actoffload as ao
-from actoffload import compat
+from actoffload import compat, hostmem
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS
 from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, next_token_loss, sublayers
 
@@ -146,63 +146,118 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(w: Workload, method: str, device: torch.device, steps: int, warmup: int,
-            offloader: Callable[[], ao.Offloader] | None = None, checkpointed: int = 0,
-            parts: bool = False) -> dict[str, Any]:
-    """Median step seconds, peak device bytes, the gradients of the last step, and what the
-    offloader reports. ``method``: a label; ``offloader`` builds one, which wraps the blocks
-    (their parts with ``parts``)."""
-    cuda = device.type == "cuda"
-    compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
-    off = offloader() if offloader is not None else None
-    handle = ao.wrap(w.parts if parts else w.blocks, off) if off is not None else None
-    call = _checkpointed(checkpointed) if checkpointed else _plain
-    times, peaks, first = [], [], None
-    try:
-        for step in range(warmup + steps):
-            for t in w.trainable:
-                t.grad = None
-            gc.collect()
-            _sync(device)
+@dataclass
+class Method:
+    """How a step runs: plainly, with the first ``checkpointed`` blocks checkpointed, under
+    ``save_on_cpu``, or with an offloader (made once by ``offloader``) wrapping the blocks,
+    their parts with ``parts``."""
+
+    label: str
+    checkpointed: int = 0
+    save_on_cpu: bool = False
+    offloader: Callable[[], ao.Offloader] | None = None
+    parts: bool = False
+
+
+class _Runner:
+    """Runs steps of one method on one workload. Its offloader lives as long as the runner,
+    but wraps the modules only during a step, so another method's steps can run in between
+    (the paired comparison)."""
+
+    def __init__(self, w: Workload, method: Method, device: torch.device):
+        self.w, self.method, self.device = w, method, device
+        self.off = method.offloader() if method.offloader is not None else None
+        self._call = _checkpointed(method.checkpointed) if method.checkpointed else _plain
+
+    def step(self, step: int) -> tuple[float, int]:
+        """One step's seconds and peak device bytes."""
+        w, cuda = self.w, self.device.type == "cuda"
+        for t in w.trainable:
+            t.grad = None
+        gc.collect()
+        handle = ao.wrap(w.parts if self.method.parts else w.blocks, self.off) if self.off is not None else None
+        try:
+            _sync(self.device)
             if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            ctx = (torch.autograd.graph.save_on_cpu(pin_memory=cuda) if self.method.save_on_cpu
+                   else contextlib.nullcontext())
             t0 = time.perf_counter()
-            ctx = torch.autograd.graph.save_on_cpu(pin_memory=cuda) if method == "save_on_cpu" else contextlib.nullcontext()
             with ctx:
-                loss = w.loss(call, step)
+                loss = w.loss(self._call, step)
             loss.backward()
-            _sync(device)
+            _sync(self.device)
             elapsed = time.perf_counter() - t0
-            if step == 0:
-                first = elapsed
-            if step >= warmup:
-                times.append(elapsed)
-                peaks.append(torch.cuda.max_memory_allocated(device) if cuda else 0)
-            del loss
-        # kept on the host: a copy on the device would raise every later method's peak
-        grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
-    finally:
-        if handle is not None:
-            handle.remove()
-    out: dict[str, Any] = {"method": method, "step_ms": statistics.median(times) * 1e3, "peak_bytes": max(peaks),
-                           "first_step_ms": first * 1e3 if first is not None else None, "grads": grads}
-    if off is not None:
-        s = off.stats()
+        finally:
+            if handle is not None:
+                handle.remove()
+        return elapsed, torch.cuda.max_memory_allocated(self.device) if cuda else 0
+
+
+def measure(w: Workload, method: Method, device: torch.device, steps: int, warmup: int) -> tuple[dict[str, Any], _Runner]:
+    """Median step seconds, peak device bytes, the gradients of the last step, and what the
+    offloader reports; and the runner, for more steps of the same method."""
+    compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
+    run = _Runner(w, method, device)
+    times, peaks, first = [], [], 0.0
+    for step in range(warmup + steps):
+        elapsed, peak = run.step(step)
+        if step == 0:
+            first = elapsed
+        if step >= warmup:
+            times.append(elapsed)
+            peaks.append(peak)
+    # kept on the host: a copy on the device would raise every later method's peak
+    grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
+    out: dict[str, Any] = {"method": method.label, "step_ms": statistics.median(times) * 1e3, "peak_bytes": max(peaks),
+                           "first_step_ms": first * 1e3, "grads": grads}
+    if run.off is not None:
+        s = run.off.stats()
         out["offloaded_bytes"] = s["offloaded_bytes"]
         out["largest_group_bytes"] = max((g["offloaded_bytes"] for g in s["groups"].values()), default=0)
         if "plan" in s:
             out["plan"] = {k: v for k, v in s["plan"].items() if k != "groups"}
             out["plan"]["actions"] = [g["action"] for g in s["plan"].get("groups", [])]
-    return out
+    return out, run
+
+
+def paired(a: _Runner, b: _Runner, rounds: int, warmup: int, first_step: int) -> dict[str, Any]:
+    """``a`` against ``b`` in alternating steps (``b`` warmed up first): the host's state
+    drifts over seconds (a MoE waits on the host in every block), so two methods measured
+    one after the other can differ by more than the difference asked about; alternating
+    steps see the same drift. Step numbers go on from ``first_step`` (the workload's data
+    may depend on them)."""
+    step = first_step
+    for _ in range(warmup):
+        b.step(step)
+        step += 1
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(a.step(step)[0])
+        tb.append(b.step(step + 1)[0])
+        step += 2
+    ma, mb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
+    return {"against": b.method.label, "rounds": rounds, "step_ms": ma, "against_step_ms": mb, "ratio": ma / mb}
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _fastest_fitting(alternatives: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    fitting = [a for a in alternatives if a["peak_bytes"] <= budget]
+    return min(fitting, key=lambda a: a["step_ms"]) if fitting else None
+
+
 def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, log=print) -> dict[str, Any]:
-    """Every method on one workload, then the budget levels."""
-    base = measure(w, "none", device, steps, warmup)
+    """Every method on one workload, then the budget levels, each paired with the fastest
+    alternative that fits it (and the level under checkpointing with checkpointing)."""
+    methods = {"none": Method("none"), "checkpoint_all": Method("checkpoint_all", checkpointed=len(w.blocks)),
+               "save_on_cpu": Method("save_on_cpu", save_on_cpu=True),
+               "ref": Method("ref", offloader=lambda: ao.Offloader(impl="ref", device=device)),
+               "fast": Method("fast", offloader=lambda: ao.Offloader(impl="fast", device=device))}
+    methods.update({f"checkpoint_{k}": Method(f"checkpoint_{k}", checkpointed=k) for k in range(1, len(w.blocks))})
+    base, _ = measure(w, methods["none"], device, steps, warmup)
     res: dict[str, Any] = {"workload": w.name, "blocks": len(w.blocks), "methods": {}, "budgets": []}
 
     def keep(r: dict[str, Any]) -> dict[str, Any]:
@@ -212,17 +267,16 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         return r
 
     res["methods"]["none"] = keep(dict(base, grads=base["grads"]))
-    res["methods"]["checkpoint_all"] = keep(measure(w, "checkpoint_all", device, steps, warmup,
-                                                    checkpointed=len(w.blocks)))
-    res["selective"] = [keep(measure(w, f"checkpoint_{k}", device, steps, warmup, checkpointed=k))
+    for name in ("checkpoint_all", "save_on_cpu", "ref", "fast"):
+        res["methods"][name] = keep(measure(w, methods[name], device, steps, warmup)[0])
+    res["selective"] = [keep(measure(w, methods[f"checkpoint_{k}"], device, steps, warmup)[0])
                         for k in range(1, len(w.blocks))]
-    res["methods"]["save_on_cpu"] = keep(measure(w, "save_on_cpu", device, steps, warmup))
-    res["methods"]["ref"] = keep(measure(w, "ref", device, steps, warmup, lambda: ao.Offloader(impl="ref", device=device)))
-    res["methods"]["fast"] = keep(measure(w, "fast", device, steps, warmup, lambda: ao.Offloader(impl="fast", device=device)))
     # the least a plan reaches: the profiling steps run the least-memory plan
-    least = measure(w, "fast_budget_profile", device, 1, PROFILE_STEPS,
-                    lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50), parts=True)["plan"]
+    least = measure(w, Method("fast_budget_profile", parts=True,
+                              offloader=lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50)),
+                    device, 1, PROFILE_STEPS)[0]["plan"]
     high = res["methods"]["none"]["peak_bytes"]
+    under_ckpt = None
     if high == 0:  # the CPU has no allocator to read: one cell runs the planner end to end
         budgets = [1 << 40]
         res["smallest_reachable_bytes"] = None
@@ -234,23 +288,45 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
         under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
+    alternatives = [res["methods"][k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + res["selective"]
     # a budget's first steps profile, then may try a few plans the model rates fastest and the
     # fastest that moves no bytes (TIMINGS + 1 steps each: the first pins host memory) before
     # keeping the fastest measured
     settle = warmup + PROFILE_STEPS - 1 + (TIMINGS + 1) * (EXPLORE + 2)
     for budget in budgets:
+        method = Method("fast_budget", parts=True,
+                        offloader=lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget))
         try:
-            r = measure(w, "fast_budget", device, steps, settle,
-                        lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget), parts=True)
+            r, run = measure(w, method, device, steps, settle)
         except ValueError as e:  # no plan fits
             res["budgets"].append({"budget_bytes": budget, "error": str(e)})
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB: {e}")
             continue
         r = keep(r)
         r["budget_bytes"] = budget
-        r["under_checkpoint_all"] = high > 0 and budget == under_ckpt
+        r["under_checkpoint_all"] = budget == under_ckpt
+        rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(alternatives, budget)
+        if rival is not None:
+            r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), steps, warmup,
+                                 warmup + settle + steps)
+            log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
+                f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
     return res
+
+
+def host_pinning_ms_per_gib(reps: int = 3) -> float:
+    """Milliseconds to make 1 GiB of fresh host memory pinned the way fast's pool does (the
+    fastest of ``reps``): a fresh offloader's first step pins every byte it offloads, so this
+    rate times those bytes is the least that step costs beyond a steady one."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        host = hostmem.exact_host_allocator(GiB, pinned=True)
+        times.append(time.perf_counter() - t0)
+        del host
+        gc.collect()
+    return min(times) * 1e3
 
 
 def _compile_kernels(device: torch.device) -> None:
@@ -293,6 +369,15 @@ def sweep(device: torch.device, small: bool, log=print, done=lambda results: Non
 
 
 # ---------------------------------------------------------------- verdicts
+def _ratio(b: dict[str, Any], rival: dict[str, Any]) -> tuple[float, str]:
+    """``b``'s step time over ``rival``'s: from their alternating steps where they ran so,
+    else from their separate runs."""
+    p = b.get("paired")
+    if p is not None and p["against"] == rival["method"]:
+        return p["ratio"], "alternating"
+    return b["step_ms"] / rival["step_ms"], "separately"
+
+
 def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
     """The sweep's questions, answered from one workload's figures."""
     m = workload["methods"]
@@ -302,22 +387,25 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
         if "error" in b:
             cells.append({"budget_bytes": b["budget_bytes"], "error": b["error"]})
             continue
-        fitting = [a for a in alternatives if a["peak_bytes"] <= b["budget_bytes"]]
-        best = min(fitting, key=lambda a: a["step_ms"]) if fitting else None
+        best = _fastest_fitting(alternatives, b["budget_bytes"])
+        ratio, how = _ratio(b, best) if best else (None, None)
         cells.append({
             "budget_bytes": b["budget_bytes"],
             "peak_within_budget": b["peak_bytes"] <= b["budget_bytes"],
             "fastest_fitting_alternative": best["method"] if best else None,
-            "vs_fastest_fitting": b["step_ms"] / best["step_ms"] if best else None,
+            "vs_fastest_fitting": ratio,
+            "vs_fastest_fitting_measured": how,
+            "vs_fastest_fitting_separately": b["step_ms"] / best["step_ms"] if best else None,
             "vs_predicted": b["step_ms"] / (b["plan"]["predicted_step_s"] * 1e3) if b.get("plan", {}).get("predicted_step_s") else None,
             "bitwise": b["bitwise"],
         })
     under = [b for b in workload["budgets"] if b.get("under_checkpoint_all") and "error" not in b]
     ckpt = m["checkpoint_all"]
+    under_time = _ratio(under[0], ckpt)[0] if under else None
     return {
         "cells": cells,
-        "below_checkpoint_all": bool(under) and under[0]["peak_bytes"] < ckpt["peak_bytes"]
-        and under[0]["step_ms"] <= 1.10 * ckpt["step_ms"],
+        "below_checkpoint_all": bool(under) and under[0]["peak_bytes"] < ckpt["peak_bytes"] and under_time <= 1.10,
+        "below_checkpoint_all_time_ratio": under_time,
         "fast_peak_minus_ref_peak_bytes": m["fast"]["peak_bytes"] - m["ref"]["peak_bytes"],
         "fast_peak_minus_ref_peak_groups": ((m["fast"]["peak_bytes"] - m["ref"]["peak_bytes"])
                                             / m["fast"]["largest_group_bytes"] if m["fast"].get("largest_group_bytes") else None),
@@ -388,10 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_deterministic(True)
     env = describe(device)
+    pinning = host_pinning_ms_per_gib() if device.type == "cuda" else None
 
     def save(results: list[dict[str, Any]]) -> dict[str, Any]:
         results = earlier + results
-        doc = {"env": env, "workloads": results,
+        doc = {"env": env, "host_pinning_ms_per_gib": pinning, "workloads": results,
                "verdicts": {r["workload"]: verdicts(r) for r in results if "error" not in r}}
         if args.out:
             with open(args.out, "w") as f:
