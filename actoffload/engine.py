@@ -518,16 +518,21 @@ class _SeeingSaves:
         outer = compat.current_saved_tensors_hooks()
         assert outer is not None, "checkpoint installs its hooks before entering its context"
         outer_pack, outer_unpack = outer
+        see = self._see  # not self: the hooks would hold themselves (below)
 
         def pack(t: torch.Tensor) -> Any:
-            self._see(t)
+            see(t)
             return outer_pack(t)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
         self._hooks.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
+        # Let go of the hooks: checkpoint's pack hook holds its frame, and the frame the inputs
+        # it saved. Held by a cycle, they lived until the garbage collector ran (after the
+        # whole backward pass) instead of until the group's backward was done.
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
 
 
 class _EachTime:

@@ -1,6 +1,8 @@
 """fast with a memory_budget: profile, plan, run the plan; every action bitwise equal to no
 offloading (CPU: memory is the bytes the groups save; the measured peak is CUDA's)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -73,6 +75,39 @@ def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):
     s = off.stats()["groups"]["0"]
     if actions[0] == "recompute":  # only its input (checkpoint's) is saved, and kept
         assert s["offloaded_bytes"] == 0 and s["saved"] <= 3
+
+
+def test_budget_a_recomputed_group_lets_go_of_its_inputs_once_its_backward_is_done(monkeypatch):
+    """As with checkpointing by hand: a recomputed module's input (kept by the plan) is freed
+    when backward is past that module, not at the end of the backward pass; the model of the
+    plan's peak counts it so (R9). With the collector off, a reference cycle shows."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from actoffload.budget.planner import GroupPlan, Plan
+
+    blocks = _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    _steps(blocks, off, steps=PROFILE_STEPS)
+    controller = off._budget
+    controller.plan = Plan((GroupPlan("recompute"),) * len(blocks))
+    monkeypatch.setattr(controller, "_choose", lambda: None)
+    handle = ao.wrap(blocks, off)
+    gc.collect()
+    gc.disable()
+    try:
+        inputs, alive = [], []
+        h = torch.randn(64, D, requires_grad=True) * 1
+        for i, b in enumerate(blocks):
+            inputs.append(StorageWeakRef(h.untyped_storage()))
+            h.register_hook(lambda grad, i=i: alive.append((i, [not r.expired() for r in inputs])))
+            h = b(h)
+        h.square().sum().backward()
+    finally:
+        gc.enable()
+        handle.remove()
+    assert [a["action"] for a in off.stats()["plan"]["groups"]] == ["recompute"] * 4
+    # when the gradient of block i's input is made, that input and those after it are gone
+    assert alive == [(i, [j < i for j in range(4)]) for i in (3, 2, 1, 0)]
 
 
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
