@@ -244,7 +244,11 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _fastest_fitting(alternatives: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+def _fastest_fitting(workload: dict[str, Any], budget: int) -> dict[str, Any] | None:
+    """The fastest of what users would pick instead (offloading everything included, ref
+    not: fast is the faster of the two) whose peak fits ``budget``; ``None`` if none does."""
+    m = workload["methods"]
+    alternatives = [m[k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + workload["selective"]
     fitting = [a for a in alternatives if a["peak_bytes"] <= budget]
     return min(fitting, key=lambda a: a["step_ms"]) if fitting else None
 
@@ -288,7 +292,6 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
         under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
-    alternatives = [res["methods"][k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + res["selective"]
     # a budget's first steps profile, then may try a few plans the model rates fastest and the
     # fastest that moves no bytes (TIMINGS + 1 steps each: the first pins host memory) before
     # keeping the fastest measured
@@ -305,10 +308,10 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         r = keep(r)
         r["budget_bytes"] = budget
         r["under_checkpoint_all"] = budget == under_ckpt
-        rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(alternatives, budget)
+        rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(res, budget)
         if rival is not None:
             r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), steps, warmup,
-                                 warmup + settle + steps)
+                                 settle + steps)
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
                 f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
@@ -381,13 +384,12 @@ def _ratio(b: dict[str, Any], rival: dict[str, Any]) -> tuple[float, str]:
 def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
     """The sweep's questions, answered from one workload's figures."""
     m = workload["methods"]
-    alternatives = [m[k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + workload["selective"]
     cells = []
     for b in workload["budgets"]:
         if "error" in b:
             cells.append({"budget_bytes": b["budget_bytes"], "error": b["error"]})
             continue
-        best = _fastest_fitting(alternatives, b["budget_bytes"])
+        best = _fastest_fitting(workload, b["budget_bytes"])
         ratio, how = _ratio(b, best) if best else (None, None)
         cells.append({
             "budget_bytes": b["budget_bytes"],
