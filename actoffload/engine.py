@@ -185,8 +185,20 @@ class Engine(Generic[GroupT, MovedT]):
         """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
         forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
         on the way (what the group would have saved, for a memory plan's profile)."""
-        return (_SeeingSaves(lambda t: self._seen_under_checkpoint(group, t)),
+        return (_SeeingSaves(lambda t: self._saw_under_checkpoint(group, t), partial(_check_unchanged, group)),
                 _EachTime(lambda: self._recomputing(group)))
+
+    def _saw_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        self._seen_under_checkpoint(group, t)
+        # checkpoint drops the saved tensor and recomputes it: an in-place write after the
+        # save would go unnoticed where autograd would have raised (R6)
+        if t.is_nested:
+            raise RuntimeError(
+                f"group {group.name!r} is being recomputed (warmup='recompute', or a memory_budget's plan), but "
+                "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
+                "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
+            )
+        return compat.version_guard(t), t._version, tuple(t.shape)
 
     @contextlib.contextmanager
     def _recomputing(self, group: GroupT) -> Iterator[None]:
@@ -255,6 +267,8 @@ class Engine(Generic[GroupT, MovedT]):
         )
         group.summary.clear()
         group.summary.update(plan.summary())
+        if group.recompute:  # what it saved are its inputs; the rest comes back by recomputing
+            group.summary["recomputed"] = True
         return plan
 
     def _commit(self, group: GroupT) -> None:
@@ -506,25 +520,36 @@ class Engine(Generic[GroupT, MovedT]):
         }
 
 
+def _check_unchanged(group: Group, seen: tuple[torch.Tensor, int, tuple[int, ...]]) -> None:
+    guard, version, shape = seen
+    if guard._version != version:
+        raise _modified_error(group, shape, version, guard._version)
+
+
 class _SeeingSaves:
     """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
-    innermost when entered (checkpoint enters its own, then this one)."""
+    innermost when entered (checkpoint enters its own, then this one); at each unpack,
+    ``check`` gets what ``see`` returned for that save."""
 
-    def __init__(self, see: Any):
-        self._see = see
+    def __init__(self, see: Any, check: Any):
+        self._see, self._check = see, check
         self._hooks: Any = None
 
     def __enter__(self) -> None:
         outer = compat.current_saved_tensors_hooks()
         assert outer is not None, "checkpoint installs its hooks before entering its context"
         outer_pack, outer_unpack = outer
-        see = self._see  # not self: the hooks would hold themselves (below)
+        see, check = self._see, self._check  # not self: the hooks would hold themselves (below)
 
         def pack(t: torch.Tensor) -> Any:
-            see(t)
-            return outer_pack(t)
+            return see(t), outer_pack(t)
 
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+        def unpack(packed: Any) -> torch.Tensor:
+            seen, inner = packed
+            check(seen)
+            return outer_unpack(inner)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
 
     def __exit__(self, *exc: Any) -> None:

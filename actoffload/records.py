@@ -112,7 +112,7 @@ class Group:
         self.end_seq = first_seq
         self.position = 0  # its place among the groups of its step (stats' window)
         self.recomputable = False  # a wrapped module: it can run under activation checkpointing
-        self.recompute = False  # it does (a memory plan says so)
+        self.recompute = False  # it does (a memory plan or the warm-up says so)
         # a memory plan keeps all it saves: autograd holds them itself, counted only (storage
         # key -> bytes), with none of the per-save work a group that may move does
         self.kept_whole = False

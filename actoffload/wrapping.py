@@ -79,17 +79,21 @@ def wrap(
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[], None]:
     had_own = "forward" in vars(module)
     inner = module.forward
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
 
     # Not a `with` block: torch.compile cannot resume inside a `with` whose context manager
     # it does not trace, and would then run the whole forward eagerly. Two calls it does not
     # trace are two clean graph breaks, and the module's own forward between them compiles.
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        group = _open(module, off, name)
+        # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
+        # and eager kernels differ from compiled ones in the last bits), nor while it updates
+        # running statistics (recomputing would update them twice).
+        recomputable = not torch.compiler.is_compiling() and not _updates_stats(norms)
+        group = _open(module, off, name, recomputable)
         try:
-            if group.recompute:  # a memory plan's choice: save only the inputs, recompute in backward
-                out = torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False,
-                                                        context_fn=group.checkpoint_contexts, **kwargs)
+            if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
+                out = _recomputed(inner, group, args, kwargs)
             else:
                 out = inner(*args, **kwargs)
         except BaseException:
@@ -110,11 +114,25 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
     return restore
 
 
+def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
+    """Whether a forward updates running statistics (batch norm in training): recomputing it
+    would update them twice."""
+    return any(m.training and m.track_running_stats for m in norms)
+
+
 @compat.not_traced
-def _open(module: torch.nn.Module, off: Offloader, name: str) -> GroupContext:
+def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``inner`` under non-reentrant checkpointing with the group's contexts (never traced:
+    Dynamo cannot trace checkpoint with a ``context_fn`` of ours)."""
+    return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False,
+                                             context_fn=group.checkpoint_contexts, **kwargs)
+
+
+@compat.not_traced
+def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool) -> GroupContext:
     # at every call: a parameter's storage may have changed (.data replaced, FSDP)
     mark_parameters(*module.parameters())
-    return GroupContext(off, name, recomputable=True).__enter__()
+    return GroupContext(off, name, recomputable=recomputable).__enter__()
 
 
 @compat.not_traced

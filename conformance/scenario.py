@@ -19,6 +19,10 @@ LAYERS = (
     "quantized", "grouped", "grouped_mlp", "grouped_mlp_selected",
     "complex", "wrapper_subclass", "forward_ad", "nested", "parameter_swap", "detached_weight", "compiled",
 )
+# Recomputing is checkpointing: a forward with a side effect (a parameter's .data replaced)
+# has it twice, and backward sees the result; checkpoint cannot save nested tensors (the
+# offloader raises, naming the group). Both are documented; tests/test_warmup.py covers them.
+_NOT_RECOMPUTABLE = {"parameter_swap", "nested"}
 MARKS = (None, None, None, "veto_before", "veto_after", "optin_before", "optin_after")
 
 
@@ -45,6 +49,7 @@ class Scenario:
     delay: str | None = None  # CUDA: "d2h" | "h2d" | "compute": a stream made to lag far behind
     in_except: bool = False  # the forwards run while an unrelated exception is being handled
     same_names: bool = False  # every group has the same name (a block reused across depth)
+    warmup: str = "offload"  # fast only: "recompute" recomputes the wrapped groups while it pins
     width: int = 16
     seq: int = 8
     batch: int = 2
@@ -65,6 +70,8 @@ class Scenario:
             value = getattr(self, name)
             if value not in (None, False, [], {}):
                 opts.append(f"{name}={value}")
+        if self.warmup != "offload":
+            opts.append(f"warmup={self.warmup}")
         return " ".join(opts)
 
 
@@ -106,6 +113,9 @@ def generate(seed: int, device: str = "cpu") -> Scenario:
         seq=rng.choice([4, 8]),
         batch=rng.choice([1, 2]),
     )
+    # drawn last, so the other fields of a seed stay what they were
+    if s.use_wrap and rng.random() < 0.5 and not any(_NOT_RECOMPUTABLE & set(layers) for layers in groups):
+        s.warmup = "recompute"
     return s
 
 
@@ -128,7 +138,8 @@ def shrinks(s: Scenario) -> list[Scenario]:
         out.append(replace(s, microbatches=1, backward_order=[0], retain_graph=s.retain_graph))
     for name, plain in (("retain_graph", False), ("raise_in_group", None), ("inplace_after_save", None),
                         ("checkpoint", []), ("marks", {}), ("delay", None), ("use_wrap", False),
-                        ("pack_below", None), ("policy", "all"), ("in_except", False), ("same_names", False)):
+                        ("pack_below", None), ("policy", "all"), ("in_except", False), ("same_names", False),
+                        ("warmup", "offload")):
         if getattr(s, name) != plain:
             out.append(replace(s, **{name: plain}))
     for key in s.marks:

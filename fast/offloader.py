@@ -59,6 +59,7 @@ from .streams import CopyStreams
 # Whole groups ahead made fast's peak exceed ref's by more than a group (ref reloads a
 # tensor only when backward unpacks it); half keeps most of the overlap.
 PREFETCH_SHARE = 0.5
+WARMUPS = ("offload", "recompute")
 
 
 class _Copied:
@@ -153,12 +154,18 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
-    - ``pin_ahead`` (default off): on CUDA, when the pinned pool must allocate a block
-      (the first step), it allocates one more of that size on a background thread, to
-      overlap pinning with the GPU's work. Costs at most one extra pooled block per size
-      class of host memory. Off by default: pinning on two threads at once contends in
-      the kernel and the driver (on an H200 host the decoder's first step took 0.71 s
-      with it, 0.62 s without).
+    - ``warmup`` (default ``"offload"``): how a fresh offloader's first steps go.
+      ``"offload"`` offloads from the first step, pinning each pool block when first
+      needed: pinning costs about as much per byte as the copy out (50-80 ms per GiB on
+      an H100 host), so that step takes 2-3x a steady one. ``"recompute"``: while the
+      blocks the first step asked for are pinned on a background thread, modules given
+      to ``ao.wrap`` run under activation checkpointing with their inputs moved out (the
+      least device memory of any plan), and from the first step that begins with every
+      block pinned, groups offload as usual; no step waits for pinning. Recomputing runs a
+      module's forward twice, with checkpointing's caveats: side effects of a forward
+      (counters, hooks, replacing a parameter's ``.data``) happen twice. Modules that
+      update batch-norm statistics and modules under ``torch.compile`` are not recomputed;
+      groups opened by hand offload from the start.
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
       device memory a training step may allocate, everything included (parameters,
       gradients, optimizer state, the offloader's own buffers). The first two steps
@@ -181,20 +188,27 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     impl = "fast"
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
-                 pack_below: int = 4 << 20, packer: str = "auto", pin_ahead: bool = False,
+                 pack_below: int = 4 << 20, packer: str = "auto", warmup: str = "offload",
                  memory_budget: int | str | None = None, **settings: Any):
         super().__init__(impl, **settings)
         self.max_inflight = check_count("max_inflight", max_inflight)
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
+        self.warmup = check_choice("warmup", warmup, WARMUPS)
         self._budget: BudgetController | None = None
         if memory_budget is not None:
+            if self.warmup == "recompute":
+                raise ValueError("warmup='recompute' does not apply with a memory_budget: a budget's first "
+                                 "steps profile by recomputing already; leave warmup at 'offload'")
             self._budget = BudgetController(parse_bytes("memory_budget", memory_budget), self.device)
             self.keep_last = 0  # the plan decides what stays
         self._streams = CopyStreams(self.device)
-        if not isinstance(pin_ahead, bool):
-            raise ValueError(f"pin_ahead must be True or False, got {pin_ahead!r}")
-        self._pool = PinnedPool(self._host.allocate, ahead=pin_ahead and self.device.type == "cuda")
+        self._pool = PinnedPool(self._host.allocate)
+        # warming up: wrapped groups recompute until the blocks the first step asked for are pinned
+        self._warming = self._budget is None and self.warmup == "recompute"
+        self._warm_steps = 0  # steps begun while warming up
+        self._sizing_step: int | None = None  # the warm-up step whose groups reserved host blocks
+        self._recomputed_in_step = False
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
@@ -205,7 +219,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     @property
     def settings(self) -> dict[str, Any]:
         return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
-                "pack_below": self.pack_below, "packer": self._packer.name, "pin_ahead": self._pool.ahead,
+                "pack_below": self.pack_below, "packer": self._packer.name, "warmup": self.warmup,
                 "memory_budget": None if self._budget is None else self._budget.budget}
 
     # ------------------------------------------------------------------ a memory plan
@@ -217,6 +231,13 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _step_begins(self) -> None:
         if self._budget is not None:
             self._budget.step_begins()
+        elif self._warming:
+            pinned = self._sizing_step is not None and self._pool.reserving == 0
+            if self._warm_steps and (pinned or not self._recomputed_in_step):
+                self._warming = False  # every block reserved is pinned (or failed), or nothing recomputes
+            else:
+                self._warm_steps += 1
+                self._recomputed_in_step = False
 
     def _group_opens(self, group: FastGroup) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
@@ -226,6 +247,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             group.planned = self._budget.action(group.recomputable)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
             group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
+        elif self._warming and group.recomputable:
+            group.recompute = self._recomputed_in_step = True
 
     def _group_closing(self, group: FastGroup) -> None:
         if self._budget is not None:
@@ -246,8 +269,15 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if self._budget is not None:
                 self._budget.recompute_ends(group.position)
 
+    def _learning_sizes(self) -> bool:
+        """Whether what recomputed groups would save is wanted: a budget's profile, or the
+        block sizes the first warm-up step reserves."""
+        if self._budget is not None:
+            return self._budget.profiling
+        return self._warming and self._sizing_step in (None, self._warm_steps)
+
     def _seen_under_checkpoint(self, group: FastGroup, t: torch.Tensor) -> None:
-        if self._budget is not None and self._budget.profiling:
+        if self._learning_sizes():
             if multibuffer.is_multibuffer(t):  # its buffers, as the pack hook would see them
                 for b in multibuffer.split(t).buffers:
                     if b is not None:
@@ -264,15 +294,17 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             group.would_save.append(fact)
 
     def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:
-        if self._budget is None:
-            return
         inner = None
-        if group.recompute:
+        if group.recompute and self._learning_sizes():
             inner = policy.plan_facts(group.would_save, min_offload_bytes=self.min_offload_bytes,
                                       policy=self.policy, committed=True)
             group.would_save = []
             group.seen_storages = {}
-        self._budget.committed(group.position, group.recompute, plan, inner)
+        if self._budget is not None:
+            self._budget.committed(group.position, group.recompute, plan, inner)
+        elif inner is not None:  # warming up: what this group will move once it offloads
+            self._sizing_step = self._warm_steps
+            self._pool.reserve(self._block_sizes([span.nbytes for span in inner.spans]))
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:
         return FastGroup(name, prev, first_seq)
@@ -296,12 +328,19 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                     obs.on_copy(direction, nbytes, start, end)
 
     # ------------------------------------------------------------------ offload
+    def _block_sizes(self, nbytes: list[int]) -> list[int]:
+        """The pool blocks a commit moving spans of ``nbytes`` takes: one for the packed
+        small ones, one per large one."""
+        packed = [n for n in nbytes if n < self.pack_below]
+        total = self._packer.layout(packed)[1]
+        return ([total] if packed else []) + [n for n in nbytes if n >= self.pack_below]
+
     def _move_out(self, group: FastGroup, moved: list[FastMoved]) -> None:
         rec = _Copied()
         packed = [m for m in moved if m.nbytes < self.pack_below]
         large = [m for m in moved if m.nbytes >= self.pack_below]
         offsets, rec.packed_total = self._packer.layout([m.nbytes for m in packed])
-        sizes = ([rec.packed_total] if packed else []) + [m.nbytes for m in large]
+        sizes = self._block_sizes([m.nbytes for m in moved])
         try:  # all host memory first: all or nothing (R10)
             for n in sizes:
                 rec.blocks.append(self._pool.get(n))
@@ -526,4 +565,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                "pack_below": self.pack_below, "copies": dict(self.counters)}
         if self._budget is not None:
             out["plan"] = self._budget.stats()
+        else:
+            out["warmup"] = {"warming_up": self._warming, "steps": self._warm_steps,
+                             "pinning_bytes": self._pool.reserving,
+                             "error": None if self._pool.reserve_error is None else str(self._pool.reserve_error)}
         return out

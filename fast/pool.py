@@ -14,8 +14,9 @@ waits.
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -46,11 +47,10 @@ class Block:
 class PinnedPool:
     """Size-classed free lists of host buffers.
 
-    With ``ahead``, a request the pool cannot serve also starts allocating one more block of
-    its size class on a background thread: the groups of a first step ask for the same
-    sizes one after another, and pinning host memory is slow (the pages are touched and
-    locked), so the next group finds its block ready while the GPU was busy. At most one
-    block per size class is allocated ahead; it stays pooled if nothing asks for it.
+    :meth:`reserve` allocates blocks on a background thread, into the free lists: a fresh
+    fast offloader that recomputes while it warms up asks for the blocks its steps will
+    need, so that pinning (slow: the pages are touched and locked) runs while the GPU works
+    instead of in front of each copy.
 
     Example::
 
@@ -58,14 +58,17 @@ class PinnedPool:
         block = pool.get(3 << 20)      # at least 3 MiB
         ...
         pool.put(block)                # reused by the next get() of the same class
+        pool.reserve([1 << 30])        # allocated meanwhile; pool.reserving says how much is left
     """
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor], ahead: bool = False):
+    def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self.ahead = ahead
         self._free: dict[int, list[Block]] = {}
         self._lock = threading.Lock()
-        self._allocating: dict[int, threading.Thread] = {}  # size class -> allocating ahead
+        self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
+        self._worker: threading.Thread | None = None
+        self.reserving = 0  # bytes reserved and not yet allocated
+        self.reserve_error: MemoryError | None = None  # why reserving stopped early, if it did
         self.in_use = 0
         self.pooled = 0
         self.allocations = 0  # host allocations made so far (flat after the first step)
@@ -83,34 +86,50 @@ class PinnedPool:
         with self._lock:
             self.allocations += 1
             self.in_use += size
-            if self.ahead and size not in self._allocating:
-                thread = threading.Thread(target=self._allocate_ahead, args=(size,), daemon=True)
-                self._allocating[size] = thread
-                thread.start()
         return block
 
-    def _allocate_ahead(self, size: int) -> None:
-        try:
-            block = Block(self._allocate(size))
-        except MemoryError:  # over the host budget, or out of memory: the next get() will say so
-            return
-        finally:
-            with self._lock:
-                self._allocating.pop(size, None)
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Allocate a block for each of ``sizes`` on a background thread and pool it. A failure
+        (over the host budget, out of memory) drops what is still queued and is kept in
+        :attr:`reserve_error`; a later :meth:`get` of that size allocates, and says so."""
+        classes = [size_class(n) for n in sizes]
         with self._lock:
-            self.allocations += 1
-            self._free.setdefault(size, []).append(block)
-            self.pooled += size
+            self._queue.extend(classes)
+            self.reserving += sum(classes)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._reserve_queued, daemon=True)
+                self._worker.start()
 
-    def wait_ahead(self) -> None:
-        """Wait until no block is being allocated ahead (for tests and shutdown)."""
+    def _reserve_queued(self) -> None:
         while True:
             with self._lock:
-                threads = list(self._allocating.values())
-            if not threads:
+                if not self._queue:
+                    self._worker = None
+                    return
+                size = self._queue.popleft()
+            try:
+                block = Block(self._allocate(size))
+            except MemoryError as e:
+                with self._lock:
+                    self.reserve_error = e
+                    self.reserving = 0
+                    self._queue.clear()
+                    self._worker = None
                 return
-            for t in threads:
-                t.join()
+            with self._lock:
+                self.allocations += 1
+                self.reserving -= size
+                self._free.setdefault(size, []).append(block)
+                self.pooled += size
+
+    def wait_reserved(self) -> None:
+        """Wait until every reserved block is allocated (or reserving failed)."""
+        while True:
+            with self._lock:
+                worker = self._worker
+            if worker is None:
+                return
+            worker.join()
 
     def put(self, block: Block) -> None:
         with self._lock:

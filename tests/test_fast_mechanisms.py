@@ -1,6 +1,7 @@
 """fast/ mechanisms on their own: pool, packing decision, schedule (run on CPU and CUDA)."""
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -36,17 +37,6 @@ def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(devic
     peaks = [s["host_bytes_in_use"] + s["host_bytes_pooled"] for s in stats]
     assert allocs[0] > 0 and allocs[-1] == allocs[0]
     assert max(peaks) == peaks[0]
-    assert off.stats()["host_bytes_in_use"] == 0
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_fast_pool_allocating_ahead_stops_after_the_first_steps(device):
-    """With pin_ahead (on CUDA), blocks pinned ahead during the first step may land after it:
-    the count settles by the third step and stays."""
-    model = mlp_stack(4, 64, device)
-    off = ao.Offloader(impl="fast", device=device, min_offload_bytes=0, keep_last=1, pin_ahead=True)
-    allocs = [s["host_allocations"] for s in train_steps(off, model, 12, device, batch=64)]
-    assert allocs[0] > 0 and len(set(allocs[2:])) == 1
     assert off.stats()["host_bytes_in_use"] == 0
 
 
@@ -138,23 +128,36 @@ def test_fast_packer_is_chosen_explicitly_and_both_give_identical_gradients(pack
     assert s["packer"] == name and s["copies"]["packed_spans"] == 8
 
 
-def test_pool_allocates_one_block_ahead_per_size_class_and_serves_the_next_request_from_it():
+def test_pool_reserves_blocks_on_a_background_thread_and_serves_requests_from_them():
     calls = []
 
     def allocate(n):
-        calls.append(n)
+        calls.append((n, threading.current_thread() is threading.main_thread()))
         return torch.empty(n, dtype=torch.uint8)
 
-    pool = PinnedPool(allocate, ahead=True)
-    a = pool.get(5000)  # a miss: allocated now, and one more of its class ahead
-    pool.wait_ahead()
-    assert calls == [size_class(5000)] * 2 and pool.pooled == size_class(5000)
-    b = pool.get(4999)  # served by the block allocated ahead
-    assert b is not a and pool.pooled == 0 and pool.allocations == 2
-    pool.wait_ahead()
-    assert len(calls) == 2  # a hit allocates nothing, ahead or not
-    pool.put(a)
-    pool.put(b)
+    pool = PinnedPool(allocate)
+    pool.reserve([5000, 5000, 70000])
+    pool.wait_reserved()
+    assert sorted(calls) == sorted([(size_class(5000), False)] * 2 + [(size_class(70000), False)])
+    assert pool.reserving == 0 and pool.pooled == 2 * size_class(5000) + size_class(70000)
+    blocks = [pool.get(4999), pool.get(5000), pool.get(70000)]  # served by the reserved blocks
+    assert len(calls) == 3 and pool.pooled == 0 and pool.allocations == 3
+    pool.get(5000)  # a miss: allocated on the caller's thread
+    assert calls[-1] == (size_class(5000), True)
+    pool.put_all(blocks)
+
+
+def test_pool_reserving_stops_at_the_first_failure_and_keeps_it():
+    def allocate(n):
+        if n > 10000:
+            raise MemoryError("no room for it")
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = PinnedPool(allocate)
+    pool.reserve([5000, 20000, 5000])
+    pool.wait_reserved()
+    assert pool.reserving == 0 and pool.pooled == size_class(5000)  # the one after the failure was dropped
+    assert "no room" in str(pool.reserve_error)
 
 
 def test_fast_reloads_ahead_only_what_backward_needs_first_and_the_rest_on_arrival():

@@ -169,6 +169,10 @@ class _Runner:
         self.off = method.offloader() if method.offloader is not None else None
         self._call = _checkpointed(method.checkpointed) if method.checkpointed else _plain
 
+    def warming_up(self) -> bool:
+        """Whether the offloader still recomputes while it pins (``warmup="recompute"``)."""
+        return self.off is not None and self.off.stats().get("warmup", {}).get("warming_up", False)
+
     def step(self, step: int) -> tuple[float, int]:
         """One step's seconds and peak device bytes."""
         w, cuda = self.w, self.device.type == "cuda"
@@ -199,18 +203,22 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     offloader reports; and the runner, for more steps of the same method."""
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     run = _Runner(w, method, device)
-    times, peaks, first = [], [], 0.0
-    for step in range(warmup + steps):
+    times, peaks, early = [], [], []
+    step = 0
+    # steady steps only: a warm-up ends when pinning does (a bound, should it never)
+    while step < warmup or (run.warming_up() and step < warmup + 50):
+        early.append(run.step(step)[0])
+        step += 1
+    for step in range(step, step + steps):
         elapsed, peak = run.step(step)
-        if step == 0:
-            first = elapsed
-        if step >= warmup:
-            times.append(elapsed)
-            peaks.append(peak)
+        times.append(elapsed)
+        peaks.append(peak)
+    early = early or times[:1]
     # kept on the host: a copy on the device would raise every later method's peak
     grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
     out: dict[str, Any] = {"method": method.label, "step_ms": statistics.median(times) * 1e3, "peak_bytes": max(peaks),
-                           "first_step_ms": first * 1e3, "grads": grads}
+                           "first_step_ms": early[0] * 1e3, "early_steps_ms": [t * 1e3 for t in early],
+                           "steps_ms": [t * 1e3 for t in times], "grads": grads}
     if run.off is not None:
         s = run.off.stats()
         out["offloaded_bytes"] = s["offloaded_bytes"]
@@ -259,7 +267,9 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     methods = {"none": Method("none"), "checkpoint_all": Method("checkpoint_all", checkpointed=len(w.blocks)),
                "save_on_cpu": Method("save_on_cpu", save_on_cpu=True),
                "ref": Method("ref", offloader=lambda: ao.Offloader(impl="ref", device=device)),
-               "fast": Method("fast", offloader=lambda: ao.Offloader(impl="fast", device=device))}
+               "fast": Method("fast", offloader=lambda: ao.Offloader(impl="fast", device=device)),
+               "fast_warmup": Method("fast_warmup", offloader=lambda: ao.Offloader(impl="fast", device=device,
+                                                                                   warmup="recompute"))}
     methods.update({f"checkpoint_{k}": Method(f"checkpoint_{k}", checkpointed=k) for k in range(1, len(w.blocks))})
     base, _ = measure(w, methods["none"], device, steps, warmup)
     res: dict[str, Any] = {"workload": w.name, "blocks": len(w.blocks), "methods": {}, "budgets": []}
@@ -271,7 +281,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         return r
 
     res["methods"]["none"] = keep(dict(base, grads=base["grads"]))
-    for name in ("checkpoint_all", "save_on_cpu", "ref", "fast"):
+    for name in ("checkpoint_all", "save_on_cpu", "ref", "fast", "fast_warmup"):
         res["methods"][name] = keep(measure(w, methods[name], device, steps, warmup)[0])
     res["selective"] = [keep(measure(w, methods[f"checkpoint_{k}"], device, steps, warmup)[0])
                         for k in range(1, len(w.blocks))]
@@ -413,6 +423,11 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
                                             / m["fast"]["largest_group_bytes"] if m["fast"].get("largest_group_bytes") else None),
         "fast_first_step_vs_steady": (m["fast"]["first_step_ms"] / m["fast"]["step_ms"]
                                       if m["fast"].get("first_step_ms") else None),
+        # warmup="recompute": its first step and its slowest step before it is warm, against the
+        # steady step of fast as it comes (after the warm-up both offload the same way)
+        **({"warmup_first_step_vs_steady": m["fast_warmup"]["first_step_ms"] / m["fast"]["step_ms"],
+            "warmup_slowest_early_step_vs_steady": max(m["fast_warmup"]["early_steps_ms"]) / m["fast"]["step_ms"],
+            "warmup_steps": len(m["fast_warmup"]["early_steps_ms"])} if "fast_warmup" in m else {}),
         "budget_first_step_vs_steady": [b["first_step_ms"] / b["step_ms"] for b in workload["budgets"]
                                         if "error" not in b and b.get("first_step_ms")],
     }

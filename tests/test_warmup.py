@@ -1,0 +1,212 @@
+"""fast's warm-up (``warmup="recompute"``): wrapped modules recompute while the host blocks of
+later steps are pinned on a background thread; then groups offload as usual. Every step is bitwise equal to no
+offloading (R1), R6 holds while recomputing, and once warm no host memory is allocated."""
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import actoffload as ao
+from actoffload.hostmem import exact_host_allocator
+from helpers import CUDA, DEVICES, assert_bitwise, deterministic
+
+D, H = 64, 256
+
+
+def _blocks(device="cpu", norm=False, d=D, h=H):
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(d, h), *([torch.nn.BatchNorm1d(h)] if norm else []), torch.nn.GELU(),
+                            torch.nn.Linear(h, d))
+        for _ in range(4)).to(device)
+
+
+def _step(blocks, step, device="cpu", by_hand=None, rows=32):
+    """One step's gradients; with ``by_hand`` (an offloader) each block is a group opened by hand."""
+    d = blocks[0][0].in_features
+    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_(True)
+    h = x * 1
+    for i, b in enumerate(blocks):
+        if by_hand is not None:
+            with by_hand.group(str(i)):
+                h = h + b(h)
+        else:
+            h = h + b(h)
+    h.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return grads
+
+
+class _Gate:
+    """A host allocator whose allocations off the main thread (the pool's reservations) wait
+    until the gate opens."""
+
+    def __init__(self):
+        self.open = threading.Event()
+        self.background = 0
+
+    def __call__(self, nbytes, pinned):
+        if threading.current_thread() is not threading.main_thread():
+            self.open.wait(timeout=30)
+            self.background += 1
+        return exact_host_allocator(nbytes, pinned)
+
+
+def test_warmup_recomputes_wrapped_modules_until_their_blocks_are_pinned_then_offloads():
+    blocks = _blocks()
+    expected = [_step(blocks, s) for s in range(4)]
+    gate = _Gate()
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute",
+                       host_allocator=gate)
+    with ao.wrap(blocks, off):
+        assert_bitwise(_step(blocks, 0), expected[0])
+        s = off.stats()
+        assert s["warmup"]["warming_up"] and s["warmup"]["pinning_bytes"] > 0
+        assert all(g.get("recomputed") for g in s["groups"].values())
+        # only each block's input was saved (by checkpoint) and moved
+        assert all(g["offloaded"] == 1 and g["offloaded_bytes"] == 32 * D * 4 for g in s["groups"].values())
+        assert_bitwise(_step(blocks, 1), expected[1])  # still pinning: still recomputing
+        assert off.stats()["warmup"]["steps"] == 2
+        assert all(g.get("recomputed") for g in off.stats()["groups"].values())
+        gate.open.set()
+        off._pool.wait_reserved()
+        allocations = off.stats()["host_allocations"]
+        assert_bitwise(_step(blocks, 2), expected[2])
+        s = off.stats()
+        assert not s["warmup"]["warming_up"] and not any(g.get("recomputed") for g in s["groups"].values())
+        # the blocks the first step reserved are exactly those offloading asks for
+        assert s["host_allocations"] == allocations and gate.background > 0
+    ref = ao.Offloader(impl="ref", device="cpu", min_offload_bytes=0, keep_last=0)
+    with ao.wrap(blocks, ref):
+        _step(blocks, 2)
+    assert s["groups"] == ref.stats()["groups"]
+
+
+def test_warmup_leaves_groups_opened_by_hand_to_offload_from_the_first_step():
+    blocks = _blocks()
+    expected = _step(blocks, 0)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    assert_bitwise(_step(blocks, 0, by_hand=off), expected)
+    s = off.stats()
+    assert s["offloaded_bytes"] > 0 and not any(g.get("recomputed") for g in s["groups"].values())
+    _step(blocks, 1, by_hand=off)
+    assert not off.stats()["warmup"]["warming_up"]  # nothing was recomputed, nothing to wait for
+
+
+def test_warmup_does_not_recompute_a_module_that_updates_running_statistics():
+    blocks = _blocks(norm=True)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    with ao.wrap(blocks, off):
+        _step(blocks, 0)
+        assert blocks[0][1].num_batches_tracked.item() == 1  # recomputing would have made it 2
+        assert not any(g.get("recomputed") for g in off.stats()["groups"].values())
+    blocks.eval()  # running statistics are only read: recomputing is exact
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    with ao.wrap(blocks, off):
+        _step(blocks, 0)
+        assert all(g.get("recomputed") for g in off.stats()["groups"].values())
+
+
+def test_warmup_recomputing_still_detects_a_saved_tensor_written_in_place_R6():
+    """Checkpoint drops what the forward saved and recomputes it; a write to the original
+    after its save would go unnoticed, where autograd raises without an offloader."""
+
+    class Exp(torch.nn.Module):
+        def forward(self, x):
+            return x.exp()  # exp saves its output
+
+    for off in (None, ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0,
+                                   warmup="recompute")):
+        module = Exp()
+        handle = ao.wrap(module, off) if off is not None else None
+        x = torch.randn(8, D, requires_grad=True)
+        y = module(x * 1)
+        y.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place operation"):
+            y.sum().backward()
+        if handle is not None:
+            assert off.stats()["groups"]["0"].get("recomputed")
+            handle.remove()
+
+
+def test_warmup_recomputing_a_module_that_saves_a_nested_tensor_says_what_to_do():
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(D, D)
+
+        def forward(self, x):
+            nt = torch.nested.nested_tensor(list(x.detach().split([1, x.shape[0] - 1])))
+            return x + torch.nested.to_padded_tensor(self.fc(nt), 0.0).sum() * 1e-3  # fc saves nt
+
+    module = Nested()
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    with ao.wrap(module, off), pytest.raises(RuntimeError, match="nested tensor.*warmup='offload'"):
+        module(torch.randn(4, D, requires_grad=True) * 1)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="offload")
+    with ao.wrap(module, off):
+        module(torch.randn(4, D, requires_grad=True) * 1).sum().backward()
+
+
+def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why():
+    blocks = _blocks()
+    inputs = 4 * 32 * D * 4  # what the first step moves: each block's input
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute",
+                       host_budget=2 * inputs)
+    with ao.wrap(blocks, off):
+        _step(blocks, 0)
+        off._pool.wait_reserved()
+        s = off.stats()["warmup"]
+        assert "host budget" in s["error"]
+        with pytest.raises(ao.HostMemoryError, match="host budget"):
+            _step(blocks, 1)  # offloading again, and short of host memory, as without the warm-up
+        assert not off.stats()["warmup"]["warming_up"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warmup_is_off_unless_asked_for(device):
+    """Recomputing runs each wrapped forward twice (checkpointing's caveats), so by default a
+    fresh offloader offloads from its first step."""
+    off = ao.Offloader(impl="fast", device=device)
+    assert off.settings["warmup"] == "offload" and not off.stats()["warmup"]["warming_up"]
+    assert ao.Offloader(impl="fast", device=device, warmup="recompute").stats()["warmup"]["warming_up"]
+
+
+def test_warmup_setting_is_checked_before_any_work():
+    with pytest.raises(ValueError, match="warmup"):
+        ao.Offloader(impl="fast", device="cpu", warmup="later")
+    with pytest.raises(ValueError, match="memory_budget"):
+        ao.Offloader(impl="fast", device="cpu", warmup="recompute", memory_budget="1GiB")
+    with pytest.raises(TypeError, match="fast"):
+        ao.Offloader(impl="ref", device="cpu", warmup="recompute")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
+def test_warmup_on_cuda_is_bitwise_and_holds_no_more_device_memory_than_offloading():
+    """The warm-up's steps recompute with inputs moved out: their peak is at most that of the
+    steps that offload (prefetch and copies in flight hold more), and the gradients match."""
+    with deterministic():
+        blocks = _blocks("cuda", d=512, h=2048)
+        expected = [_step(blocks, s, "cuda", rows=2048) for s in range(8)]
+        off = ao.Offloader(impl="fast", device="cuda", min_offload_bytes=0, warmup="recompute")
+        peaks, recomputed = [], []
+        with ao.wrap(blocks, off):
+            for s in range(8):
+                if s == 3:
+                    off._pool.wait_reserved()
+                gc.collect()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                assert_bitwise(_step(blocks, s, "cuda", rows=2048), expected[s])
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() - base)
+                recomputed.append(any(g.get("recomputed") for g in off.stats()["groups"].values()))
+        assert recomputed[0] and not any(recomputed[4:])
+        # (a first recomputation in backward may allocate cuBLAS's workspace on that thread)
+        slack = 4 << 20
+        assert max(p for p, r in zip(peaks, recomputed) if r) <= max(p for p, r in zip(peaks, recomputed) if not r) + slack
