@@ -198,11 +198,17 @@ def run(s: Scenario, impl: str | None) -> Outcome:
 def _host_bytes_once_released(off, patience_s: float = 2.0) -> int:
     """Host bytes still in use once the graph is gone.
 
-    On CUDA, backward runs on autograd's device thread; when a node raises, the caller
-    resumes as soon as the error is recorded, and the device thread drops the failing
-    node (with its saved-tensor handles) a moment later. Poll briefly, so only bytes that
-    stay in use count as a leak (R8).
+    When a node raises, PyTorch lets go of the rest of that backward pass late. On CUDA,
+    backward runs on autograd's device thread; the caller resumes as soon as the error is
+    recorded, and the device thread drops the failing node (with its saved-tensor handles)
+    a moment later. Nodes that run on the calling thread and were already queued when the
+    error came stay queued, with everything they hold (their saved-tensor handles, and
+    the graph behind them), until the next backward on this thread: without an offloader
+    their device tensors stay just as long. So first run an empty backward, which drops
+    them, then poll briefly, so only bytes that stay in use count as a leak (R8).
     """
+    torch.ones((), requires_grad=True).backward()
+    gc.collect()
     deadline = time.monotonic() + patience_s
     while True:
         in_use = off.stats()["host_bytes_in_use"]

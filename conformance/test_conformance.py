@@ -59,6 +59,17 @@ def _targeted(device: str, **kw) -> list[Scenario]:
     ]
 
 
+@pytest.mark.parametrize("groups,layer", [([["complex"]], "0.0"), ([["linear"], ["complex"]], "1.0")],
+                         ids=["one_group", "behind_an_earlier_group"])
+def test_R8_measured_once_pytorch_lets_go_of_a_failed_backward(groups, layer):
+    """Seed 2852, minimized: R6 raises in a checkpointed layer whose output sums two branches.
+    The branch already queued when the error came stays queued on this thread, holding the
+    checkpoint's saved input (and the graph behind it) until the next backward: no leak."""
+    s = Scenario(seed=2852, device="cpu", groups=groups, checkpoint=[layer], inplace_after_save=layer,
+                 keep_last=0, min_offload_bytes=0, width=32, seq=8, batch=2)
+    assert compare(s, "fast") == []
+
+
 @pytest.mark.parametrize("bug", list(bugs.BUGS))
 @pytest.mark.parametrize("device", DEVICES)
 def test_planted_bug_is_caught(bug, device):

@@ -4,6 +4,7 @@ import gc
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import actoffload as ao
 from helpers import DEVICES, IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, reference_grads, run_groups, zero_grads
@@ -153,3 +154,33 @@ def test_R8_saved_buffers_are_freed_node_by_node_in_backward(impl, keep_last):
         del c, a
     loss.backward()
     assert seen == [True]  # c went as soon as its node had run, while the group still lived
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_a_backward_that_raised_leaves_nothing_once_pytorch_lets_go(impl):
+    """R6 raises in a checkpointed block whose output sums two branches: the branch already
+    queued stays with PyTorch (holding the checkpoint's saved input, offloaded here) until the
+    next backward on this thread; then not a host byte may stay in use."""
+    off = off_for(impl, "cpu", keep_last=0)
+    w = torch.randn(32, requires_grad=True)
+
+    def block(x):
+        c = x.exp() * w  # one branch
+        with torch.no_grad():
+            x.add_(0)  # after checkpoint saved x: backward raises (R6)
+        return c + x.sin()  # the other branch
+
+    h = torch.randn(8, 32, requires_grad=True)
+    with off.group("g"):
+        y = torch.utils.checkpoint.checkpoint(block, h * 1, use_reentrant=False)
+    assert off.stats()["host_bytes_in_use"] > 0
+    try:  # not pytest.raises: its ExceptionInfo keeps the traceback alive
+        y.sum().backward()
+    except RuntimeError as e:
+        assert "modified by an in-place operation" in str(e)
+    else:
+        pytest.fail("backward did not raise")
+    del y
+    torch.ones((), requires_grad=True).backward()  # PyTorch drops what the failed pass left queued
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
