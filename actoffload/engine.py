@@ -185,20 +185,35 @@ class Engine(Generic[GroupT, MovedT]):
         """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
         forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
         on the way (what the group would have saved, for a memory plan's profile)."""
-        return (_SeeingSaves(lambda t: self._saw_under_checkpoint(group, t), partial(_check_unchanged, group)),
-                _EachTime(lambda: self._recomputing(group)))
+        # Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
+        # saved tensor after its save would go unnoticed where autograd raises (R6): each save's
+        # version is checked before each recomputation (not after: the recomputation may itself
+        # write what it saves again).
+        seen: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
+        return (_SeeingSaves(lambda t: seen.append(self._saw_under_checkpoint(group, t))),
+                _EachTime(lambda: self._recomputation(group, seen)))
 
     def _saw_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
         self._seen_under_checkpoint(group, t)
-        # checkpoint drops the saved tensor and recomputes it: an in-place write after the
-        # save would go unnoticed where autograd would have raised (R6)
         if t.is_nested:
             raise RuntimeError(
                 f"group {group.name!r} is being recomputed (warmup='recompute', or a memory_budget's plan), but "
                 "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
                 "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
             )
-        return compat.version_guard(t), t._version, tuple(t.shape)
+        try:
+            guard = compat.version_guard(t)
+        except RuntimeError:  # a kind whose data cannot be swapped out (sparse): hold it whole
+            guard = t.detach()
+        return guard, t._version, tuple(t.shape)
+
+    @contextlib.contextmanager
+    def _recomputation(self, group: GroupT, seen: list[tuple[torch.Tensor, int, tuple[int, ...]]]) -> Iterator[None]:
+        for guard, version, shape in seen:
+            if guard._version != version:
+                raise _modified_error(group, shape, version, guard._version)
+        with self._recomputing(group):
+            yield
 
     @contextlib.contextmanager
     def _recomputing(self, group: GroupT) -> Iterator[None]:
@@ -520,36 +535,25 @@ class Engine(Generic[GroupT, MovedT]):
         }
 
 
-def _check_unchanged(group: Group, seen: tuple[torch.Tensor, int, tuple[int, ...]]) -> None:
-    guard, version, shape = seen
-    if guard._version != version:
-        raise _modified_error(group, shape, version, guard._version)
-
-
 class _SeeingSaves:
     """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
-    innermost when entered (checkpoint enters its own, then this one); at each unpack,
-    ``check`` gets what ``see`` returned for that save."""
+    innermost when entered (checkpoint enters its own, then this one)."""
 
-    def __init__(self, see: Any, check: Any):
-        self._see, self._check = see, check
+    def __init__(self, see: Any):
+        self._see = see
         self._hooks: Any = None
 
     def __enter__(self) -> None:
         outer = compat.current_saved_tensors_hooks()
         assert outer is not None, "checkpoint installs its hooks before entering its context"
         outer_pack, outer_unpack = outer
-        see, check = self._see, self._check  # not self: the hooks would hold themselves (below)
+        see = self._see  # not self: the hooks would hold themselves (below)
 
         def pack(t: torch.Tensor) -> Any:
-            return see(t), outer_pack(t)
+            see(t)
+            return outer_pack(t)
 
-        def unpack(packed: Any) -> torch.Tensor:
-            seen, inner = packed
-            check(seen)
-            return outer_unpack(inner)
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
         self._hooks.__enter__()
 
     def __exit__(self, *exc: Any) -> None:

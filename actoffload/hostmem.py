@@ -107,24 +107,29 @@ class HostMemory:
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes``, or :class:`HostMemoryError` naming what was short."""
-        if self.allocated + nbytes > self.budget:
-            raise HostMemoryError(
-                f"offloading {nbytes:,} more bytes would exceed the host budget of {self.budget:,} bytes "
-                f"({self.allocated:,} in use); the group stays resident. Raise host_budget, offload less "
-                "(min_offload_bytes, keep_last, policy='marked')."
-            )
+        with self._lock:  # checked and counted at once: a pool may allocate on two threads
+            if self.allocated + nbytes > self.budget:
+                raise HostMemoryError(
+                    f"offloading {nbytes:,} more bytes would exceed the host budget of {self.budget:,} bytes "
+                    f"({self.allocated:,} in use); the group stays resident. Raise host_budget, offload less "
+                    "(min_offload_bytes, keep_last, policy='marked')."
+                )
+            self.allocated += nbytes
         try:
             host = self._allocator(nbytes, self.pinned)
+            if host.dtype != torch.uint8 or host.dim() != 1 or host.numel() != nbytes or host.device.type != "cpu":
+                raise TypeError(
+                    f"the host allocator returned a {tuple(host.shape)} {host.dtype} tensor on {host.device}; "
+                    f"it must return a 1-D uint8 CPU tensor of exactly {nbytes} bytes"
+                )
         except (RuntimeError, MemoryError) as e:
+            self._count(-nbytes)
             raise HostMemoryError(
                 f"could not allocate {nbytes:,} bytes of host memory to offload into ({e}); the group "
                 "stays resident. Raise min_offload_bytes or keep_last, or free host memory."
             ) from e
-        if host.dtype != torch.uint8 or host.dim() != 1 or host.numel() != nbytes or host.device.type != "cpu":
-            raise TypeError(
-                f"the host allocator returned a {tuple(host.shape)} {host.dtype} tensor on {host.device}; "
-                f"it must return a 1-D uint8 CPU tensor of exactly {nbytes} bytes"
-            )
-        self._count(nbytes)
+        except BaseException:
+            self._count(-nbytes)
+            raise
         weakref.finalize(host, self._count, -nbytes)
         return host

@@ -157,13 +157,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``warmup`` (default ``"offload"``): how a fresh offloader's first steps go.
       ``"offload"`` offloads from the first step, pinning each pool block when first
       needed: pinning costs about as much per byte as the copy out (50-80 ms per GiB on
-      an H100 host), so that step takes 2-3x a steady one. ``"recompute"``: while the
+      the H100 and H200 hosts measured), so that step takes 2-3x a steady one. ``"recompute"``: while the
       blocks the first step asked for are pinned on a background thread, modules given
       to ``ao.wrap`` run under activation checkpointing with their inputs moved out (the
       least device memory of any plan), and from the first step that begins with every
       block pinned, groups offload as usual; no step waits for pinning. Recomputing runs a
       module's forward twice, with checkpointing's caveats: side effects of a forward
-      (counters, hooks, replacing a parameter's ``.data``) happen twice. Modules that
+      (counters, hooks, replacing a parameter's ``.data``, a buffer updated in place as
+      spectral normalization does) happen twice. Modules that
       update batch-norm statistics and modules under ``torch.compile`` are not recomputed;
       groups opened by hand offload from the start.
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
@@ -208,7 +209,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._warming = self._budget is None and self.warmup == "recompute"
         self._warm_steps = 0  # steps begun while warming up
         self._sizing_step: int | None = None  # the warm-up step whose groups reserved host blocks
-        self._recomputed_in_step = False
+        self._sized: dict[int, Any] = {}  # storage key -> weak reference, sized in that step (R5: moved once)
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
@@ -232,12 +233,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if self._budget is not None:
             self._budget.step_begins()
         elif self._warming:
-            pinned = self._sizing_step is not None and self._pool.reserving == 0
-            if self._warm_steps and (pinned or not self._recomputed_in_step):
-                self._warming = False  # every block reserved is pinned (or failed), or nothing recomputes
+            if self._warm_steps and self._pool.reserving == 0:
+                self._warming = False  # what a whole step reserved is pinned (or reserving failed)
+                self._sized = {}
             else:
                 self._warm_steps += 1
-                self._recomputed_in_step = False
 
     def _group_opens(self, group: FastGroup) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
@@ -247,8 +247,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             group.planned = self._budget.action(group.recomputable)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
             group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
-        elif self._warming and group.recomputable:
-            group.recompute = self._recomputed_in_step = True
+        elif self._warming:
+            group.recompute = group.recomputable
 
     def _group_closing(self, group: FastGroup) -> None:
         if self._budget is not None:
@@ -296,15 +296,26 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:
         inner = None
         if group.recompute and self._learning_sizes():
+            warming = self._budget is None
             inner = policy.plan_facts(group.would_save, min_offload_bytes=self.min_offload_bytes,
-                                      policy=self.policy, committed=True)
+                                      policy=self.policy, committed=True,
+                                      moved_earlier=self._sized_earlier if warming else None)
+            if warming:  # what this group will move once it offloads, as a commit would
+                refs = {key: ref for ref, key in group.seen_storages.values()}
+                for span in inner.spans:
+                    if span.storage_key in refs:
+                        self._sized[span.storage_key] = refs[span.storage_key]
+                self._sizing_step = self._warm_steps
+                weakref.finalize(group, self._pool.expect(self._block_sizes([sp.nbytes for sp in inner.spans])))
             group.would_save = []
             group.seen_storages = {}
         if self._budget is not None:
             self._budget.committed(group.position, group.recompute, plan, inner)
-        elif inner is not None:  # warming up: what this group will move once it offloads
-            self._sizing_step = self._warm_steps
-            self._pool.reserve(self._block_sizes([span.nbytes for span in inner.spans]))
+
+    def _sized_earlier(self, key: int, aliases: list[SavedFact]) -> bool:
+        """An earlier group of the sizing step would move this storage, still alive (R5)."""
+        ref = self._sized.get(key)
+        return ref is not None and not ref.expired()
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:
         return FastGroup(name, prev, first_seq)

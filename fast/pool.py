@@ -66,9 +66,11 @@ class PinnedPool:
         self._free: dict[int, list[Block]] = {}
         self._lock = threading.Lock()
         self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
+        self._owned: collections.Counter[int] = collections.Counter()  # blocks allocated, by size class
+        self._expected: collections.Counter[int] = collections.Counter()  # blocks expected in use together
         self._worker: threading.Thread | None = None
         self.reserving = 0  # bytes reserved and not yet allocated
-        self.reserve_error: MemoryError | None = None  # why reserving stopped early, if it did
+        self.reserve_error: Exception | None = None  # why reserving stopped early, if it did
         self.in_use = 0
         self.pooled = 0
         self.allocations = 0  # host allocations made so far (flat after the first step)
@@ -85,8 +87,28 @@ class PinnedPool:
         block = Block(self._allocate(size))  # may raise HostMemoryError: nothing changed
         with self._lock:
             self.allocations += 1
+            self._owned[size] += 1
             self.in_use += size
         return block
+
+    def expect(self, sizes: Iterable[int]) -> Callable[[], None]:
+        """Blocks of ``sizes`` will be in use along with those expected before: :meth:`reserve`
+        those the pool neither owns nor has queued. Returns the call that says they no longer
+        will be (their group is gone)."""
+        classes = [size_class(n) for n in sizes]
+        short = []
+        with self._lock:
+            for c in classes:
+                self._expected[c] += 1
+                if self._expected[c] > self._owned[c] + self._queue.count(c):
+                    short.append(c)
+        self.reserve(short)
+
+        def done() -> None:
+            with self._lock:
+                self._expected.subtract(classes)
+
+        return done
 
     def reserve(self, sizes: Iterable[int]) -> None:
         """Allocate a block for each of ``sizes`` on a background thread and pool it. A failure
@@ -94,6 +116,7 @@ class PinnedPool:
         :attr:`reserve_error`; a later :meth:`get` of that size allocates, and says so."""
         classes = [size_class(n) for n in sizes]
         with self._lock:
+            self.reserve_error = None
             self._queue.extend(classes)
             self.reserving += sum(classes)
             if self._worker is None:
@@ -101,26 +124,31 @@ class PinnedPool:
                 self._worker.start()
 
     def _reserve_queued(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._worker = None
-                    return
-                size = self._queue.popleft()
-            try:
-                block = Block(self._allocate(size))
-            except MemoryError as e:
+        try:
+            while True:
                 with self._lock:
-                    self.reserve_error = e
-                    self.reserving = 0
-                    self._queue.clear()
-                    self._worker = None
-                return
+                    if not self._queue:
+                        return
+                    size = self._queue[0]
+                block = Block(self._allocate(size))
+                with self._lock:
+                    self._queue.popleft()
+                    self.allocations += 1
+                    self._owned[size] += 1
+                    self.reserving -= size
+                    self._free.setdefault(size, []).append(block)
+                    self.pooled += size
+        except Exception as e:  # noqa: BLE001  any failure stops reserving; get() then allocates, and says why
             with self._lock:
-                self.allocations += 1
-                self.reserving -= size
-                self._free.setdefault(size, []).append(block)
-                self.pooled += size
+                self.reserve_error = e
+                self._queue.clear()
+                self.reserving = 0
+        finally:
+            with self._lock:
+                self._worker = None
+                if self._queue:  # reserved after the last look at the queue: serve it too
+                    self._worker = threading.Thread(target=self._reserve_queued, daemon=True)
+                    self._worker.start()
 
     def wait_reserved(self) -> None:
         """Wait until every reserved block is allocated (or reserving failed)."""
@@ -130,6 +158,9 @@ class PinnedPool:
             if worker is None:
                 return
             worker.join()
+            with self._lock:
+                if self._worker is worker:  # it ended without clearing itself: nothing will
+                    self._worker = None
 
     def put(self, block: Block) -> None:
         with self._lock:
@@ -145,5 +176,7 @@ class PinnedPool:
         """Free every pooled block; returns the bytes released."""
         with self._lock:
             released, self.pooled = self.pooled, 0
+            for size, blocks in self._free.items():
+                self._owned[size] -= len(blocks)
             self._free.clear()
         return released

@@ -160,6 +160,27 @@ def test_pool_reserving_stops_at_the_first_failure_and_keeps_it():
     assert "no room" in str(pool.reserve_error)
 
 
+def test_pool_reserving_survives_an_allocator_that_raises_anything():
+    def allocate(n):
+        raise OSError("mlock failed")
+
+    pool = PinnedPool(allocate)
+    pool.reserve([5000])
+    pool.wait_reserved()  # returns: the worker is gone and says why
+    assert pool.reserving == 0 and isinstance(pool.reserve_error, OSError)
+
+
+def test_pool_expects_blocks_in_use_together_and_reserves_only_what_it_lacks():
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    first = pool.expect([5000, 5000])
+    pool.wait_reserved()
+    assert pool.pooled == 2 * size_class(5000)
+    first()  # that group is gone: a later one reuses its blocks
+    pool.expect([5000, 5000])
+    pool.wait_reserved()
+    assert pool.allocations == 2
+
+
 def test_fast_reloads_ahead_only_what_backward_needs_first_and_the_rest_on_arrival():
     """A prefetched group comes back in two parts: the spans its forward saved last (about
     half its bytes) ahead, the rest when backward reaches it; every byte exactly once."""

@@ -2,6 +2,7 @@
 later steps are pinned on a background thread; then groups offload as usual. Every step is bitwise equal to no
 offloading (R1), R6 holds while recomputing, and once warm no host memory is allocated."""
 
+import contextlib
 import gc
 import threading
 
@@ -86,6 +87,42 @@ def test_warmup_recomputes_wrapped_modules_until_their_blocks_are_pinned_then_of
     assert s["groups"] == ref.stats()["groups"]
 
 
+@pytest.mark.parametrize("keep_last", [1, 4])
+def test_warmup_ends_when_the_groups_it_recomputes_are_the_ones_kept_last(keep_last):
+    """Groups that keep_last leaves on the device are never committed, so nothing is
+    reserved for them: the warm-up ends at the next step."""
+    blocks = _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=keep_last, warmup="recompute")
+    with ao.wrap(blocks[3] if keep_last == 1 else blocks, off):
+        for s in range(6):
+            _step(blocks, s)
+            off._pool.wait_reserved()
+    assert not off.stats()["warmup"]["warming_up"] and off.stats()["warmup"]["steps"] == 1
+
+
+def test_warmup_reserves_what_offloading_holds_at_once_not_per_forward():
+    """Forwards before the first backward (or ones that raised) expect blocks only while their
+    groups live, and a storage two groups save is reserved once (R5): the pool ends about
+    where offloading from the first step leaves it (plus the blocks the inputs moved in)."""
+    pooled = {}
+    for warmup in ("offload", "recompute"):
+        blocks = _blocks()
+        off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup=warmup)
+        with ao.wrap(blocks, off):
+            for s in range(5):  # forwards whose graphs die unused
+                x = torch.randn(32, D, requires_grad=True)
+                h = x * 1
+                for b in blocks:
+                    h = h + b(h)
+                del h, x
+            for s in range(4):
+                _step(blocks, s)
+                off._pool.wait_reserved()
+        pooled[warmup] = off.stats()["host_bytes_pooled"]
+    inputs = 4 * 32 * D * 4
+    assert pooled["offload"] <= pooled["recompute"] <= pooled["offload"] + inputs
+
+
 def test_warmup_leaves_groups_opened_by_hand_to_offload_from_the_first_step():
     blocks = _blocks()
     expected = _step(blocks, 0)
@@ -133,6 +170,48 @@ def test_warmup_recomputing_still_detects_a_saved_tensor_written_in_place_R6():
             handle.remove()
 
 
+def test_warmup_checks_R6_before_recomputing_not_after():
+    """A forward that writes a buffer and saves it writes it again when recomputed: only a
+    write between the forward and the recomputation is the user's (none here)."""
+
+    class Staged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buf", torch.zeros(8, D))
+            self.w = torch.nn.Parameter(torch.randn(D))
+
+        def forward(self, x):
+            self.buf.copy_(x.detach())
+            return (x * self.w * self.buf).exp()  # mul saves buf; exp's output is unpacked first
+
+    grads = []
+    for off in (None, ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0,
+                                   warmup="recompute")):
+        torch.manual_seed(0)
+        m = Staged()
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with ao.wrap(m, off) if off is not None else contextlib.nullcontext():
+            m(x * 1).sum().backward()
+        grads.append([x.grad, m.w.grad])
+    assert_bitwise(grads[1], grads[0])
+
+
+def test_warmup_recomputes_a_module_that_saves_a_sparse_tensor():
+    class SparseMM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(D, D)
+
+        def forward(self, x):
+            return torch.sparse.mm(torch.eye(x.shape[0]).to_sparse(), self.fc(x))  # saves the sparse matrix
+
+    m = SparseMM()
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    with ao.wrap(m, off):
+        m(torch.randn(8, D, requires_grad=True) * 1).sum().backward()
+    assert off.stats()["groups"]["0"].get("recomputed")
+
+
 def test_warmup_recomputing_a_module_that_saves_a_nested_tensor_says_what_to_do():
     class Nested(torch.nn.Module):
         def __init__(self):
@@ -152,7 +231,7 @@ def test_warmup_recomputing_a_module_that_saves_a_nested_tensor_says_what_to_do(
         module(torch.randn(4, D, requires_grad=True) * 1).sum().backward()
 
 
-def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why():
+def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why_R10():
     blocks = _blocks()
     inputs = 4 * 32 * D * 4  # what the first step moves: each block's input
     off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute",
@@ -163,7 +242,7 @@ def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why():
         s = off.stats()["warmup"]
         assert "host budget" in s["error"]
         with pytest.raises(ao.HostMemoryError, match="host budget"):
-            _step(blocks, 1)  # offloading again, and short of host memory, as without the warm-up
+            _step(blocks, 1)  # offloading now, and short of host memory: the commit raises (R10)
         assert not off.stats()["warmup"]["warming_up"]
 
 
