@@ -115,6 +115,8 @@ class PinnedPool:
         (over the host budget, out of memory) drops what is still queued and is kept in
         :attr:`reserve_error`; a later :meth:`get` of that size allocates, and says so."""
         classes = [size_class(n) for n in sizes]
+        if not classes:
+            return
         with self._lock:
             self.reserve_error = None
             self._queue.extend(classes)
