@@ -123,6 +123,38 @@ def test_warmup_reserves_what_offloading_holds_at_once_not_per_forward():
     assert pooled["offload"] <= pooled["recompute"] <= pooled["offload"] + inputs
 
 
+def test_warmup_micro_batches_and_retain_graph_across_the_switch_to_offloading_are_bitwise():
+    """Two micro-batches' forwards, then their backwards (one twice, retain_graph), while
+    recomputing and again once offloading: every gradient as without an offloader."""
+
+    def step(blocks, seed):
+        xs = [torch.randn(16, D, generator=torch.Generator().manual_seed(seed + k), requires_grad=True)
+              for k in range(2)]
+        losses = []
+        for x in xs:
+            h = x * 1
+            for b in blocks:
+                h = h + b(h)
+            losses.append(h.square().sum())
+        losses[1].backward(retain_graph=True)
+        losses[0].backward()
+        losses[1].backward()
+        grads = [x.grad.clone() for x in xs] + [p.grad.clone() for p in blocks.parameters()]
+        for p in blocks.parameters():
+            p.grad = None
+        return grads
+
+    blocks = _blocks()
+    expected = [step(blocks, 10 * s) for s in range(3)]
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=1, warmup="recompute")
+    with ao.wrap(blocks, off):
+        for s in range(3):
+            assert_bitwise(step(blocks, 10 * s), expected[s])
+            recomputed = any(g.get("recomputed") for g in off.stats()["groups"].values())
+            assert recomputed == (s == 0)
+            off._pool.wait_reserved()  # the next step begins with everything pinned
+
+
 def test_warmup_leaves_groups_opened_by_hand_to_offload_from_the_first_step():
     blocks = _blocks()
     expected = _step(blocks, 0)
