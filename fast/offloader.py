@@ -306,7 +306,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                     if span.storage_key in refs:
                         self._sized[span.storage_key] = refs[span.storage_key]
                 self._sizing_step = self._warm_steps
-                weakref.finalize(group, self._pool.expect(self._block_sizes([sp.nbytes for sp in inner.spans])))
+                weakref.finalize(group, self._pool.expect(self._layout([sp.nbytes for sp in inner.spans])[2]))
             group.would_save = []
             group.seen_storages = {}
         if self._budget is not None:
@@ -339,19 +339,19 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                     obs.on_copy(direction, nbytes, start, end)
 
     # ------------------------------------------------------------------ offload
-    def _block_sizes(self, nbytes: list[int]) -> list[int]:
-        """The pool blocks a commit moving spans of ``nbytes`` takes: one for the packed
-        small ones, one per large one."""
+    def _layout(self, nbytes: list[int]) -> tuple[list[int], int, list[int]]:
+        """A commit moving spans of ``nbytes``: the offsets of the small ones (in order) in its
+        packed block, that block's bytes, and the pool blocks it takes (the packed one, then
+        one per large span)."""
         packed = [n for n in nbytes if n < self.pack_below]
-        total = self._packer.layout(packed)[1]
-        return ([total] if packed else []) + [n for n in nbytes if n >= self.pack_below]
+        offsets, total = self._packer.layout(packed)
+        return offsets, total, ([total] if packed else []) + [n for n in nbytes if n >= self.pack_below]
 
     def _move_out(self, group: FastGroup, moved: list[FastMoved]) -> None:
         rec = _Copied()
         packed = [m for m in moved if m.nbytes < self.pack_below]
         large = [m for m in moved if m.nbytes >= self.pack_below]
-        offsets, rec.packed_total = self._packer.layout([m.nbytes for m in packed])
-        sizes = self._block_sizes([m.nbytes for m in moved])
+        offsets, rec.packed_total, sizes = self._layout([m.nbytes for m in moved])
         try:  # all host memory first: all or nothing (R10)
             for n in sizes:
                 rec.blocks.append(self._pool.get(n))

@@ -16,6 +16,12 @@ from helpers import CUDA, DEVICES, assert_bitwise, deterministic
 D, H = 64, 256
 
 
+def _warming(**settings):
+    """A CPU fast offloader that warms up by recomputing (``settings`` override the rest)."""
+    return ao.Offloader(**{"impl": "fast", "device": "cpu", "min_offload_bytes": 0, "keep_last": 0,
+                           "warmup": "recompute", **settings})
+
+
 def _blocks(device="cpu", norm=False, d=D, h=H):
     torch.manual_seed(0)
     return torch.nn.ModuleList(
@@ -61,8 +67,7 @@ def test_warmup_recomputes_wrapped_modules_until_their_blocks_are_pinned_then_of
     blocks = _blocks()
     expected = [_step(blocks, s) for s in range(4)]
     gate = _Gate()
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute",
-                       host_allocator=gate)
+    off = _warming(host_allocator=gate)
     with ao.wrap(blocks, off):
         assert_bitwise(_step(blocks, 0), expected[0])
         s = off.stats()
@@ -92,7 +97,7 @@ def test_warmup_ends_when_the_groups_it_recomputes_are_the_ones_kept_last(keep_l
     """Groups that keep_last leaves on the device are never committed, so nothing is
     reserved for them: the warm-up ends at the next step."""
     blocks = _blocks()
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=keep_last, warmup="recompute")
+    off = _warming(keep_last=keep_last)
     with ao.wrap(blocks[3] if keep_last == 1 else blocks, off):
         for s in range(6):
             _step(blocks, s)
@@ -107,7 +112,7 @@ def test_warmup_reserves_what_offloading_holds_at_once_not_per_forward():
     pooled = {}
     for warmup in ("offload", "recompute"):
         blocks = _blocks()
-        off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup=warmup)
+        off = _warming(warmup=warmup)
         with ao.wrap(blocks, off):
             for s in range(5):  # forwards whose graphs die unused
                 x = torch.randn(32, D, requires_grad=True)
@@ -146,7 +151,7 @@ def test_warmup_micro_batches_and_retain_graph_across_the_switch_to_offloading_a
 
     blocks = _blocks()
     expected = [step(blocks, 10 * s) for s in range(3)]
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=1, warmup="recompute")
+    off = _warming(keep_last=1)
     with ao.wrap(blocks, off):
         for s in range(3):
             assert_bitwise(step(blocks, 10 * s), expected[s])
@@ -158,7 +163,7 @@ def test_warmup_micro_batches_and_retain_graph_across_the_switch_to_offloading_a
 def test_warmup_leaves_groups_opened_by_hand_to_offload_from_the_first_step():
     blocks = _blocks()
     expected = _step(blocks, 0)
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    off = _warming()
     assert_bitwise(_step(blocks, 0, by_hand=off), expected)
     s = off.stats()
     assert s["offloaded_bytes"] > 0 and not any(g.get("recomputed") for g in s["groups"].values())
@@ -168,13 +173,13 @@ def test_warmup_leaves_groups_opened_by_hand_to_offload_from_the_first_step():
 
 def test_warmup_does_not_recompute_a_module_that_updates_running_statistics():
     blocks = _blocks(norm=True)
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    off = _warming()
     with ao.wrap(blocks, off):
         _step(blocks, 0)
         assert blocks[0][1].num_batches_tracked.item() == 1  # recomputing would have made it 2
         assert not any(g.get("recomputed") for g in off.stats()["groups"].values())
     blocks.eval()  # running statistics are only read: recomputing is exact
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    off = _warming()
     with ao.wrap(blocks, off):
         _step(blocks, 0)
         assert all(g.get("recomputed") for g in off.stats()["groups"].values())
@@ -188,8 +193,7 @@ def test_warmup_recomputing_still_detects_a_saved_tensor_written_in_place_R6():
         def forward(self, x):
             return x.exp()  # exp saves its output
 
-    for off in (None, ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0,
-                                   warmup="recompute")):
+    for off in (None, _warming()):
         module = Exp()
         handle = ao.wrap(module, off) if off is not None else None
         x = torch.randn(8, D, requires_grad=True)
@@ -217,8 +221,7 @@ def test_warmup_checks_R6_before_recomputing_not_after():
             return (x * self.w * self.buf).exp()  # mul saves buf; exp's output is unpacked first
 
     grads = []
-    for off in (None, ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0,
-                                   warmup="recompute")):
+    for off in (None, _warming()):
         torch.manual_seed(0)
         m = Staged()
         x = torch.randn(8, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -238,7 +241,7 @@ def test_warmup_recomputes_a_module_that_saves_a_sparse_tensor():
             return torch.sparse.mm(torch.eye(x.shape[0]).to_sparse(), self.fc(x))  # saves the sparse matrix
 
     m = SparseMM()
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    off = _warming()
     with ao.wrap(m, off):
         m(torch.randn(8, D, requires_grad=True) * 1).sum().backward()
     assert off.stats()["groups"]["0"].get("recomputed")
@@ -255,10 +258,10 @@ def test_warmup_recomputing_a_module_that_saves_a_nested_tensor_says_what_to_do(
             return x + torch.nested.to_padded_tensor(self.fc(nt), 0.0).sum() * 1e-3  # fc saves nt
 
     module = Nested()
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute")
+    off = _warming()
     with ao.wrap(module, off), pytest.raises(RuntimeError, match="nested tensor.*warmup='offload'"):
         module(torch.randn(4, D, requires_grad=True) * 1)
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="offload")
+    off = _warming(warmup="offload")
     with ao.wrap(module, off):
         module(torch.randn(4, D, requires_grad=True) * 1).sum().backward()
 
@@ -266,8 +269,7 @@ def test_warmup_recomputing_a_module_that_saves_a_nested_tensor_says_what_to_do(
 def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why_R10():
     blocks = _blocks()
     inputs = 4 * 32 * D * 4  # what the first step moves: each block's input
-    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, warmup="recompute",
-                       host_budget=2 * inputs)
+    off = _warming(host_budget=2 * inputs)
     with ao.wrap(blocks, off):
         _step(blocks, 0)
         off._pool.wait_reserved()
