@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Iterable, Sequence
 
 ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -262,24 +262,53 @@ def candidates(profile: Profile) -> list[Plan]:
     out = [_evaluated(profile, keep_all, 0, 0)]
     for w in WINDOWS:
         for pf in PREFETCHES:
-            current = _evaluated(profile, keep_all, w, pf)
-            while True:
-                best: tuple[float, Plan] | None = None
-                for i, g in enumerate(profile.groups):
-                    for move in _moves(g, current.groups[i]):
-                        trial = _evaluated(profile, current.groups[:i] + (move,) + current.groups[i + 1:], w, pf)
-                        saved = current.peak - trial.peak
-                        if saved <= 0:
-                            continue
-                        score = saved / max(trial.step_s - current.step_s, 1e-9)
-                        if best is None or score > best[0]:
-                            best = (score, trial)
-                if best is None:
-                    break
-                current = best[1]
-                out.append(current)
+            out += _greedy_path(profile, _evaluated(profile, keep_all, w, pf), w, pf)
     out += _families(profile)
     return out
+
+
+def _greedy_path(profile: Profile, current: Plan, w: int, pf: int) -> list[Plan]:
+    """From ``current``, take the move with the best score (modelled peak saved per second
+    added) until no move saves memory.
+
+    Scores are evaluated lazily: a move's score against an earlier plan stands in for its
+    current one until the move comes first; then it is evaluated again, and taken if it
+    still beats every standing score (a move's score rarely rises as others are made).
+    When no standing score is positive, every move is evaluated afresh, so the path ends
+    exactly where an exhaustive one would. Exhaustive evaluation grows with the cube of
+    the groups (about a second at 24 groups, a minute at 96)."""
+    path: list[Plan] = []
+
+    def scored(i: int, move: GroupPlan) -> tuple[float, Plan]:
+        trial = _evaluated(profile, current.groups[:i] + (move,) + current.groups[i + 1:], w, pf)
+        saved = current.peak - trial.peak
+        return (saved / max(trial.step_s - current.step_s, 1e-9) if saved > 0 else 0.0), trial
+
+    def positive(moves: Iterable[tuple[int, GroupPlan]]) -> list[tuple[float, int, GroupPlan]]:
+        return [(score, i, m) for i, m in moves for score in [scored(i, m)[0]] if score > 0]
+
+    def every_move() -> list[tuple[float, int, GroupPlan]]:
+        return positive((i, m) for i, g in enumerate(profile.groups) for m in _moves(g, current.groups[i]))
+
+    standing = every_move()
+    while standing:
+        standing.sort(key=lambda s: -s[0])
+        _, i, move = standing.pop(0)
+        if move not in _moves(profile.groups[i], current.groups[i]):
+            continue  # the group has moved on since this score was given
+        score, trial = scored(i, move)
+        if score <= 0 or (standing and score < standing[0][0]):
+            if score > 0:
+                standing.append((score, i, move))  # no longer first: judged again in its turn
+            elif not standing:
+                standing = every_move()
+            continue
+        current = trial
+        path.append(current)
+        standing = [s for s in standing if s[1] != i] + positive((i, m) for m in _moves(profile.groups[i], move))
+        if not standing:
+            standing = every_move()
+    return path
 
 
 def _families(profile: Profile) -> list[Plan]:
