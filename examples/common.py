@@ -295,8 +295,10 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
     off: ao.Offloader | None = None
     audit: ActivationAudit | None = None
     if mode == "offload":
+        # every step offloads (no recomputing warm-up): the audit and the step times are of offloading
+        warmup = {"warmup": "offload"} if args.impl == "fast" else {}
         off = ao.Offloader(impl=args.impl, device=ctx.device, keep_last=args.keep_last,
-                           min_offload_bytes=args.min_offload_bytes)
+                           min_offload_bytes=args.min_offload_bytes, **warmup)
         audit = ActivationAudit(trainee.held, ctx.device, off.min_offload_bytes)
         off.add_observer(audit)
         trainee.on_offloader(off)

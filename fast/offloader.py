@@ -59,7 +59,7 @@ from .streams import CopyStreams
 # Whole groups ahead made fast's peak exceed ref's by more than a group (ref reloads a
 # tensor only when backward unpacks it); half keeps most of the overlap.
 PREFETCH_SHARE = 0.5
-WARMUPS = ("offload", "recompute")
+WARMUPS = ("auto", "offload", "recompute")
 
 
 class _Copied:
@@ -154,19 +154,20 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
-    - ``warmup`` (default ``"offload"``): how a fresh offloader's first steps go.
-      ``"offload"`` offloads from the first step, pinning each pool block when first
-      needed: pinning costs about as much per byte as the copy out (50-80 ms per GiB on
-      the H100 and H200 hosts measured), so that step takes 2-3x a steady one. ``"recompute"``: while the
+    - ``warmup`` (default ``"auto"``: ``"recompute"`` on CUDA, ``"offload"`` elsewhere,
+      where nothing is pinned): how a fresh offloader's first steps go. ``"offload"``
+      offloads from the first step, pinning each pool block when first needed: pinning
+      costs about as much per byte as the copy out (50-80 ms per GiB on the H100 and H200
+      hosts measured), so that step takes 2-3x a steady one. ``"recompute"``: while the
       blocks the first step asked for are pinned on a background thread, modules given
       to ``ao.wrap`` run under activation checkpointing with their inputs moved out (the
       least device memory of any plan), and from the first step that begins with every
       block pinned, groups offload as usual; no step waits for pinning. Recomputing runs a
-      module's forward twice, with checkpointing's caveats: side effects of a forward
-      (counters, hooks, replacing a parameter's ``.data``, a buffer updated in place as
-      spectral normalization does) happen twice. Modules that
-      update batch-norm statistics and modules under ``torch.compile`` are not recomputed;
-      groups opened by hand offload from the start.
+      module's forward twice in those steps, with checkpointing's caveats: side effects of
+      a forward (counters, hooks, replacing a parameter's ``.data``, a buffer updated in
+      place as spectral normalization does) happen twice; pass ``warmup="offload"`` where
+      that matters. Modules that update batch-norm statistics and modules under
+      ``torch.compile`` are not recomputed; groups opened by hand offload from the start.
     - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
       device memory a training step may allocate, everything included (parameters,
       gradients, optimizer state, the offloader's own buffers). The first two steps
@@ -189,18 +190,20 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     impl = "fast"
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
-                 pack_below: int = 4 << 20, packer: str = "auto", warmup: str = "offload",
+                 pack_below: int = 4 << 20, packer: str = "auto", warmup: str = "auto",
                  memory_budget: int | str | None = None, **settings: Any):
         super().__init__(impl, **settings)
         self.max_inflight = check_count("max_inflight", max_inflight)
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
-        self.warmup = check_choice("warmup", warmup, WARMUPS)
+        if check_choice("warmup", warmup, WARMUPS) == "auto":  # only a CUDA device pins host memory
+            warmup = "recompute" if self.device.type == "cuda" and memory_budget is None else "offload"
+        self.warmup = warmup
         self._budget: BudgetController | None = None
         if memory_budget is not None:
             if self.warmup == "recompute":
                 raise ValueError("warmup='recompute' does not apply with a memory_budget: a budget's first "
-                                 "steps profile by recomputing already; leave warmup at 'offload'")
+                                 "steps profile by recomputing already; leave warmup at its default")
             self._budget = BudgetController(parse_bytes("memory_budget", memory_budget), self.device)
             self.keep_last = 0  # the plan decides what stays
         self._streams = CopyStreams(self.device)

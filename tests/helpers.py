@@ -86,7 +86,11 @@ def mlp_stack(n: int, d: int, device, dtype=torch.float32, seed: int = 0) -> tor
 
 
 def off_for(impl: str, device: str, **kw):
+    """An offloader for tests of what offloading does: on CUDA fast would otherwise recompute
+    wrapped modules in its first steps (its warm-up, tested in test_warmup.py)."""
     kw.setdefault("min_offload_bytes", 0)
+    if impl == "fast":
+        kw.setdefault("warmup", "offload")
     return ao.Offloader(impl=impl, device=device, **kw)
 
 

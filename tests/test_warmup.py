@@ -1,4 +1,4 @@
-"""fast's warm-up (``warmup="recompute"``): wrapped modules recompute while the host blocks of
+"""fast's warm-up (``warmup="recompute"``, the default on CUDA): wrapped modules recompute while the host blocks of
 later steps are pinned on a background thread; then groups offload as usual. Every step is bitwise equal to no
 offloading (R1), R6 holds while recomputing, and once warm no host memory is allocated."""
 
@@ -281,12 +281,15 @@ def test_warmup_that_cannot_reserve_host_memory_ends_and_the_commit_says_why_R10
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_warmup_is_off_unless_asked_for(device):
-    """Recomputing runs each wrapped forward twice (checkpointing's caveats), so by default a
-    fresh offloader offloads from its first step."""
+def test_warmup_by_default_recomputes_on_cuda_only(device):
+    """Only CUDA pins host memory: there a fresh offloader recomputes while it pins; on the CPU,
+    and with a memory budget (whose first steps profile by recomputing), it offloads at once."""
     off = ao.Offloader(impl="fast", device=device)
-    assert off.settings["warmup"] == "offload" and not off.stats()["warmup"]["warming_up"]
+    expected = "recompute" if device == "cuda" else "offload"
+    assert off.settings["warmup"] == expected and off.stats()["warmup"]["warming_up"] == (device == "cuda")
     assert ao.Offloader(impl="fast", device=device, warmup="recompute").stats()["warmup"]["warming_up"]
+    assert not ao.Offloader(impl="fast", device=device, warmup="offload").stats()["warmup"]["warming_up"]
+    assert ao.Offloader(impl="fast", device=device, memory_budget="1TiB").settings["warmup"] == "offload"
 
 
 def test_warmup_setting_is_checked_before_any_work():

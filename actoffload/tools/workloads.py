@@ -183,6 +183,8 @@ class TrainingStep:
         self.off: ao.Offloader | None = None
         self._handle = None
         if impl not in ("none", "save_on_cpu"):
+            if impl == "fast":  # every step offloads (no recomputing warm-up): steps of offloading are timed
+                settings.setdefault("warmup", "offload")
             self.off = ao.Offloader(impl=impl, device=device, keep_last=keep_last, **settings)
             self._handle = ao.wrap(stack, self.off)
         self.inp: torch.Tensor | None = None
