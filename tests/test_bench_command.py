@@ -86,6 +86,20 @@ def test_paired_alternates_the_two_methods_step_by_step():
     assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
 
 
+def test_paired_ratio_is_the_median_of_each_rounds_own_ratio():
+    # the host drifts: a round's two steps share its state, separate medians do not
+    class Drifting:
+        def __init__(self, label, times):
+            self.method, self.times = budget_sweep.Method(label), iter(times)
+
+        def step(self, step):
+            return next(self.times), 0
+
+    p = budget_sweep.paired(Drifting("a", [3.0, 3.0, 30.0]), Drifting("b", [2.0, 2.0, 20.0, 20.0]),
+                            rounds=3, warmup=1, first_step=0)
+    assert p["ratio"] == pytest.approx(1.5) and p["ratio_of_medians"] == pytest.approx(3.0 / 20.0)
+
+
 def test_verdicts_judge_a_cell_by_its_alternating_steps_where_they_ran():
     def method(name, ms, gib):
         return {"method": name, "step_ms": ms, "peak_bytes": gib << 30, "largest_group_bytes": 1 << 30,
