@@ -27,6 +27,7 @@ the first group opened after a backward pass began.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -40,7 +41,8 @@ from .probe import Probe
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
-TIMINGS = 2  # timed steps that measure a plan (after its first, which pins host memory)
+TIMINGS = 3  # timed steps that measure a plan (after its first, which pins host memory)
+TIE = 0.01  # modelled step times this close are equal: the plan that moves fewer bytes goes first
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 CALIBRATION_SLACK = 0.05  # a step this much off the model is noise
 
@@ -107,6 +109,22 @@ def _merged(a: Profile, b: Profile) -> Profile:
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))
+
+
+def _least_moved_first(plans: list[Plan], profile: Profile) -> list[Plan]:
+    """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
+    order of the bytes they move or recompute: the model sees copies hide behind compute
+    perfectly, and the fewer bytes cross the bus, the less a step depends on it."""
+    moved = {id(p): p.moved(profile) for p in plans}
+    left = sorted(plans, key=lambda p: (p.step_s, moved[id(p)], p.peak))
+    out = []
+    while left:
+        near = 1
+        while near < len(left) and left[near].step_s <= left[0].step_s * (1 + TIE):
+            near += 1
+        first = min(range(near), key=lambda i: (moved[id(left[i])], left[i].step_s, left[i].peak))
+        out.append(left.pop(first))
+    return out
 
 
 def _window(plan: Plan) -> tuple[int, int]:
@@ -402,14 +420,12 @@ class BudgetController:
         contention, a step that waits on the host); measuring finds them."""
         assert self.profile is not None
         profile = self.profile
-        by_model = sorted(fitting, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
+        by_model = _least_moved_first(fitting, profile)
         timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
         for p in by_model:
-            if self._timed(p):
-                continue
-            if best is not None and p.step_s >= self._time_of(best):
-                break  # the model promises nothing faster than what was measured
+            if self._timed(p) or (best is not None and p.step_s >= self._time_of(best)):
+                continue  # measured, or the model promises nothing faster than what was
             if _key(p) in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
                 return p
             break
@@ -428,8 +444,10 @@ class BudgetController:
         return len(self._times.get(_key(plan), ())) >= TIMINGS
 
     def _time_of(self, plan: Plan) -> float:
-        """A plan's measured step time: the least of its timed steps (noise only adds)."""
-        return min(self._times[_key(plan)])
+        """A plan's measured step time: the median of its timed steps (a plan that moves bytes
+        runs at one of two paces, as its copies happen to hide behind compute or not; the
+        least of them would pick the lucky)."""
+        return statistics.median(self._times[_key(plan)])
 
     def _time_last_step(self) -> None:
         """Record the latest planned step's time once it is known (never waits), and choose
@@ -528,7 +546,7 @@ class BudgetController:
                             "measured_peak_bytes": (self._measured[k] + self.profile.base  # type: ignore[union-attr]
                                                     if k in self._measured else None),
                             "predicted_step_s": p.step_s,
-                            "measured_step_s": min(self._times[k]) if k in self._times else None})
+                            "measured_step_s": statistics.median(self._times[k]) if k in self._times else None})
         return out
 
     def _peak_at(self) -> str:
