@@ -176,8 +176,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       keeps, offloads (all or its largest spans) or recomputes (modules given to
       ``ao.wrap``, under activation checkpointing) as the fastest plan that fits says, and
       ``max_inflight``/``prefetch`` are the plan's; ``keep_last`` does not apply. A new
-      workload (another sequence length) profiles again; a step over the budget makes the
-      next plan with the same copy window leave that much more room. ``stats()["plan"]`` shows the plan, its
+      workload (another sequence length) profiles again; a step over the budget makes every
+      plan not yet run leave that much more room. ``stats()["plan"]`` shows the plan, its
       predicted peak and time, and the last step's measured ones. A budget no plan
       reaches raises ``ValueError`` naming the smallest reachable peak.
 
