@@ -8,7 +8,6 @@ name, rather than somewhere deep in a training step.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, TypeVar
 
@@ -109,19 +108,8 @@ def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
 
 # ---------------------------------------------------------------- compile, CUDA
 def not_traced(fn: F) -> F:
-    """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly.
-
-    Outside tracing ``fn`` is called directly: the disabled wrapper's own cost (a few
-    microseconds) would be paid at every group and every saved tensor."""
-    disabled = torch.compiler.disable(fn, recursive=True)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call  # type: ignore[return-value]
+    """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def stream_is_capturing(device: torch.device) -> bool:

@@ -155,7 +155,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
     - ``warmup`` (default ``"auto"``: ``"recompute"`` on CUDA, ``"offload"`` elsewhere,
-      where nothing is pinned): how a fresh offloader's first steps go. ``"offload"``
+      where nothing is pinned, and with a ``memory_budget``, whose first steps profile by
+      recomputing already): how a fresh offloader's first steps go. ``"offload"``
       offloads from the first step, pinning each pool block when first needed: pinning
       costs about as much per byte as the copy out (50-80 ms per GiB on the H100 and H200
       hosts measured), so that step takes 2-3x a steady one. ``"recompute"``: while the

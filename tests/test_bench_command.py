@@ -81,6 +81,9 @@ def test_paired_alternates_the_two_methods_step_by_step():
             order.append((self.method.label, step))
             return self.seconds, 0
 
+        def warming_up(self):
+            return False
+
     p = budget_sweep.paired(Fake("a", 0.003), Fake("b", 0.002), rounds=3, warmup=1, first_step=10)
     assert order == [("b", 10), ("a", 11), ("b", 12), ("a", 13), ("b", 14), ("a", 15), ("b", 16)]
     assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
@@ -94,6 +97,9 @@ def test_paired_ratio_is_the_median_of_each_rounds_own_ratio():
 
         def step(self, step):
             return next(self.times), 0
+
+        def warming_up(self):
+            return False
 
     p = budget_sweep.paired(Drifting("a", [3.0, 3.0, 30.0]), Drifting("b", [2.0, 2.0, 20.0, 20.0]),
                             rounds=3, warmup=1, first_step=0)

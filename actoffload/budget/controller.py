@@ -114,9 +114,9 @@ def _merged(a: Profile, b: Profile) -> Profile:
 
 def _least_moved_first(plans: list[Plan], profile: Profile) -> list[Plan]:
     """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
-    order of the bytes they move or recompute: the model sees copies hide behind compute
+    order of the bytes they move across the bus: the model sees copies hide behind compute
     perfectly, and the fewer bytes cross the bus, the less a step depends on it."""
-    moved = {id(p): p.moved(profile) for p in plans}
+    moved = {id(p): sum(gp.moved(g) for gp, g in zip(p.groups, profile.groups)) for p in plans}
     left = sorted(plans, key=lambda p: (p.step_s, moved[id(p)], p.peak))
     out = []
     while left:
@@ -426,7 +426,8 @@ class BudgetController:
         # model prefers moving bytes, the fastest plan that moves none (what checkpointing by
         # hand would give) is measured too, once, so an error in either cannot keep the
         # slower one.
-        still = next((p for p in by_model if not moves_bytes(profile, p.groups)), None)
+        still = min((p for p in fitting if not moves_bytes(profile, p.groups)), default=None,
+                    key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
         if (best is not None and moves_bytes(profile, best.groups) and still is not None
                 and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
@@ -451,16 +452,16 @@ class BudgetController:
         if self.probe.cuda and not end.query():
             return
         self._untimed = None
-        first = key not in self._times
         seconds = self.probe.seconds(start, end)
-        self._times.setdefault(key, []).append(seconds)
+        times = self._times.setdefault(key, [])
+        times.append(seconds)
         if self.profile is not None:
-            if first:
-                self._calibrate(next(p for p in self.plans if _key(p) == key), seconds)
+            if len(times) == TIMINGS:  # just measured: the model agrees with its median
+                self._calibrate(next(p for p in self.plans if _key(p) == key), statistics.median(times))
             self._choose()  # a plan measured: the model's next promise may run
 
     def _calibrate(self, plan: Plan, seconds: float) -> None:
-        """Make the model agree with a plan's first measured time, and plan again (a few times
+        """Make the model agree with a plan's measured time, and plan again (a few times
         at most). Slower than modelled while moving bytes: what moving costs beyond the
         copies (hooks, packing, contention with compute) shows as a slower bus. Faster than
         modelled: the profile's compute times ran long (in a step that waits on the host,
