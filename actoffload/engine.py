@@ -197,7 +197,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._seen_under_checkpoint(group, t)
         if t.is_nested:
             raise RuntimeError(
-                f"group {group.name!r} is being recomputed (warmup='recompute', or a memory_budget's plan), but "
+                f"group {group.name!r} is being recomputed (fast's warm-up on CUDA, or a memory_budget's plan), but "
                 "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
                 "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
             )
