@@ -121,9 +121,13 @@ class PinnedPool:
             self.reserve_error = None
             self._queue.extend(classes)
             self.reserving += sum(classes)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._reserve_queued, daemon=True)
-                self._worker.start()
+            self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        """Start the reserving thread if there is work and none runs (the caller holds the lock)."""
+        if self._worker is None and self._queue:
+            self._worker = threading.Thread(target=self._reserve_queued, daemon=True)
+            self._worker.start()
 
     def _reserve_queued(self) -> None:
         try:
@@ -148,9 +152,7 @@ class PinnedPool:
         finally:
             with self._lock:
                 self._worker = None
-                if self._queue:  # reserved after the last look at the queue: serve it too
-                    self._worker = threading.Thread(target=self._reserve_queued, daemon=True)
-                    self._worker.start()
+                self._wake_worker()  # reserved after the last look at the queue: serve it too
 
     def wait_reserved(self) -> None:
         """Wait until every reserved block is allocated (or reserving failed)."""
