@@ -199,20 +199,25 @@ class _Runner:
         return elapsed, torch.cuda.max_memory_allocated(self.device) if cuda else 0
 
 
+def _warm_up(run: Any, first: int, least: int) -> list[tuple[float, int]]:
+    """Steps of ``run`` from step ``first`` until it is steady: ``least`` of them, and on while
+    its offloader still recomputes as it pins (fast's warm-up on CUDA; at most 50 more,
+    should it never end). Each step's seconds and peak bytes."""
+    out: list[tuple[float, int]] = []
+    while len(out) < least or (run.warming_up() and len(out) < least + 50):
+        out.append(run.step(first + len(out)))
+    return out
+
+
 def measure(w: Workload, method: Method, device: torch.device, steps: int, warmup: int) -> tuple[dict[str, Any], _Runner]:
     """Median step seconds, peak device bytes, the gradients of the last step, and what the
     offloader reports; and the runner, for more steps of the same method."""
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     run = _Runner(w, method, device)
-    times, peaks, early, early_peaks = [], [], [], [0]
-    step = 0
-    # steady steps only: a warm-up ends when pinning does (a bound, should it never)
-    while step < warmup or (run.warming_up() and step < warmup + 50):
-        elapsed, peak = run.step(step)
-        early.append(elapsed)
-        early_peaks.append(peak)
-        step += 1
-    for step in range(step, step + steps):
+    times, peaks = [], []
+    warming = _warm_up(run, 0, warmup)
+    early, early_peaks = [t for t, _ in warming], [0] + [p for _, p in warming]
+    for step in range(len(warming), len(warming) + steps):
         elapsed, peak = run.step(step)
         times.append(elapsed)
         peaks.append(peak)
@@ -240,11 +245,7 @@ def paired(a: _Runner, b: _Runner, rounds: int, warmup: int, first_step: int) ->
     one after the other can differ by more than the difference asked about; alternating
     steps see the same drift. Step numbers go on from ``first_step`` (the workload's data
     may depend on them)."""
-    step = first_step
-    # as in measure(): a fresh fast rival on CUDA recomputes until its host memory is pinned
-    while step < first_step + warmup or (b.warming_up() and step < first_step + warmup + 50):
-        b.step(step)
-        step += 1
+    step = first_step + len(_warm_up(b, first_step, warmup))
     ta, tb = [], []
     for _ in range(rounds):
         ta.append(a.step(step)[0])
