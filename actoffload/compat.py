@@ -48,10 +48,22 @@ def version_guard(t: torch.Tensor) -> torch.Tensor:
     are dropped too, so the guard holds no memory.
     """
     guard = t.detach()
-    guard.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    guard.data = _empty(t.dtype, t.device)
     if type(guard) is not torch.Tensor:
         vars(guard).clear()
     return guard
+
+
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One empty tensor per dtype and device, whose storage every guard may share: a guard
+    is made for each save of a recomputed group, and allocating each its own took most of it."""
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
 
 
 # ---------------------------------------------------------------- tensor kinds

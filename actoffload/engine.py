@@ -298,7 +298,8 @@ class Engine(Generic[GroupT, MovedT]):
         tensors = [s.tensor for s in group.saved]
         moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
         try:
-            self._move_out(group, moved)
+            if moved:  # nothing to move (a plan keeps its inputs): no copy to order or await
+                self._move_out(group, moved)
         except HostMemoryError:
             group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
