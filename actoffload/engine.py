@@ -27,7 +27,9 @@ from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedVie
 GroupT = TypeVar("GroupT", bound=Group)
 MovedT = TypeVar("MovedT", bound=Moved)
 
-_local = threading.local()  # .open: name of the group open on this thread (groups do not nest)
+# .open: name of the group open on this thread (groups do not nest); .whole: it is a module
+# run whole in place of its parts, which open no groups of their own
+_local = threading.local()
 
 
 def group_open() -> bool:
@@ -60,6 +62,7 @@ class Engine(Generic[GroupT, MovedT]):
         # stats() window: the groups opened since a backward pass last began
         self._window: dict[str, dict[str, Any]] = {}
         self._backward_began = False
+        self._step_begun = False  # a step began and no group opened yet (a module's parts will)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
         self._observers: list[Observer] = []
@@ -97,6 +100,11 @@ class Engine(Generic[GroupT, MovedT]):
     def _group_opens(self, group: GroupT) -> None:
         """``group`` is opening; a plan may set ``group.recompute``."""
 
+    def _whole_next(self, parts: int) -> bool:
+        """Whether a plan runs the module opening now, whose ``parts`` are groups, as one
+        recomputed group instead (only a memory plan does)."""
+        return False
+
     def _group_closing(self, group: GroupT) -> None:
         """``group``'s forward is over (before its commit)."""
 
@@ -113,13 +121,17 @@ class Engine(Generic[GroupT, MovedT]):
 
     # ------------------------------------------------------------------ opening and closing
     @compat.not_traced
-    def _enter(self, name: str, recomputable: bool = False) -> tuple[GroupT, Any] | None:
+    def _enter(self, name: str, recomputable: bool = False, parts: int = 0) -> tuple[GroupT, Any] | None:
+        """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
+        opened as one group only where a plan recomputes it whole (else ``None``: nothing)."""
         if compat.in_backward():
             # Activation checkpointing re-runs a forward inside backward, under hooks of its
             # own that must see what it saves: a group opened there does nothing.
             return None
         open_name = getattr(_local, "open", None)
         if open_name is not None:
+            if getattr(_local, "whole", False):
+                return None  # a part of a module run whole: that module's group holds its saves
             raise RuntimeError(
                 f"cannot open group {name!r} inside group {open_name!r}: groups do not nest (R2); "
                 "close the outer group first, or wrap the inner modules instead of the outer one"
@@ -133,16 +145,14 @@ class Engine(Generic[GroupT, MovedT]):
                 f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "
                 f"{self._owner}: an Offloader is used from one thread. Create one ao.Offloader per thread."
             )
+        if parts:
+            self._begin_step_if_new()  # the plan to ask is this step's
+            if not (recomputable and self._whole_next(parts)):
+                return None
         self._advance_schedule(opening=True)
+        self._begin_step_if_new()
         with self._lock:
-            new_step = self._backward_began or not self._window
-            if self._backward_began:
-                self._window.clear()
-                self._backward_began = False
-        if new_step:
-            marks.new_step()
-            self._step_begins()
-        with self._lock:
+            self._step_begun = False
             unique, k = name, 1
             while unique in self._window:
                 k += 1
@@ -151,7 +161,7 @@ class Engine(Generic[GroupT, MovedT]):
             self._window[unique] = {}
             prev = self._last_group() if self._last_group is not None else None
             group = self._new_group(unique, prev, compat.sequence_nr())
-            group.position, group.recomputable = position, recomputable
+            group.position, group.recomputable, group.parts = position, recomputable, parts
             self._last_group = weakref.ref(group)
         self._group_opens(group)
         if compat.mutation_on_saved_allowed():
@@ -162,8 +172,21 @@ class Engine(Generic[GroupT, MovedT]):
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
         hooks.__enter__()
-        _local.open = name
+        _local.open, _local.whole = name, bool(parts)
         return group, hooks
+
+    def _begin_step_if_new(self) -> None:
+        """A group opening after a backward pass began (or the first ever) begins a step."""
+        with self._lock:
+            new_step = self._backward_began or (not self._window and not self._step_begun)
+            if self._backward_began:
+                self._window.clear()
+                self._backward_began = False
+        if new_step:
+            marks.new_step()
+            self._step_begins()  # may raise (no plan fits): the next group begins it again
+            with self._lock:
+                self._step_begun = True
 
     def _delegating_hooks(self, group: GroupT) -> torch.autograd.graph.saved_tensors_hooks:
         """Under ``allow_mutation_on_saved_tensors()`` PyTorch's own hooks must see every save
@@ -229,7 +252,7 @@ class Engine(Generic[GroupT, MovedT]):
         if entry is None:
             return
         group, hooks = entry
-        _local.open = None
+        _local.open, _local.whole = None, False
         hooks.__exit__(None, None, None)
         group.end_seq = compat.sequence_nr()
         self._group_closing(group)

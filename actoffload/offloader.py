@@ -56,15 +56,16 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    def __init__(self, offloader: Offloader, name: str, recomputable: bool = False):
+    def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0):
         self._offloader = offloader
         self._name = name
         self._recomputable = recomputable  # ao.wrap's groups: the module can be run again
+        self._parts = parts  # ao.wrap's modules given with parts: a group only when run whole
         self._entry: Any = None
 
     @compat.not_traced
     def __enter__(self) -> GroupContext:
-        self._entry = self._offloader._enter(self._name, self._recomputable)
+        self._entry = self._offloader._enter(self._name, self._recomputable, self._parts)
         return self
 
     @property

@@ -110,8 +110,9 @@ class Group:
         # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
         self.first_seq = first_seq
         self.end_seq = first_seq
-        self.position = 0  # its place among the groups of its step (stats' window)
+        self.position = 0  # its place among the groups of its step (a memory plan's, by parts)
         self.recomputable = False  # a wrapped module: it can run under activation checkpointing
+        self.parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
         self.recompute = False  # it does (a memory plan or the warm-up says so)
         # a memory plan keeps all it saves: autograd holds them itself, counted only (storage
         # key -> bytes), with none of the per-save work a group that may move does

@@ -35,6 +35,7 @@ def wrap(
     modules: torch.nn.Module | Iterable[torch.nn.Module],
     off: Offloader,
     names: Sequence[str] | None = None,
+    parts: Callable[[torch.nn.Module], Sequence[torch.nn.Module]] | None = None,
 ) -> WrapHandle:
     """Make each module's forward an offload group named by its index or by ``names``.
 
@@ -50,12 +51,18 @@ def wrap(
     checkpointing inside or around a wrapped module (a checkpoint's recomputation in
     backward opens no group).
 
+    ``parts``: a function giving each module's parts, submodules its forward calls once
+    each, in that order. The parts are then the groups (``"0.0"``, ``"0.1"``, ...), and a
+    memory plan may run a module whole instead, as one recomputed group (``"0"``): it
+    keeps only the module's inputs, not each part's, and runs its host work once.
+
     Example::
 
         off = ao.Offloader(keep_last=1)
         handle = ao.wrap(model.blocks, off)          # groups "0", "1", ...
         model(x).sum().backward()
         handle.remove()                              # model back as it was
+        ao.wrap(model.blocks, off, parts=lambda b: [b.attn, b.mlp])   # groups "0.0", "0.1", ...
     """
     if not isinstance(off, Offloader):
         raise TypeError(f"wrap needs an offloader from actoffload.Offloader(...), got {type(off).__name__}")
@@ -73,10 +80,28 @@ def wrap(
     for m in modules:
         if getattr(m.forward, "__actoffload_group__", None) is not None:
             raise ValueError(f"{type(m).__name__} is already wrapped; remove() its handle before wrapping it again")
-    return WrapHandle([_wrap_one(m, off, name) for m, name in zip(modules, names)])
+    if parts is None:
+        return WrapHandle([_wrap_one(m, off, name) for m, name in zip(modules, names)])
+    inner_of = [list(parts(m)) for m in modules]
+    for m, inner in zip(modules, inner_of):  # all checked before any is wrapped
+        owned = {id(x) for x in m.modules()}
+        if not inner or any(not isinstance(x, torch.nn.Module) or id(x) not in owned or x is m for x in inner):
+            raise ValueError(f"parts({type(m).__name__}) must give submodules of it (its forward calls each once, "
+                             f"in order); got {[type(x).__name__ for x in inner]}")
+        if len({id(x) for x in inner}) != len(inner):
+            raise ValueError(f"parts({type(m).__name__}) gives a submodule twice: each part is one group")
+        if any(y is not x and id(y) in {id(z) for z in x.modules()} for x in inner for y in inner):
+            raise ValueError(f"parts({type(m).__name__}) gives a part inside another: groups do not nest (R2)")
+        if any(getattr(x.forward, "__actoffload_group__", None) is not None for x in inner):
+            raise ValueError(f"a part of {type(m).__name__} is already wrapped; remove() its handle first")
+    restores = []
+    for m, name, inner in zip(modules, names, inner_of):
+        restores += [_wrap_one(x, off, f"{name}.{k}") for k, x in enumerate(inner)]
+        restores.append(_wrap_one(m, off, name, parts=len(inner)))
+    return WrapHandle(restores)
 
 
-def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[], None]:
+def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
     had_own = "forward" in vars(module)
     inner = module.forward
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
@@ -90,7 +115,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str) -> Callable[[]
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
         recomputable = not torch.compiler.is_compiling() and not _updates_stats(norms)
-        group = _open(module, off, name, recomputable)
+        group = _open(module, off, name, recomputable, parts)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 out = _recomputed(inner, group, args, kwargs)
@@ -129,10 +154,10 @@ def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any,
 
 
 @compat.not_traced
-def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool) -> GroupContext:
+def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int) -> GroupContext:
     # at every call: a parameter's storage may have changed (.data replaced, FSDP)
     mark_parameters(*module.parameters())
-    return GroupContext(off, name, recomputable=recomputable).__enter__()
+    return GroupContext(off, name, recomputable=recomputable, parts=parts).__enter__()
 
 
 @compat.not_traced

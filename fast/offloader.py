@@ -248,11 +248,15 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         # group that moves something (groups that keep everything may come in between).
         self._reap()
         if self._budget is not None:
-            group.planned = self._budget.action(group.recomputable)
+            group.position = self._budget.next_position
+            group.planned = self._budget.action(group.recomputable, group.parts)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
             group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
         elif self._warming:
             group.recompute = group.recomputable
+
+    def _whole_next(self, parts: int) -> bool:
+        return self._budget is not None and self._budget.whole_next(parts)
 
     def _group_closing(self, group: FastGroup) -> None:
         if self._budget is not None:

@@ -25,19 +25,25 @@ def _steps(blocks, off, steps=PROFILE_STEPS + 2, rows=64):
     handle = ao.wrap(blocks, off) if off is not None else None
     out, plans = [], []
     for step in range(steps):
-        x = torch.randn(rows, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
-        h = x * 1
-        for b in blocks:
-            h = h + b(h)
-        h.square().sum().backward()
-        out.append([x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()])
-        for p in blocks.parameters():
-            p.grad = None
+        out.append(_step(blocks, step, rows))
         if off is not None:
             plans.append(off.stats()["plan"])
     if handle is not None:
         handle.remove()
     return out, plans
+
+
+def _step(blocks, step, rows=64):
+    """One step of a residual stack of ``blocks``: the gradients of its input and parameters."""
+    x = torch.randn(rows, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+    h = x * 1
+    for b in blocks:
+        h = h + b(h)
+    h.square().sum().backward()
+    out = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return out
 
 
 GROUP_BYTES = 64 * (D + H) * 4 + 64 * H * 4  # fc1's input, GELU's input, fc2's input (fp32)
@@ -254,3 +260,60 @@ def test_budget_too_small_says_so_at_every_step():
     for _ in range(2):
         with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes"):
             _steps(_blocks(), off, steps=PROFILE_STEPS + 1)
+
+
+class _TwoParts(torch.nn.Module):
+    """``x + b(a(x))``: a module whose two parts a plan may recompute one by one, or whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU())
+        self.b = torch.nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _parts(m):
+    return [m.a, m.b]
+
+
+def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise(monkeypatch):
+    from actoffload.budget.planner import GroupPlan, Plan
+
+    def blocks():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(_TwoParts() for _ in range(4))
+
+    expected = [_step(blocks(), step) for step in range(3)]
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    model = blocks()
+    handle = ao.wrap(model, off, parts=_parts)
+    for step in range(PROFILE_STEPS + 1):  # profiled, then planned
+        _step(model, step)
+    controller = off._budget
+    assert controller.profile.wholes == ((0, 2), (2, 2), (4, 2), (6, 2))  # each module's two parts
+    actions = ["recompute_whole", "inside", "recompute_whole_offload", "inside", "recompute", "keep", "keep", "keep"]
+    controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 1, 1)
+    monkeypatch.setattr(controller, "_choose", lambda: None)
+    got = [_step(model, step) for step in range(3)]
+    handle.remove()
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    stats = off.stats()
+    assert [g["action"] for g in stats["plan"]["groups"]] == actions
+    # a module run whole is one group; its parts open none
+    assert list(stats["groups"]) == ["0", "1", "2.0", "2.1", "3.0", "3.1"]
+    assert stats["groups"]["1"]["offloaded_bytes"] == 64 * D * 4  # the module's input, moved out
+
+
+def test_wrap_parts_must_be_distinct_submodules_called_in_order():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40)
+    m = _TwoParts()
+    with pytest.raises(ValueError, match="must give submodules of it"):
+        ao.wrap([m], off, parts=lambda b: [torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="gives a submodule twice"):
+        ao.wrap([m], off, parts=lambda b: [b.a, b.a])
+    with pytest.raises(ValueError, match="a part inside another"):
+        ao.wrap([m], off, parts=lambda b: [b.a, b.a[0]])
+    assert "forward" not in vars(m) and "forward" not in vars(m.a)  # nothing was wrapped

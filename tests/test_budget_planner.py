@@ -22,8 +22,14 @@ def _profile(rng: random.Random) -> Profile:
             forward_s=fwd, backward_s=2 * fwd, forward_extra=rng.randint(0, 32) * MiB,
             backward_extra=rng.randint(0, 64) * MiB, grads=rng.randint(0, 8) * MiB))
     bw = rng.uniform(5e9, 60e9)
+    # every other profile: the groups are the parts of modules of up to three parts
+    wholes, i = [], 0
+    while rng.random() < 0.5 and i < len(groups):
+        n = min(rng.randint(1, 3), len(groups) - i)
+        wholes.append((i, n))
+        i += n
     return Profile(tuple(groups), base=rng.randint(0, 2048) * MiB, outside_s=rng.uniform(0, 5e-3),
-                   d2h_bps=bw, h2d_bps=bw * rng.uniform(0.8, 1.2))
+                   d2h_bps=bw, h2d_bps=bw * rng.uniform(0.8, 1.2), wholes=tuple(wholes))
 
 
 PROFILES = [_profile(random.Random(seed)) for seed in range(40)]
@@ -130,9 +136,9 @@ def test_planner_greedy_path_ends_where_no_single_move_saves_memory(seed):
     path = _greedy_path(profile, start, 1, 1)
     end = path[-1] if path else start
     assert all(a.peak > b.peak for a, b in zip([start] + path, path))  # every step saves memory
-    for i, g in enumerate(profile.groups):
-        for move in _moves(g, end.groups[i]):
-            trial = _evaluated(profile, end.groups[:i] + (move,) + end.groups[i + 1:], 1, 1)
+    for i in range(len(profile.groups)):
+        for move in _moves(profile, end.groups, i):
+            trial = _evaluated(profile, end.groups[:i] + move + end.groups[i + len(move):], 1, 1)
             assert trial.peak >= end.peak
 
 
@@ -147,3 +153,20 @@ def test_planner_simulates_a_deep_model_far_fewer_times_than_an_exhaustive_searc
     groups = tuple(replace(layer[i % len(layer)], name=str(i)) for i in range(96))
     plans = candidates(Profile(groups, base=0, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9))
     assert len(plans) > 96 and len(calls) < 50_000
+
+
+def test_planner_recomputes_a_module_whole_where_recomputing_its_parts_would_keep_too_many_inputs():
+    # two modules of three parts; the middle part's inputs are three times the others' (Q, K, V).
+    # Recomputing the first module's parts keeps 40 MiB of inputs, recomputing it whole 8 MiB:
+    # under a budget between the two, only the whole fits without the (slow) bus
+    parts = [GroupProfile(str(i), spans=(64 * MiB,), kept=0, inputs=(24 if i % 3 == 1 else 8) * MiB,
+                          forward_s=1e-3, backward_s=2e-3) for i in range(6)]
+    profile = Profile(tuple(parts), base=0, outside_s=0.0, d2h_bps=1e8, h2d_bps=1e8, wholes=((0, 3), (3, 3)))
+    whole_first = tuple(GroupPlan(a) for a in ["recompute_whole", "inside", "inside", "keep", "keep", "keep"])
+    parts_first = tuple(GroupPlan(a) for a in ["recompute"] * 3 + ["keep"] * 3)
+    budget = simulate(profile, whole_first, 0, 0)[0]
+    assert simulate(profile, parts_first, 0, 0)[0] == budget + 32 * MiB
+    plan = choose(profile, budget)
+    assert plan.groups == whole_first
+    # the model runs the module as one recomputed group: its forward again, all its activations back at once
+    assert plan.step_s == pytest.approx(6 * 1e-3 + 6 * 2e-3 + 3 * 1e-3)  # forward, backward, recompute

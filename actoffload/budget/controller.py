@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from .. import compat, policy
-from .planner import (BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose, moves_bytes,
-                      simulate)
+from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose,
+                      moves_bytes, simulate)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
@@ -77,6 +77,7 @@ class _Step:
     last_exit: Any = None
     backward_end: Any = None
     outside_peak: int = 0
+    wholes: list[tuple[int, int]] = field(default_factory=list)  # modules whose parts are groups
 
 
 def _new_workload(now: int, then: int) -> bool:
@@ -88,7 +89,7 @@ def _same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
     """Two profiling steps saw one workload: the same groups saving about the same bytes
     (within ``WORKLOAD_CHANGE``), on about the same base (gradients kept from the first step
     would otherwise count in its backward and in the second's base)."""
-    if len(a.groups) != len(b.groups) or abs(a.base - b.base) > base_tolerance:
+    if len(a.groups) != len(b.groups) or abs(a.base - b.base) > base_tolerance or a.wholes != b.wholes:
         return False
     for x, y in zip(a.groups, b.groups):
         if (x.inputs is None) != (y.inputs is None) or _new_workload(y.offloadable + y.kept, x.offloadable + x.kept):
@@ -200,10 +201,25 @@ class BudgetController:
         """How much what is allocated when a step begins may move before the profile is stale."""
         return max(1 << 20, self.budget // 100)
 
-    def action(self, recomputable: bool) -> GroupPlan:
-        """What the next group of this step does (it is opening)."""
+    @property
+    def next_position(self) -> int:
+        """The place in the plan of the group opening next (a module run whole takes its parts')."""
+        return self._position
+
+    def whole_next(self, parts: int) -> bool:
+        """Whether the module opening now, whose ``parts`` are groups, runs whole as one
+        recomputed group. While profiling its parts are the groups, and it is noted."""
+        if self._profiling is not None:
+            self._profiling.wholes.append((self._position, parts))
+            return False
+        if self.plan is None or self.profile is None or (self._position, parts) not in self.profile.wholes:
+            return False
+        return self.plan.groups[self._position].action in WHOLE
+
+    def action(self, recomputable: bool, parts: int = 0) -> GroupPlan:
+        """What the next group of this step does (it is opening; ``parts``: a module run whole)."""
         i = self._position
-        self._position += 1
+        self._position += parts or 1
         if self._profiling is not None:
             action = GroupPlan("recompute_offload" if recomputable else "offload")
             self._profiling.groups.append(_Measured(recomputed=recomputable, start=self.probe.mark(),
@@ -211,10 +227,13 @@ class BudgetController:
             self.probe.reset_peak()
             return action
         assert self.plan is not None and self.profile is not None
-        if i >= len(self.plan.groups) or (self.plan.groups[i].action.startswith("recompute") and not recomputable):
-            self._reprofile = True  # more groups than profiled, or a different kind: a new workload
+        planned = self.plan.groups[i] if i < len(self.plan.groups) else None
+        if (planned is None or (planned.action.startswith("recompute") and not recomputable)
+                or (planned.action == "inside") or ((planned.action in WHOLE) != bool(parts))):
+            # more groups than profiled, another kind, or a module's parts run without it: a new workload
+            self._reprofile = True
             return GroupPlan("offload")
-        return self.plan.groups[i]
+        return planned
 
     def group_closing(self, position: int) -> None:
         if self._profiling is not None and position < len(self._profiling.groups):
@@ -225,9 +244,10 @@ class BudgetController:
 
     def move_at_most(self, position: int, action: GroupPlan) -> int | None:
         """Bytes the plan lets the group at ``position`` move (``None``: all it can)."""
-        if action.action in ("recompute", "keep"):
+        if action.action in ("recompute", "recompute_whole", "keep"):
             return 0
-        if (action.action == "recompute_offload" or self._profiling is not None or self.profile is None
+        if (action.action in ("recompute_offload", "recompute_whole_offload") or self._profiling is not None
+                or self.profile is None
                 or position >= len(self.profile.groups)):  # more groups than profiled: all it can
             return None
         return action.moved(self.profile.groups[position])
@@ -374,7 +394,8 @@ class BudgetController:
         if step.last_exit is not None and touches[-1] is not None:
             outside = self.probe.seconds(step.last_exit, touches[-1])
         return Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
-                       outside_extra=max(step.outside_peak - (step.base + held), 0))
+                       outside_extra=max(step.outside_peak - (step.base + held), 0),
+                       wholes=tuple((i, n) for i, n in step.wholes if i + n <= len(groups)))
 
     def _plan_all(self) -> None:
         """Every candidate plan under the current profile; the profiled plan last."""

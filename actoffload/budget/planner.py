@@ -8,7 +8,12 @@ fast path's copies may run ahead:
   memory and come back for backward (bus time, hidden behind compute where it can be);
 - ``recompute``: the group's module runs under activation checkpointing, so it saves only
   its inputs, and its forward runs again in backward (compute time); ``recompute_offload``
-  also moves those inputs to host memory.
+  also moves those inputs to host memory;
+- ``recompute_whole`` (and ``recompute_whole_offload``): where groups are the parts of one
+  module (``ao.wrap(blocks, off, parts=...)``), that module runs whole under checkpointing,
+  as one group: it keeps one set of inputs instead of each part's, and its parts, marked
+  ``inside``, are no groups. Recomputing a whole block costs less host time than
+  recomputing its parts one by one, and backward then holds all its activations at once.
 
 :func:`choose` picks, among a set of candidate plans that does not depend on the budget,
 the fastest whose modelled peak fits: so more budget never predicts a slower step, and a
@@ -20,11 +25,12 @@ time from the compute stream, the two copy streams and the ordering between them
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Sequence
 
-ACTIONS = ("keep", "offload", "recompute", "recompute_offload")
+ACTIONS = ("keep", "offload", "recompute", "recompute_offload", "recompute_whole", "recompute_whole_offload", "inside")
+WHOLE = ("recompute_whole", "recompute_whole_offload")  # on a module's first part; the others are "inside"
 WINDOWS = (0, 1, 2)  # max_inflight
 PREFETCHES = (0, 1, 2)
 FRACTIONS = (0.5, 1.0)  # of a group's offloadable bytes, largest spans first
@@ -96,6 +102,9 @@ class Profile:
     d2h_bps: float
     h2d_bps: float
     outside_extra: int = 0  # the most the head and loss allocate between forward and backward
+    # (first group, number of groups) of each module whose parts the groups are: a plan may
+    # recompute such a module whole
+    wholes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,9 +113,10 @@ class GroupPlan:
     fraction: float = 1.0  # of the offloadable bytes (``offload``)
 
     def moved(self, g: GroupProfile) -> int:
+        """Bytes it moves to host memory (a whole module's inputs: those of its first part)."""
         if self.action == "offload":
             return g.moved(self.fraction)
-        if self.action == "recompute_offload":
+        if self.action in ("recompute_offload", "recompute_whole_offload"):
             return g.inputs or 0
         return 0
 
@@ -116,9 +126,14 @@ class GroupPlan:
             return g.offloadable + g.kept
         if self.action == "offload":
             return g.offloadable - g.moved(self.fraction) + g.kept
-        if self.action == "recompute":
+        if self.action in ("recompute", "recompute_whole"):
             return g.inputs or 0
         return 0
+
+    @property
+    def recomputed(self) -> bool:
+        """Its activations come back by running its forward again (as a part, or inside a whole)."""
+        return self.action.startswith("recompute") or self.action == "inside"
 
 
 @dataclass(frozen=True)
@@ -131,8 +146,7 @@ class Plan:
 
     def moved(self, profile: Profile) -> int:
         """Bytes the plan moves or recomputes, a tie-breaker between equally fast plans."""
-        return sum(p.moved(g) + (g.offloadable if p.action.startswith("recompute") else 0)
-                   for g, p in zip(profile.groups, self.groups))
+        return sum(p.moved(g) + (g.offloadable if p.recomputed else 0) for g, p in zip(profile.groups, self.groups))
 
     def describe(self, profile: Profile) -> list[dict]:
         """One row per group: name, action and bytes, for ``stats()["plan"]``."""
@@ -156,6 +170,7 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     recomputing adds the group's recomputation to its backward. ``trace`` collects the modelled
     bytes at each checkpoint: ``("forward 3", bytes)``, ``("loss", bytes)``, ...
     """
+    profile, groups = as_run(profile, groups)
     gs = profile.groups
     n = len(gs)
     resident = [p.resident(g) for g, p in zip(gs, groups)]
@@ -241,6 +256,48 @@ def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, p
     return peak, compute
 
 
+def as_run(profile: Profile, groups: Sequence[GroupPlan]) -> tuple[Profile, Sequence[GroupPlan]]:
+    """The groups as the step runs them: each module recomputed whole becomes one group (its
+    parts' bytes and times together, its first part's inputs), so that :func:`simulate`
+    models it like any recomputed group."""
+    if not any(p.action in WHOLE for p in groups):
+        return profile, groups
+    span = dict(profile.wholes)
+    gs, ps = [], []
+    i = 0
+    while i < len(groups):
+        p = groups[i]
+        if p.action not in WHOLE:
+            gs.append(profile.groups[i])
+            ps.append(p)
+            i += 1
+            continue
+        n = span[i]
+        parts = profile.groups[i:i + n]
+        gs.append(_whole(parts))
+        ps.append(GroupPlan("recompute" if p.action == "recompute_whole" else "recompute_offload"))
+        i += n
+    return replace(profile, groups=tuple(gs), wholes=()), tuple(ps)
+
+
+def _whole(parts: Sequence[GroupProfile]) -> GroupProfile:
+    """A module's parts as one recomputed group. Its forward holds, beyond what it keeps, one
+    part's temporaries and that part's inputs (the outputs of the part before it); its
+    backward begins with every part's activations back at once, and the parameter gradients
+    of the parts whose backward ran already."""
+    first = parts[0]
+    later_grads = [sum(g.grads for g in parts[k + 1:]) for k in range(len(parts))]
+    return GroupProfile(
+        name=f"{first.name}..{parts[-1].name}",
+        spans=tuple(sorted((n for g in parts for n in g.spans), reverse=True)),
+        kept=sum(g.kept for g in parts), inputs=first.inputs,
+        forward_s=sum(g.forward_s for g in parts), backward_s=sum(g.backward_s for g in parts),
+        forward_extra=max(g.forward_extra + (g.inputs or 0 if k else 0) for k, g in enumerate(parts)),
+        backward_extra=max(g.backward_extra + later for g, later in zip(parts, later_grads)),
+        grads=sum(g.grads for g in parts), recompute_extra=max(g.recompute_extra for g in parts),
+        recompute_s=sum(g.recompute_time for g in parts))
+
+
 def moves_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> bool:
     """Whether a plan moves any bytes across the bus."""
     return any(p.moved(g) for p, g in zip(groups, profile.groups))
@@ -281,16 +338,16 @@ def _greedy_path(profile: Profile, current: Plan, w: int, pf: int) -> list[Plan]
     groups (0.9 s at 24 groups on a 2-core CPU)."""
     path: list[Plan] = []
 
-    def scored(i: int, move: GroupPlan) -> tuple[float, Plan]:
-        trial = _evaluated(profile, current.groups[:i] + (move,) + current.groups[i + 1:], w, pf)
+    def scored(i: int, move: tuple[GroupPlan, ...]) -> tuple[float, Plan]:
+        trial = _evaluated(profile, current.groups[:i] + move + current.groups[i + len(move):], w, pf)
         saved = current.peak - trial.peak
         return (saved / max(trial.step_s - current.step_s, 1e-9) if saved > 0 else 0.0), trial
 
-    def positive(moves: Iterable[tuple[int, GroupPlan]]) -> list[tuple[float, int, GroupPlan]]:
+    def positive(moves: Iterable[tuple[int, tuple[GroupPlan, ...]]]) -> list[tuple[float, int, tuple[GroupPlan, ...]]]:
         return [(score, i, m) for i, m in moves for score in [scored(i, m)[0]] if score > 0]
 
-    def every_move() -> list[tuple[float, int, GroupPlan]]:
-        return positive((i, m) for i, g in enumerate(profile.groups) for m in _moves(g, current.groups[i]))
+    def every_move() -> list[tuple[float, int, tuple[GroupPlan, ...]]]:
+        return positive((i, m) for i in range(len(profile.groups)) for m in _moves(profile, current.groups, i))
 
     standing = every_move()
     while standing:
@@ -305,7 +362,12 @@ def _greedy_path(profile: Profile, current: Plan, w: int, pf: int) -> list[Plan]
             continue
         current = trial
         path.append(current)
-        standing = [s for s in standing if s[1] != i] + positive((i, m) for m in _moves(profile.groups[i], move))
+        # moves touching the groups it changed, or the module they are parts of, were found
+        # against their old actions: found again
+        changed = set(range(i, i + len(move)))
+        changed |= {j for j, n in profile.wholes if changed & set(range(j, j + n))}
+        standing = [s for s in standing if not changed & set(range(s[1], s[1] + len(s[2])))]
+        standing += positive((j, m) for j in sorted(changed) for m in _moves(profile, current.groups, j))
         if not standing:
             standing = every_move()
     return path
@@ -315,7 +377,8 @@ def _families(profile: Profile) -> list[Plan]:
     """Plans the greedy path need not pass through: recompute the first k recomputable
     groups and keep the others, for every k (what a user checkpointing by hand would pick),
     also with those groups' inputs offloaded; recompute every group with the first k
-    groups' inputs offloaded; and offload the first j groups whole while recomputing the
+    groups' inputs offloaded; where groups are the parts of modules, the same two with those
+    modules recomputed whole; and offload the first j groups whole while recomputing the
     others with their inputs offloaded."""
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
@@ -332,6 +395,24 @@ def _families(profile: Profile) -> list[Plan]:
         groups = tuple(GroupPlan("recompute_offload" if i in first else "recompute") if g.inputs is not None
                        else GroupPlan() for i, g in enumerate(profile.groups))
         out += [_evaluated(profile, groups, w, pf) for w, pf in ((1, 1), (2, 2))]
+    # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
+    # inputs moved out; and all of them, the first k's inputs moved out
+    size = {j: k for j, k in profile.wholes if profile.groups[j].inputs is not None}
+
+    def with_wholes(actions: dict[int, str]) -> tuple[GroupPlan, ...]:
+        groups = [GroupPlan() for _ in range(n)]
+        for j, a in actions.items():
+            groups[j:j + size[j]] = [GroupPlan(a)] + [GroupPlan("inside")] * (size[j] - 1)
+        return tuple(groups)
+
+    for k in range(1, len(size) + 1):
+        starts = list(size)[:k]
+        out.append(_evaluated(profile, with_wholes(dict.fromkeys(starts, "recompute_whole")), 0, 0))
+        out += [_evaluated(profile, with_wholes(dict.fromkeys(starts, "recompute_whole_offload")), w, pf)
+                for w, pf in ((1, 1), (2, 2))]
+        if k < len(size):
+            actions = {j: "recompute_whole_offload" if j in starts else "recompute_whole" for j in size}
+            out += [_evaluated(profile, with_wholes(actions), w, pf) for w, pf in ((1, 1), (2, 2))]
     # the least memory: the first groups' backward comes last, with every gradient made; a group
     # reloaded there skips its recomputation's peak
     for j in range(1, n + 1):
@@ -341,17 +422,27 @@ def _families(profile: Profile) -> list[Plan]:
     return out
 
 
-def _moves(g: GroupProfile, p: GroupPlan) -> list[GroupPlan]:
-    """The next, lighter actions for a group (never back to a heavier one)."""
-    out = []
+def _moves(profile: Profile, groups: tuple[GroupPlan, ...], i: int) -> list[tuple[GroupPlan, ...]]:
+    """The next, lighter actions from group ``i`` on (never back to a heavier one), each as the
+    actions it puts in place of ``groups[i:]``'s first ones: one group's own, or, at the first
+    part of a module that may be recomputed whole, that module's."""
+    g, p = profile.groups[i], groups[i]
+    out: list[tuple[GroupPlan, ...]] = []
     if g.offloadable and p.action == "keep":
-        out += [GroupPlan("offload", f) for f in FRACTIONS]
+        out += [(GroupPlan("offload", f),) for f in FRACTIONS]
     if p.action == "offload" and p.fraction < 1.0:
-        out += [GroupPlan("offload", f) for f in FRACTIONS if f > p.fraction]
+        out += [(GroupPlan("offload", f),) for f in FRACTIONS if f > p.fraction]
     if g.inputs is not None and p.action in ("keep", "offload"):
-        out.append(GroupPlan("recompute"))
+        out.append((GroupPlan("recompute"),))
     if g.inputs and p.action in ("keep", "offload", "recompute"):
-        out.append(GroupPlan("recompute_offload"))
+        out.append((GroupPlan("recompute_offload"),))
+    n = dict(profile.wholes).get(i)
+    if n is not None and g.inputs is not None:
+        inside = (GroupPlan("inside"),) * (n - 1)
+        if p.action not in WHOLE:
+            out.append((GroupPlan("recompute_whole"),) + inside)
+        if g.inputs and p.action != "recompute_whole_offload":
+            out.append((GroupPlan("recompute_whole_offload"),) + inside)
     return out
 
 

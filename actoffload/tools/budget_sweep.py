@@ -4,7 +4,7 @@ For each workload, measured side by side in one run on one card: no offloading,
 activation checkpointing of every block, the best hand-picked selective checkpointing
 (the fewest checkpointed blocks that fit each budget), ``save_on_cpu``, ref and fast
 offloading everything, and fast with a ``memory_budget`` (each block's three parts a
-group) at five levels from the
+group, or the whole block where its plan recomputes it) at five levels from the
 smallest peak it can reach to the peak without offloading (plus one just under the
 peak of checkpointing every block). Each figure is a pair: median step time
 (forward + backward) and peak device memory allocated during the step, everything
@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 import actoffload as ao
 from actoffload import compat, hostmem
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS
-from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, next_token_loss, sublayers
+from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 
 GiB = 1 << 30
 LEVELS = 5
@@ -39,19 +39,15 @@ class Workload:
     """A model with ``blocks``, and a step: loss of one batch, backward.
 
     Checkpointing and offloading everything work block by block, as users set them up; a
-    memory budget gets each block's three parts (:func:`sublayers`) as groups, so that its
-    plan can go below checkpointing every block, where backward holds a whole block's
-    recomputed activations at once."""
+    memory budget gets each block with its three parts (:func:`block_parts`), so that its
+    plan can go below checkpointing every block (where backward holds a whole block's
+    recomputed activations at once) and still recompute a whole block where that is faster."""
 
     name: str
     model: torch.nn.Module
     blocks: torch.nn.ModuleList
     loss: Callable[[Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor], int], torch.Tensor]
     trainable: list[torch.Tensor]  # what gradients are compared for (parameters and the input)
-
-    @property
-    def parts(self) -> list[torch.nn.Module]:
-        return sublayers(self.blocks)
 
 
 def _stack(name: str, d: int, layers: int, batch: int, seq: int, device: torch.device, dtype: torch.dtype) -> Workload:
@@ -180,7 +176,8 @@ class _Runner:
         for t in w.trainable:
             t.grad = None
         gc.collect()
-        handle = ao.wrap(w.parts if self.method.parts else w.blocks, self.off) if self.off is not None else None
+        handle = (ao.wrap(w.blocks, self.off, parts=block_parts if self.method.parts else None)
+                  if self.off is not None else None)
         try:
             _sync(self.device)
             if cuda:

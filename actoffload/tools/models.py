@@ -2,7 +2,7 @@
 
 Reads top to bottom: config, attention, MLP (dense, or mixture of experts), block,
 model. ``model.blocks`` is the list to hand to :func:`actoffload.wrap` (one offload
-group per block); :func:`sublayers` lists each block's three parts (Q/K/V projection,
+group per block); :func:`block_parts` gives a block's three parts (Q/K/V projection,
 attention, MLP) for smaller groups. Modules carry offload roles (``attn_norm``, ``qkv``
 on the projection; ``core_attn``, ``attn_proj`` on the attention; ``mlp_norm``; the
 experts ``expert_fc1``, ``moe_act``, ``expert_fc2``) for :func:`actoffload.select_modules`.
@@ -166,19 +166,19 @@ class Block(nn.Module):
         return mid + self.mlp(mid)
 
 
-def sublayers(blocks: Iterable[nn.Module]) -> list[nn.Module]:
-    """Each block's three parts in forward order: the attention's projection to queries,
-    keys and values (with its norm), the attention itself with its output projection, and
-    the MLP (with its norm). Wrapped, each is a group, so a memory plan can recompute or
-    offload one part and keep the others, and backward holds one part's activations at a
-    time (while the attention's backward runs, its norm and projection are not recomputed
-    yet).
+def block_parts(block: nn.Module) -> list[nn.Module]:
+    """A block's three parts in forward order: the attention's projection to queries, keys
+    and values (with its norm), the attention itself with its output projection, and the
+    MLP (with its norm); for a GPT or a Llama block. Given to :func:`actoffload.wrap` as
+    ``parts``, each is a group, so that a memory plan can recompute or offload one part and
+    keep the others (backward then holds one part's activations at a time), or still
+    recompute the whole block.
 
     Example::
 
-        ao.wrap(sublayers(model.blocks), off)      # groups "0" (block 0's Q/K/V), "1", "2", "3", ...
+        ao.wrap(model.blocks, off, parts=block_parts)   # groups "0.0" (block 0's Q/K/V), "0.1", "0.2", "1.0", ...
     """
-    return [m for b in blocks for m in (b.attn.project, b.attn.core, b.mlp)]
+    return [block.attn.project, block.attn.core, block.mlp]
 
 
 class GPT(nn.Module):
