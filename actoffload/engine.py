@@ -120,7 +120,6 @@ class Engine(Generic[GroupT, MovedT]):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ opening and closing
-    @compat.not_traced
     def _enter(self, name: str, recomputable: bool = False, parts: int = 0) -> tuple[GroupT, Any] | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
         opened as one group only where a plan recomputes it whole (else ``None``: nothing)."""
@@ -247,7 +246,6 @@ class Engine(Generic[GroupT, MovedT]):
     def _seen_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> None:
         """A tensor the checkpointed forward of ``group`` saved (and checkpoint discarded)."""
 
-    @compat.not_traced
     def _exit(self, entry: tuple[GroupT, Any] | None, failed: bool) -> None:
         if entry is None:
             return
@@ -275,6 +273,8 @@ class Engine(Generic[GroupT, MovedT]):
 
         Called when a group opens (``opening``) and, for ``keep_last=0``, when one exits.
         """
+        if not self._pending:  # read without the lock: a group is only added by this thread
+            return
         due: list[GroupT] = []
         with self._lock:
             waiting = []
@@ -463,7 +463,9 @@ class Engine(Generic[GroupT, MovedT]):
     def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         if compat.in_backward():
             self._backward_began = True
-        self._reached(group)
+        if not group.unpacked:  # its first unpack (each later one costs nothing)
+            group.unpacked = True
+            self._reached(group)
         return t
 
     @compat.not_traced

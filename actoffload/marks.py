@@ -109,7 +109,16 @@ def mark_parameters(*tensors: torch.Tensor | None) -> None:
     parameter (``F.linear(x, w.detach())`` saves ``w.detach().t()``, which has no
     ``_base``) is recognised by its storage.
     """
-    _mark(tensors, PARAMETER, "mark_parameters")
+    # the common case, at every wrapped forward: plain parameters marked already
+    for i, t in enumerate(tensors):
+        if type(t) is not torch.nn.Parameter:
+            break
+        entry = _marks.get(t.untyped_storage()._cdata)
+        if entry is None or not entry[1] & PARAMETER or entry[0].expired():
+            break
+    else:
+        return
+    _mark(tensors[i:], PARAMETER, "mark_parameters")
 
 
 # Every parameter registered on a module (weakly): moving a model (`model.cuda()`,

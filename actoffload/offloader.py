@@ -65,8 +65,18 @@ class GroupContext:
 
     @compat.not_traced
     def __enter__(self) -> GroupContext:
+        return self.open()
+
+    def open(self) -> GroupContext:
+        """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``):
+        each such boundary costs microseconds, and a step crosses one per group."""
         self._entry = self._offloader._enter(self._name, self._recomputable, self._parts)
         return self
+
+    @property
+    def opened(self) -> bool:
+        """Whether entering opened a group (not inside a recomputation, or a module run whole)."""
+        return self._entry is not None
 
     @property
     def recompute(self) -> bool:
@@ -79,8 +89,12 @@ class GroupContext:
 
     @compat.not_traced
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(failed=exc_type is not None)
+
+    def close(self, failed: bool) -> None:
+        """``__exit__`` for callers already kept out of ``torch.compile``."""
         entry, self._entry = self._entry, None
-        self._offloader._exit(entry, failed=exc_type is not None)
+        self._offloader._exit(entry, failed=failed)
 
 
 class Offloader(Engine[GroupT, MovedT]):

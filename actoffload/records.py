@@ -118,6 +118,7 @@ class Group:
         # key -> bytes), with none of the per-save work a group that may move does
         self.kept_whole = False
         self.kept_storages: dict[int, int] = {}
+        self.unpacked = False  # backward unpacked one of its saves (kept whole: nothing more to do)
 
     def previous(self) -> Group | None:
         return self.prev() if self.prev is not None else None

@@ -155,11 +155,14 @@ def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any,
 
 @compat.not_traced
 def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int) -> GroupContext:
-    # at every call: a parameter's storage may have changed (.data replaced, FSDP)
-    mark_parameters(*module.parameters())
-    return GroupContext(off, name, recomputable=recomputable, parts=parts).__enter__()
+    group = GroupContext(off, name, recomputable=recomputable, parts=parts).open()
+    # at every call that opens a group (not a recomputation, a part of a module run whole, or a
+    # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)
+    if group.opened:
+        mark_parameters(*module.parameters())
+    return group
 
 
 @compat.not_traced
 def _close(group: GroupContext, failed: bool) -> None:
-    group.__exit__(RuntimeError if failed else None, None, None)
+    group.close(failed)
