@@ -100,6 +100,11 @@ class Engine(Generic[GroupT, MovedT]):
     def _group_opens(self, group: GroupT) -> None:
         """``group`` is opening; a plan may set ``group.recompute``."""
 
+    def _unhooked_next(self) -> bool:
+        """Whether the group opening now keeps everything it saves and needs no tracking: it
+        then opens no group at all (only a memory plan says so)."""
+        return False
+
     def _whole_next(self, parts: int) -> bool:
         """Whether a plan runs the module opening now, whose ``parts`` are groups, as one
         recomputed group instead (only a memory plan does)."""
@@ -150,6 +155,8 @@ class Engine(Generic[GroupT, MovedT]):
                 return None
         self._advance_schedule(opening=True)
         self._begin_step_if_new()
+        if self._unhooked_next():
+            return None  # autograd holds what it saves, as without an offloader
         with self._lock:
             self._step_begun = False
             unique, k = name, 1

@@ -255,6 +255,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         elif self._warming:
             group.recompute = group.recomputable
 
+    def _unhooked_next(self) -> bool:
+        return self._budget is not None and self._budget.unhooked_next()
+
     def _whole_next(self, parts: int) -> bool:
         return self._budget is not None and self._budget.whole_next(parts)
 

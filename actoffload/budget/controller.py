@@ -216,6 +216,19 @@ class BudgetController:
             return False
         return self.plan.groups[self._position].action in WHOLE
 
+    def unhooked_next(self) -> bool:
+        """Whether the group opening now runs with no hooks at all: the plan keeps everything
+        it saves. A step's hooks cost host time per group and per save, which a model that
+        waits on the host (a MoE's routing) pays in full. The first group keeps its hooks: its
+        saved bytes show a new workload, and its backward ends the step."""
+        i = self._position
+        if self._profiling is not None or self.plan is None or i == 0 or i >= len(self.plan.groups):
+            return False
+        if self.plan.groups[i].action != "keep":
+            return False
+        self._position += 1
+        return True
+
     def action(self, recomputable: bool, parts: int = 0) -> GroupPlan:
         """What the next group of this step does (it is opening; ``parts``: a module run whole)."""
         i = self._position
