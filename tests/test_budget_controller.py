@@ -38,7 +38,7 @@ def test_controller_a_plan_that_ran_is_judged_by_its_measured_peak():
 def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within_the_budget():
     c, least = _controller(1 << 40, measured_least=0)
     keep = max(c.plans, key=lambda p: p.peak)
-    c.budget = keep.peak
+    c.budget = keep.peak + MiB  # the least margin: what the model never sees
     c._choose()
     assert _key(c.plan) == _key(keep)
     c.margin = 1 << 40  # every model figure out of reach
@@ -161,10 +161,11 @@ def test_controller_an_overshoot_widens_the_margin_of_every_plan_not_yet_run():
     c.budget = keep.peak - 1  # keeping everything no longer fits
     c._choose()
     ran = c.plan
+    assert c.stats()["margin"] == MiB  # before any overshoot: the least margin
     c.probe = _Overshooting(c.probe, c.budget + 10 * MiB)
     c._backward_ended()
     c.probe = c.probe._probe
-    assert c.margin == 10 * MiB + max(MiB, c.budget // 400) and c.stats()["margin"] == c.margin
+    assert c.margin == 10 * MiB + max(MiB, c.budget // 400) and c.stats()["margin"] == c.margin + MiB
     assert _key(c.plan) != _key(ran)  # measured over the budget: another plan runs
     untried = [p for p in c.plans if _key(p) not in c._measured]
     assert all(p.peak + c.margin > c.budget for p in untried if p.groups == ran.groups)
@@ -302,8 +303,8 @@ def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too():
     c.plans = candidates(c.profile)
     still_peaks = {p.peak for p in c.plans if not moves_bytes(c.profile, p.groups)}
     # a budget where the model's fastest plan moves bytes and one that moves none also fits
-    c.budget = next(b for b in sorted(still_peaks)
-                    if moves_bytes(c.profile, choose(c.profile, b, c.plans).groups))
+    c.budget = MiB + next(b for b in sorted(still_peaks)  # (a MiB: the least margin)
+                          if moves_bytes(c.profile, choose(c.profile, b, c.plans).groups))
     c._choose()
     first = c.plan
     assert moves_bytes(c.profile, first.groups)
