@@ -113,7 +113,7 @@ def mark_parameters(*tensors: torch.Tensor | None) -> None:
     for i, t in enumerate(tensors):
         if type(t) is not torch.nn.Parameter:
             break
-        entry = _marks.get(t.untyped_storage()._cdata)
+        entry = _marks.get(compat.storage_key(t))
         if entry is None or not entry[1] & PARAMETER or entry[0].expired():
             break
     else:

@@ -175,7 +175,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       profile (the least-memory plan: every wrapped module recomputed with its inputs
       moved out, every other group moved out, copies synchronous); from the third on, each group
       keeps, offloads (all or its largest spans) or recomputes (modules given to
-      ``ao.wrap``, under activation checkpointing) as the fastest plan that fits says, and
+      ``ao.wrap``, under activation checkpointing; a module given with ``parts`` also
+      whole) as the fastest plan that fits says (a kept group opens no group), and
       ``max_inflight``/``prefetch`` are the plan's; ``keep_last`` does not apply. A new
       workload (another sequence length) profiles again; a step over the budget makes every
       plan not yet run leave that much more room. ``stats()["plan"]`` shows the plan, its

@@ -292,7 +292,7 @@ def _whole(parts: Sequence[GroupProfile]) -> GroupProfile:
         spans=tuple(sorted((n for g in parts for n in g.spans), reverse=True)),
         kept=sum(g.kept for g in parts), inputs=first.inputs,
         forward_s=sum(g.forward_s for g in parts), backward_s=sum(g.backward_s for g in parts),
-        forward_extra=max(g.forward_extra + (g.inputs or 0 if k else 0) for k, g in enumerate(parts)),
+        forward_extra=max(g.forward_extra + ((g.inputs or 0) if k else 0) for k, g in enumerate(parts)),
         backward_extra=max(g.backward_extra + later for g, later in zip(parts, later_grads)),
         grads=sum(g.grads for g in parts), recompute_extra=max(g.recompute_extra for g in parts),
         recompute_s=sum(g.recompute_time for g in parts))
@@ -423,7 +423,8 @@ def _families(profile: Profile) -> list[Plan]:
 
 
 def _moves(profile: Profile, groups: tuple[GroupPlan, ...], i: int) -> list[tuple[GroupPlan, ...]]:
-    """The next, lighter actions from group ``i`` on (never back to a heavier one), each as the
+    """The next actions from group ``i`` on (a group never goes back to keeping more of its
+    own; a move is taken only where it saves modelled memory, so a path ends), each as the
     actions it puts in place of ``groups[i:]``'s first ones: one group's own, or, at the first
     part of a module that may be recomputed whole, that module's."""
     g, p = profile.groups[i], groups[i]
