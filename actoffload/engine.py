@@ -105,10 +105,13 @@ class Engine(Generic[GroupT, MovedT]):
         then opens no group at all (only a memory plan says so)."""
         return False
 
-    def _whole_next(self, parts: int) -> bool:
+    def _whole_next(self, parts: int, inputs: int) -> bool:
         """Whether a plan runs the module opening now, whose ``parts`` are groups, as one
-        recomputed group instead (only a memory plan does)."""
+        recomputed group saving its ``inputs`` (bytes) instead (only a memory plan does)."""
         return False
+
+    def _whole_closed(self, parts: int) -> None:
+        """A module whose ``parts`` were the groups (not run whole) is done."""
 
     def _group_closing(self, group: GroupT) -> None:
         """``group``'s forward is over (before its commit)."""
@@ -125,7 +128,8 @@ class Engine(Generic[GroupT, MovedT]):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ opening and closing
-    def _enter(self, name: str, recomputable: bool = False, parts: int = 0) -> tuple[GroupT, Any] | None:
+    def _enter(self, name: str, recomputable: bool = False, parts: int = 0,
+               inputs: int = 0) -> tuple[GroupT, Any] | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
         opened as one group only where a plan recomputes it whole (else ``None``: nothing)."""
         if compat.in_backward():
@@ -151,7 +155,7 @@ class Engine(Generic[GroupT, MovedT]):
             )
         if parts:
             self._begin_step_if_new()  # the plan to ask is this step's
-            if not (recomputable and self._whole_next(parts)):
+            if not (recomputable and self._whole_next(parts, inputs)):
                 return None
         self._advance_schedule(opening=True)
         self._begin_step_if_new()

@@ -56,11 +56,13 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0):
+    def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0,
+                 inputs: int = 0):
         self._offloader = offloader
         self._name = name
         self._recomputable = recomputable  # ao.wrap's groups: the module can be run again
-        self._parts = parts  # ao.wrap's modules given with parts: a group only when run whole
+        # ao.wrap's modules given with parts: a group only when run whole, saving ``inputs`` bytes
+        self._parts, self._inputs = parts, inputs
         self._entry: Any = None
 
     @compat.not_traced
@@ -70,7 +72,7 @@ class GroupContext:
     def open(self) -> GroupContext:
         """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``):
         each such boundary costs microseconds, and a step crosses one per group."""
-        self._entry = self._offloader._enter(self._name, self._recomputable, self._parts)
+        self._entry = self._offloader._enter(self._name, self._recomputable, self._parts, self._inputs)
         return self
 
     @property
@@ -94,6 +96,8 @@ class GroupContext:
     def close(self, failed: bool) -> None:
         """``__exit__`` for callers already kept out of ``torch.compile``."""
         entry, self._entry = self._entry, None
+        if entry is None and self._parts:
+            self._offloader._whole_closed(self._parts)
         self._offloader._exit(entry, failed=failed)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.utils.checkpoint
 
-from . import compat
+from . import compat, policy
 from .marks import mark_parameters
 from .offloader import GroupContext, Offloader
 
@@ -94,6 +94,10 @@ def wrap(
             raise ValueError(f"parts({type(m).__name__}) gives a part inside another: groups do not nest (R2)")
         if any(getattr(x.forward, "__actoffload_group__", None) is not None for x in inner):
             raise ValueError(f"a part of {type(m).__name__} is already wrapped; remove() its handle first")
+    every = [id(x) for inner in inner_of for x in inner]
+    if len(set(every)) != len(every) or {id(m) for m in modules} & set(every):
+        raise ValueError("parts gives one submodule for two modules, or a module that is itself wrapped: "
+                         "each part is one group (R2)")
     restores = []
     for m, name, inner in zip(modules, names, inner_of):
         restores += [_wrap_one(x, off, f"{name}.{k}") for k, x in enumerate(inner)]
@@ -115,7 +119,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
         recomputable = not torch.compiler.is_compiling() and not _updates_stats(norms)
-        group = _open(module, off, name, recomputable, parts)
+        group = _open(module, off, name, recomputable, parts, _input_bytes(args, kwargs) if parts else 0)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 out = _recomputed(inner, group, args, kwargs)
@@ -139,6 +143,22 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
     return restore
 
 
+def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the tensors a module is called with (each once; parameters and leaves that
+    require grad aside, which stay where they are, R3): what checkpointing it whole saves."""
+    seen, total = set(), 0
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor) and not policy.is_parameter(t):
+            try:
+                key = (compat.storage_key(t), t.storage_offset())
+            except (NotImplementedError, RuntimeError):  # no storage of its own (a wrapper subclass)
+                key = (id(t), 0)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
 def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
     """Whether a forward updates running statistics (batch norm in training): recomputing it
     would update them twice."""
@@ -154,8 +174,9 @@ def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any,
 
 
 @compat.not_traced
-def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int) -> GroupContext:
-    group = GroupContext(off, name, recomputable=recomputable, parts=parts).open()
+def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int,
+          inputs: int) -> GroupContext:
+    group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs).open()
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a
     # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)
     if group.opened:

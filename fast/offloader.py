@@ -257,10 +257,17 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             group.recompute = group.recomputable
 
     def _unhooked_next(self) -> bool:
-        return self._budget is not None and self._budget.unhooked_next()
+        if self._budget is None or not self._budget.unhooked_next():
+            return False
+        self._reap()  # as a group opening would: free the sources of copies that finished
+        return True
 
-    def _whole_next(self, parts: int) -> bool:
-        return self._budget is not None and self._budget.whole_next(parts)
+    def _whole_next(self, parts: int, inputs: int) -> bool:
+        return self._budget is not None and self._budget.whole_next(parts, inputs)
+
+    def _whole_closed(self, parts: int) -> None:
+        if self._budget is not None:
+            self._budget.whole_closed(parts)
 
     def _group_closing(self, group: FastGroup) -> None:
         if self._budget is not None:

@@ -294,7 +294,8 @@ def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise(monkeypatch):
     for step in range(PROFILE_STEPS + 1):  # profiled, then planned
         _step(model, step)
     controller = off._budget
-    assert controller.profile.wholes == ((0, 2), (2, 2), (4, 2), (6, 2))  # each module's two parts
+    # each module's two parts, and what running it whole saves: its input
+    assert [(w.first, w.parts, w.inputs) for w in controller.profile.wholes] == [(i, 2, 64 * D * 4) for i in (0, 2, 4, 6)]
     actions = ["recompute_whole", "inside", "recompute_whole_offload", "inside", "recompute", "keep", "keep", "keep"]
     controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 1, 1)
     monkeypatch.setattr(controller, "_choose", lambda: None)
@@ -318,4 +319,97 @@ def test_wrap_parts_must_be_distinct_submodules_called_in_order():
         ao.wrap([m], off, parts=lambda b: [b.a, b.a])
     with pytest.raises(ValueError, match="a part inside another"):
         ao.wrap([m], off, parts=lambda b: [b.a, b.a[0]])
+    with pytest.raises(ValueError, match="a module that is itself wrapped"):
+        ao.wrap([m, m.a], off, parts=lambda b: [b.a] if b is m else [b[0]])
     assert "forward" not in vars(m) and "forward" not in vars(m.a)  # nothing was wrapped
+
+
+def _forced(off, actions, monkeypatch):
+    """Run ``actions`` from the next step on, whatever the model would choose."""
+    from actoffload.budget.planner import GroupPlan, Plan
+
+    controller = off._budget
+    controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 0, 0)
+    monkeypatch.setattr(controller, "_choose", lambda: None)
+    return controller
+
+
+class _TwoInputs(torch.nn.Module):
+    """``b(a(x) * memory)``: run whole, checkpointing saves both inputs, though its first part sees one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.b = torch.nn.Linear(D, D)
+
+    def forward(self, x, memory):
+        return self.b(self.a(x) * memory)
+
+
+def test_budget_a_module_run_whole_saves_all_its_inputs_and_the_plan_knows_it(monkeypatch):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_TwoInputs() for _ in range(2))
+    memory = torch.randn(64, D, requires_grad=True)
+
+    def step(seed):
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        h, m = x * 1, memory * 1  # activations (a leaf that requires grad would stay: R3)
+        for b in blocks:
+            h = h + b(h, m)
+        h.square().sum().backward()
+        out = [x.grad.clone(), memory.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+        memory.grad = None
+        for p in blocks.parameters():
+            p.grad = None
+        return out
+
+    expected = [step(s) for s in range(3)]
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    handle = ao.wrap(blocks, off, parts=lambda m: [m.a, m.b])
+    for s in range(PROFILE_STEPS + 1):
+        step(s)
+    controller = _forced(off, ["recompute_whole", "inside", "recompute_whole_offload", "inside"], monkeypatch)
+    assert [w.inputs for w in controller.profile.wholes] == [64 * 2 * D * 4] * 2  # x and memory
+    got = [step(s) for s in range(3)]
+    handle.remove()
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    assert not controller._reprofile and off.stats()["plan"]["state"] == "planned"  # no workload change seen
+    assert off.stats()["groups"]["1"]["offloaded_bytes"] == 64 * 2 * D * 4
+
+
+def test_budget_a_module_that_does_not_open_just_its_parts_is_never_run_whole():
+    class Skips(_TwoParts):
+        def forward(self, x):
+            return self.a(x)[:, :D]  # b never runs
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Skips(), _TwoParts(), _TwoParts()])
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(blocks, off, parts=_parts):
+        for s in range(PROFILE_STEPS + 1):
+            h = torch.randn(64, D, requires_grad=True) * 1
+            for b in blocks:
+                h = h + b(h)
+            h.square().sum().backward()
+    # groups: 0.0, then 1.0, 1.1, 2.0, 2.1: only the modules that opened their two parts
+    assert [(w.first, w.parts) for w in off._budget.profile.wholes] == [(1, 2), (3, 2)]
+
+
+def test_budget_kept_groups_still_end_the_step_when_the_first_block_is_frozen():
+    # partial fine-tuning: backward never unpacks what the first block saves, so the group that
+    # keeps its hooks (and ends the step) is the first whose saves backward unpacks
+    blocks = _blocks()
+    blocks[0].requires_grad_(False)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    states = []
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 6):
+            h = torch.randn(64, D, generator=torch.Generator().manual_seed(step))
+            for b in blocks:
+                h = h + b(h)
+            h.square().sum().backward()
+            states.append(off.stats()["plan"]["state"])
+    assert states == ["profiling"] * PROFILE_STEPS + ["planned"] * 6
+    assert [g["action"] for g in off.stats()["plan"]["groups"]] == ["keep"] * 4
+    assert list(off.stats()["groups"]) == ["1"]

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from actoffload.budget.planner import BudgetTooSmall, GroupPlan, GroupProfile, Profile, candidates, choose, simulate
+from actoffload.budget.planner import (BudgetTooSmall, GroupPlan, GroupProfile, Profile, Whole, candidates, choose,
+                                      simulate)
 
 MiB = 1 << 20
 
@@ -26,7 +27,7 @@ def _profile(rng: random.Random) -> Profile:
     wholes, i = [], 0
     while rng.random() < 0.5 and i < len(groups):
         n = min(rng.randint(1, 3), len(groups) - i)
-        wholes.append((i, n))
+        wholes.append(Whole(i, n, inputs=rng.randint(1, 16) * MiB))
         i += n
     return Profile(tuple(groups), base=rng.randint(0, 2048) * MiB, outside_s=rng.uniform(0, 5e-3),
                    d2h_bps=bw, h2d_bps=bw * rng.uniform(0.8, 1.2), wholes=tuple(wholes))
@@ -161,7 +162,8 @@ def test_planner_recomputes_a_module_whole_where_recomputing_its_parts_would_kee
     # under a budget between the two, only the whole fits without the (slow) bus
     parts = [GroupProfile(str(i), spans=(64 * MiB,), kept=0, inputs=(24 if i % 3 == 1 else 8) * MiB,
                           forward_s=1e-3, backward_s=2e-3) for i in range(6)]
-    profile = Profile(tuple(parts), base=0, outside_s=0.0, d2h_bps=1e8, h2d_bps=1e8, wholes=((0, 3), (3, 3)))
+    profile = Profile(tuple(parts), base=0, outside_s=0.0, d2h_bps=1e8, h2d_bps=1e8,
+                      wholes=(Whole(0, 3, inputs=8 * MiB), Whole(3, 3, inputs=8 * MiB)))
     whole_first = tuple(GroupPlan(a) for a in ["recompute_whole", "inside", "inside", "keep", "keep", "keep"])
     parts_first = tuple(GroupPlan(a) for a in ["recompute"] * 3 + ["keep"] * 3)
     budget = simulate(profile, whole_first, 0, 0)[0]

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from .. import compat, policy
-from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, candidates, choose,
-                      moves_bytes, simulate)
+from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, bus_bytes, candidates,
+                      choose, moves_bytes, simulate)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
@@ -77,7 +77,8 @@ class _Step:
     last_exit: Any = None
     backward_end: Any = None
     outside_peak: int = 0
-    wholes: list[tuple[int, int]] = field(default_factory=list)  # modules whose parts are groups
+    wholes: list[Whole] = field(default_factory=list)  # modules whose parts were its groups
+    open_whole: Whole | None = None  # such a module's forward is running
 
 
 def _new_workload(now: int, then: int) -> bool:
@@ -107,7 +108,8 @@ def _merged(a: Profile, b: Profile) -> Profile:
                            recompute_s=_least(x.recompute_s, y.recompute_s),
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
-                           recompute_extra=max(x.recompute_extra, y.recompute_extra))
+                           recompute_extra=max(x.recompute_extra, y.recompute_extra),
+                           reached=x.reached or y.reached)
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))
@@ -117,7 +119,7 @@ def _least_moved_first(plans: list[Plan], profile: Profile) -> list[Plan]:
     """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
     order of the bytes they move across the bus: the model sees copies hide behind compute
     perfectly, and the fewer bytes cross the bus, the less a step depends on it."""
-    moved = {id(p): sum(gp.moved(g) for gp, g in zip(p.groups, profile.groups)) for p in plans}
+    moved = {id(p): bus_bytes(profile, p.groups) for p in plans}
     left = sorted(plans, key=lambda p: (p.step_s, moved[id(p)], p.peak))
     out = []
     while left:
@@ -170,6 +172,7 @@ class BudgetController:
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
+        self._hooked = 0  # the kept group that keeps its hooks: the first whose saves backward unpacks
 
     # ------------------------------------------------------------------ a step
     def step_begins(self) -> None:
@@ -211,25 +214,39 @@ class BudgetController:
         """The place in the plan of the group opening next (a module run whole takes its parts')."""
         return self._position
 
-    def whole_next(self, parts: int) -> bool:
+    def whole_next(self, parts: int, inputs: int) -> bool:
         """Whether the module opening now, whose ``parts`` are groups, runs whole as one
-        recomputed group. While profiling its parts are the groups, and it is noted."""
+        recomputed group (saving its ``inputs``, bytes). While profiling its parts are the
+        groups, and it is noted once its forward opened exactly those."""
+        i = self._position
         if self._profiling is not None:
-            self._profiling.wholes.append((self._position, parts))
+            self._profiling.open_whole = Whole(i, parts, inputs)
             return False
-        if self.plan is None or self.profile is None or (self._position, parts) not in self.profile.wholes:
+        whole = self.profile.whole_at.get(i) if self.profile is not None else None
+        if self.plan is None or whole is None or whole.parts != parts:
             return False
-        return self.plan.groups[self._position].action in WHOLE
+        return self.plan.groups[i].action in WHOLE
+
+    def whole_closed(self, parts: int) -> None:
+        """A module whose parts are groups, not run whole, is done: while profiling, it may be
+        run whole later if its forward opened its parts and nothing else."""
+        step = self._profiling
+        if step is None or step.open_whole is None:
+            return
+        whole, step.open_whole = step.open_whole, None
+        if whole.parts == parts and self._position - whole.first == parts:
+            step.wholes.append(whole)
 
     def unhooked_next(self) -> bool:
         """Whether the group opening now runs with no hooks at all: the plan keeps everything
         it saves. A step's hooks cost host time per group and per save, which a model that
         waits on the host (a MoE's routing) pays in full. The first group keeps its hooks: its
-        saved bytes show a new workload, and its backward ends the step."""
+        saved bytes show a new workload, and its backward ends the step (the first one whose
+        saves backward unpacked while profiling: a frozen first block's may not be)."""
         i = self._position
-        if self._profiling is not None or self.plan is None or i == 0 or i >= len(self.plan.groups):
+        if self._profiling is not None or self.plan is None or i >= len(self.plan.groups):
             return False
-        if self.plan.groups[i].action != "keep":
+        if self.plan.groups[i].action != "keep" or i == self._hooked:
             return False
         self._position += 1
         return True
@@ -300,6 +317,8 @@ class BudgetController:
         g = self.profile.groups[position]
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
         then = (g.inputs or 0) if recomputed else g.offloadable
+        if self.plan is not None and self.plan.groups[position].action in WHOLE:
+            then = self.profile.whole_at[position].inputs
         if _new_workload(now, then):
             self._reprofile = True
 
@@ -377,6 +396,7 @@ class BudgetController:
                                for g in profile.groups)
         self._measured, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._kept_first = {}
+        self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = None  # a step of the old profile's plans, maybe not over when profiling began
         self._plan_all()
         if self.probe.cuda:  # it ran: its peak is known
@@ -406,14 +426,14 @@ class BudgetController:
             groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
                                        max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0),
                                        recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
-                                       recompute_s=measured_recompute))
+                                       recompute_s=measured_recompute, reached=m.touched is not None))
             held += 0 if m.recomputed else m.kept
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = self.probe.seconds(step.last_exit, touches[-1])
         return Profile(tuple(groups), step.base, max(outside, 0.0), d2h, h2d,
                        outside_extra=max(step.outside_peak - (step.base + held), 0),
-                       wholes=tuple((i, n) for i, n in step.wholes if i + n <= len(groups)))
+                       wholes=tuple(w for w in step.wholes if w.first + w.parts <= len(groups)))
 
     def _plan_all(self) -> None:
         """Every candidate plan under the current profile; the profiled plan last."""

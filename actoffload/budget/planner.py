@@ -65,6 +65,7 @@ class GroupProfile:
     grads: int = 0
     recompute_extra: int = 0
     recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
+    reached: bool = True  # backward unpacked something it saved
 
     @property
     def recompute_time(self) -> float:
@@ -87,6 +88,16 @@ class GroupProfile:
 
 
 @dataclass(frozen=True)
+class Whole:
+    """A module whose parts are the groups ``first .. first + parts - 1``, which a plan may
+    recompute whole: then it saves its own ``inputs`` (bytes) instead of each part's."""
+
+    first: int
+    parts: int
+    inputs: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """A profiled step: its groups in forward order, and the step around them.
 
@@ -102,9 +113,12 @@ class Profile:
     d2h_bps: float
     h2d_bps: float
     outside_extra: int = 0  # the most the head and loss allocate between forward and backward
-    # (first group, number of groups) of each module whose parts the groups are: a plan may
-    # recompute such a module whole
-    wholes: tuple[tuple[int, int], ...] = ()
+    wholes: tuple[Whole, ...] = ()  # modules whose parts the groups are, in forward order
+
+    @cached_property  # read in every simulation step
+    def whole_at(self) -> dict[int, Whole]:
+        """Each module that may be recomputed whole, by its first group."""
+        return {w.first: w for w in self.wholes}
 
 
 @dataclass(frozen=True)
@@ -146,12 +160,19 @@ class Plan:
 
     def moved(self, profile: Profile) -> int:
         """Bytes the plan moves or recomputes, a tie-breaker between equally fast plans."""
-        return sum(p.moved(g) + (g.offloadable if p.recomputed else 0) for g, p in zip(profile.groups, self.groups))
+        run, groups = as_run(profile, self.groups)
+        return sum(p.moved(g) + (g.offloadable if p.recomputed else 0) for g, p in zip(run.groups, groups))
 
     def describe(self, profile: Profile) -> list[dict]:
-        """One row per group: name, action and bytes, for ``stats()["plan"]``."""
-        return [{"group": g.name, "action": p.action, "offloaded_bytes": p.moved(g),
-                 "resident_bytes": p.resident(g)} for g, p in zip(profile.groups, self.groups)]
+        """One row per group: name, action and bytes, for ``stats()["plan"]`` (a module run
+        whole: on its first part; its other parts show 0)."""
+        rows = []
+        for i, (g, p) in enumerate(zip(profile.groups, self.groups)):
+            if p.action in WHOLE:
+                g = replace(g, inputs=profile.whole_at[i].inputs)
+            rows.append({"group": g.name, "action": p.action, "offloaded_bytes": p.moved(g),
+                         "resident_bytes": p.resident(g)})
+        return rows
 
 
 def simulate(profile: Profile, groups: Sequence[GroupPlan], max_inflight: int, prefetch: int,
@@ -262,7 +283,6 @@ def as_run(profile: Profile, groups: Sequence[GroupPlan]) -> tuple[Profile, Sequ
     models it like any recomputed group."""
     if not any(p.action in WHOLE for p in groups):
         return profile, groups
-    span = dict(profile.wholes)
     gs, ps = [], []
     i = 0
     while i < len(groups):
@@ -272,17 +292,17 @@ def as_run(profile: Profile, groups: Sequence[GroupPlan]) -> tuple[Profile, Sequ
             ps.append(p)
             i += 1
             continue
-        n = span[i]
-        parts = profile.groups[i:i + n]
-        gs.append(_whole(parts))
+        whole = profile.whole_at[i]
+        gs.append(_whole(profile.groups[i:i + whole.parts], whole.inputs))
         ps.append(GroupPlan("recompute" if p.action == "recompute_whole" else "recompute_offload"))
-        i += n
+        i += whole.parts
     return replace(profile, groups=tuple(gs), wholes=()), tuple(ps)
 
 
-def _whole(parts: Sequence[GroupProfile]) -> GroupProfile:
-    """A module's parts as one recomputed group. Its forward holds, beyond what it keeps, one
-    part's temporaries and that part's inputs (the outputs of the part before it); its
+def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:
+    """A module's parts as one recomputed group saving ``inputs``. Its forward holds, beyond
+    what it keeps, one part's temporaries and that part's inputs (the outputs of the part
+    before it); its
     backward begins with every part's activations back at once, and the parameter gradients
     of the parts whose backward ran already."""
     first = parts[0]
@@ -290,7 +310,7 @@ def _whole(parts: Sequence[GroupProfile]) -> GroupProfile:
     return GroupProfile(
         name=f"{first.name}..{parts[-1].name}",
         spans=tuple(sorted((n for g in parts for n in g.spans), reverse=True)),
-        kept=sum(g.kept for g in parts), inputs=first.inputs,
+        kept=sum(g.kept for g in parts), inputs=inputs,
         forward_s=sum(g.forward_s for g in parts), backward_s=sum(g.backward_s for g in parts),
         forward_extra=max(g.forward_extra + ((g.inputs or 0) if k else 0) for k, g in enumerate(parts)),
         backward_extra=max(g.backward_extra + later for g, later in zip(parts, later_grads)),
@@ -300,7 +320,13 @@ def _whole(parts: Sequence[GroupProfile]) -> GroupProfile:
 
 def moves_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> bool:
     """Whether a plan moves any bytes across the bus."""
-    return any(p.moved(g) for p, g in zip(groups, profile.groups))
+    return bus_bytes(profile, groups) > 0
+
+
+def bus_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> int:
+    """Bytes a plan moves to host memory and back."""
+    run, plans = as_run(profile, groups)
+    return sum(p.moved(g) for p, g in zip(plans, run.groups))
 
 
 def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
@@ -365,7 +391,7 @@ def _greedy_path(profile: Profile, current: Plan, w: int, pf: int) -> list[Plan]
         # moves touching the groups it changed, or the module they are parts of, were found
         # against their old actions: found again
         changed = set(range(i, i + len(move)))
-        changed |= {j for j, n in profile.wholes if changed & set(range(j, j + n))}
+        changed |= {w.first for w in profile.wholes if changed & set(range(w.first, w.first + w.parts))}
         standing = [s for s in standing if not changed & set(range(s[1], s[1] + len(s[2])))]
         standing += positive((j, m) for j in sorted(changed) for m in _moves(profile, current.groups, j))
         if not standing:
@@ -397,7 +423,7 @@ def _families(profile: Profile) -> list[Plan]:
         out += [_evaluated(profile, groups, w, pf) for w, pf in ((1, 1), (2, 2))]
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
     # inputs moved out; and all of them, the first k's inputs moved out
-    size = {j: k for j, k in profile.wholes if profile.groups[j].inputs is not None}
+    size = {w.first: w.parts for w in profile.wholes}
 
     def with_wholes(actions: dict[int, str]) -> tuple[GroupPlan, ...]:
         groups = [GroupPlan() for _ in range(n)]
@@ -437,12 +463,12 @@ def _moves(profile: Profile, groups: tuple[GroupPlan, ...], i: int) -> list[tupl
         out.append((GroupPlan("recompute"),))
     if g.inputs and p.action in ("keep", "offload", "recompute"):
         out.append((GroupPlan("recompute_offload"),))
-    n = dict(profile.wholes).get(i)
-    if n is not None and g.inputs is not None:
-        inside = (GroupPlan("inside"),) * (n - 1)
+    whole = profile.whole_at.get(i)
+    if whole is not None:
+        inside = (GroupPlan("inside"),) * (whole.parts - 1)
         if p.action not in WHOLE:
             out.append((GroupPlan("recompute_whole"),) + inside)
-        if g.inputs and p.action != "recompute_whole_offload":
+        if whole.inputs and p.action != "recompute_whole_offload":
             out.append((GroupPlan("recompute_whole_offload"),) + inside)
     return out
 
