@@ -54,7 +54,8 @@ def wrap(
     ``parts``: a function giving each module's parts, submodules its forward calls once
     each, in that order. The parts are then the groups (``"0.0"``, ``"0.1"``, ...), and a
     memory plan may run a module whole instead, as one recomputed group (``"0"``): it
-    keeps only the module's inputs, not each part's, and runs its host work once.
+    keeps only the module's inputs, not each part's, and runs its host work once. Under
+    ``torch.compile``, compile the parts, not the whole model (docs/semantics.md).
 
     Example::
 
@@ -119,7 +120,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
         recomputable = not torch.compiler.is_compiling() and not _updates_stats(norms)
-        group = _open(module, off, name, recomputable, parts, _input_bytes(args, kwargs) if parts else 0)
+        group = _open(module, off, name, recomputable, parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 out = _recomputed(inner, group, args, kwargs)
@@ -175,7 +176,8 @@ def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any,
 
 @compat.not_traced
 def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int,
-          inputs: int) -> GroupContext:
+          args: tuple[Any, ...], kwargs: dict[str, Any]) -> GroupContext:
+    inputs = _input_bytes(args, kwargs) if parts else 0
     group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs).open()
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a
     # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)

@@ -96,6 +96,34 @@ def test_compile_wrapped_blocks_are_compiled_and_bitwise_equal_to_no_offloading(
     assert traced_into == []  # group boundaries are clean breaks; Dynamo never traced the offloader
 
 
+def _parts_compiled(off):
+    """Three steps of ``Model`` whose blocks' parts (the two linear layers) are compiled, the
+    blocks wrapped with those parts when ``off`` is given."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    model = Model()
+    handle = ao.wrap(model.blocks, off, parts=lambda b: [b[1], b[3]]) if off is not None else None
+    for b in model.blocks:
+        b[1].compile(backend=counter)
+        b[3].compile(backend=counter)
+    grads = _steps(model, model, 0, 1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        grads += _steps(model, model, 1, 2)
+    if handle is not None:
+        handle.remove()
+    return grads, counter
+
+
+def test_compile_of_the_parts_of_blocks_wrapped_with_them_is_bitwise_and_never_traces_the_offloader():
+    expected, _ = _parts_compiled(None)
+    off = off_for("fast", "cpu", keep_last=1)
+    counters.clear()
+    got, counted = _parts_compiled(off)
+    _assert_bitwise(got, expected)
+    assert counted.frame_count >= 1 and counted.op_count >= 2 and off.stats()["offloaded_bytes"] > 0
+    assert [k for k in counters["graph_break"] if "actoffload" in k or "RLock" in k] == []
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_compile_with_group_inside_a_compiled_function_runs_it_eagerly_and_exactly(impl):
     """A ``with off.group`` block inside compiled code: Dynamo cannot resume inside it, so it
