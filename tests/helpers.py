@@ -77,6 +77,23 @@ def run_groups(layers, x, off=None):
     return x
 
 
+def residual_step(blocks, step: int, rows: int, device="cpu", by_hand=None) -> list[torch.Tensor]:
+    """One step of ``h = h + block(h)`` over ``blocks`` on a seeded input: the gradients of the
+    input and the parameters (zeroed after). ``by_hand``: an offloader opening a group around
+    each block."""
+    d = next(blocks[0].parameters()).shape[-1]  # the first layer's input features
+    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_(True)
+    h = x * 1
+    for i, b in enumerate(blocks):
+        with maybe_group(by_hand, str(i)):
+            h = h + b(h)
+    h.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return grads
+
+
 def mlp_stack(n: int, d: int, device, dtype=torch.float32, seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     layers = [

@@ -9,7 +9,7 @@ import torch
 import actoffload as ao
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.budget.probe import Probe
-from helpers import assert_bitwise
+from helpers import assert_bitwise, residual_step
 
 D, H = 256, 1024
 
@@ -34,16 +34,7 @@ def _steps(blocks, off, steps=PROFILE_STEPS + 2, rows=64):
 
 
 def _step(blocks, step, rows=64):
-    """One step of a residual stack of ``blocks``: the gradients of its input and parameters."""
-    x = torch.randn(rows, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
-    h = x * 1
-    for b in blocks:
-        h = h + b(h)
-    h.square().sum().backward()
-    out = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
-    for p in blocks.parameters():
-        p.grad = None
-    return out
+    return residual_step(blocks, step, rows)
 
 
 GROUP_BYTES = 64 * (D + H) * 4 + 64 * H * 4  # fc1's input, GELU's input, fc2's input (fp32)

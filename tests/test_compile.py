@@ -47,12 +47,19 @@ def _steps(model, forward, first, n):
 
 
 def _run(pattern, off):
-    """Three steps of ``Model`` compiled by ``pattern``; the later two may not recompile."""
+    """Three steps of ``Model`` compiled by ``pattern``; the later two may not recompile.
+    ``"parts"``: each block's two linear layers compiled, and wrapped as its parts."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     model = Model()
-    handle = ao.wrap(model.blocks, off) if off is not None else None
-    if pattern == "regional":
+    parts = (lambda b: [b[1], b[3]]) if pattern == "parts" else None
+    handle = ao.wrap(model.blocks, off, parts=parts) if off is not None else None
+    if pattern == "parts":
+        for b in model.blocks:
+            for part in parts(b):
+                part.compile(backend=counter)
+        forward = model
+    elif pattern == "regional":
         blocks = [torch.compile(b, backend=counter) for b in model.blocks]
 
         def forward(x):
@@ -68,6 +75,11 @@ def _run(pattern, off):
     if handle is not None:
         handle.remove()
     return grads, counter
+
+
+def _offloader_traced():
+    """Graph breaks inside the offloader: a group boundary must be a clean break instead."""
+    return [k for k in counters["graph_break"] if "actoffload" in k or "RLock" in k]
 
 
 def _assert_bitwise(a, b):
@@ -92,36 +104,17 @@ def test_compile_wrapped_blocks_are_compiled_and_bitwise_equal_to_no_offloading(
     _assert_bitwise(got, expected)
     assert counted.frame_count >= 1 and counted.op_count >= 4  # the blocks' ops were compiled
     assert off.stats()["offloaded_bytes"] > 0
-    traced_into = [k for k in counters["graph_break"] if "actoffload" in k or "RLock" in k]
-    assert traced_into == []  # group boundaries are clean breaks; Dynamo never traced the offloader
-
-
-def _parts_compiled(off):
-    """Three steps of ``Model`` whose blocks' parts (the two linear layers) are compiled, the
-    blocks wrapped with those parts when ``off`` is given."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    model = Model()
-    handle = ao.wrap(model.blocks, off, parts=lambda b: [b[1], b[3]]) if off is not None else None
-    for b in model.blocks:
-        b[1].compile(backend=counter)
-        b[3].compile(backend=counter)
-    grads = _steps(model, model, 0, 1)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        grads += _steps(model, model, 1, 2)
-    if handle is not None:
-        handle.remove()
-    return grads, counter
+    assert _offloader_traced() == []  # group boundaries are clean breaks; Dynamo never traced the offloader
 
 
 def test_compile_of_the_parts_of_blocks_wrapped_with_them_is_bitwise_and_never_traces_the_offloader():
-    expected, _ = _parts_compiled(None)
+    expected, _ = _run("parts", None)
     off = off_for("fast", "cpu", keep_last=1)
     counters.clear()
-    got, counted = _parts_compiled(off)
+    got, counted = _run("parts", off)
     _assert_bitwise(got, expected)
     assert counted.frame_count >= 1 and counted.op_count >= 2 and off.stats()["offloaded_bytes"] > 0
-    assert [k for k in counters["graph_break"] if "actoffload" in k or "RLock" in k] == []
+    assert _offloader_traced() == []
 
 
 @pytest.mark.parametrize("impl", IMPLS)

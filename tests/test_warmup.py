@@ -11,7 +11,7 @@ import torch
 
 import actoffload as ao
 from actoffload.hostmem import exact_host_allocator
-from helpers import CUDA, DEVICES, assert_bitwise, deterministic
+from helpers import CUDA, DEVICES, assert_bitwise, deterministic, residual_step
 
 D, H = 64, 256
 
@@ -32,20 +32,7 @@ def _blocks(device="cpu", norm=False, d=D, h=H):
 
 def _step(blocks, step, device="cpu", by_hand=None, rows=32):
     """One step's gradients; with ``by_hand`` (an offloader) each block is a group opened by hand."""
-    d = blocks[0][0].in_features
-    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_(True)
-    h = x * 1
-    for i, b in enumerate(blocks):
-        if by_hand is not None:
-            with by_hand.group(str(i)):
-                h = h + b(h)
-        else:
-            h = h + b(h)
-    h.square().sum().backward()
-    grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
-    for p in blocks.parameters():
-        p.grad = None
-    return grads
+    return residual_step(blocks, step, rows, device, by_hand)
 
 
 class _Gate:

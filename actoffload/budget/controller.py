@@ -36,7 +36,7 @@ import torch
 
 from .. import compat, policy
 from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, bus_bytes, candidates,
-                      choose, moves_bytes, simulate)
+                      choose, fastest, moves_bytes, simulate)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
@@ -487,8 +487,8 @@ class BudgetController:
         # model prefers moving bytes, the fastest plan that moves none (what checkpointing by
         # hand would give) is measured too, once, so an error in either cannot keep the
         # slower one.
-        still = min((p for p in fitting if not moves_bytes(profile, p.groups)), default=None,
-                    key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
+        still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
+        still = fastest(profile, still_plans) if still_plans else None
         if (best is not None and moves_bytes(profile, best.groups) and still is not None
                 and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
