@@ -69,7 +69,10 @@ def test_bench_budgets_section_runs_the_budget_sweep(tmp_path):
     assert judged
 
 
-def test_paired_alternates_the_two_methods_step_by_step():
+def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
+    # one step of each measures a round: 3 rounds fill PAIRED_S
+    monkeypatch.setattr(budget_sweep, "PAIRED_S", 0.015)
+    monkeypatch.setattr(budget_sweep, "PAIRED_ROUNDS", (2, 40))
     order = []
 
     class Fake:
@@ -84,13 +87,33 @@ def test_paired_alternates_the_two_methods_step_by_step():
         def warming_up(self):
             return False
 
-    p = budget_sweep.paired(Fake("a", 0.003), Fake("b", 0.002), rounds=3, warmup=1, first_step=10)
-    assert order == [("b", 10), ("a", 11), ("b", 12), ("a", 13), ("b", 14), ("a", 15), ("b", 16)]
+    p = budget_sweep.paired(Fake("a", 0.003), Fake("b", 0.002), warmup=1, first_step=10)
+    assert order == [("b", 10), ("a", 11), ("a", 12), ("b", 13), ("a", 14), ("b", 15), ("a", 16), ("b", 17)]
     assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
 
 
-def test_paired_ratio_is_the_median_of_each_rounds_own_ratio():
+def test_paired_rounds_fill_their_time_within_bounds():
+    class Fake:
+        def __init__(self, label, seconds):
+            self.method, self.seconds = budget_sweep.Method(label), seconds
+
+        def step(self, step):
+            return self.seconds, 0
+
+        def warming_up(self):
+            return False
+
+    lo, hi = budget_sweep.PAIRED_ROUNDS
+    assert budget_sweep.paired(Fake("a", 10.0), Fake("b", 10.0), warmup=1, first_step=0)["rounds"] == lo
+    assert budget_sweep.paired(Fake("a", 1e-4), Fake("b", 1e-4), warmup=1, first_step=0)["rounds"] == hi
+    pair_s = 2 * budget_sweep.PAIRED_S / (lo + hi)  # half-way
+    assert budget_sweep.paired(Fake("a", pair_s / 2), Fake("b", pair_s / 2), warmup=1,
+                               first_step=0)["rounds"] == round((lo + hi) / 2)
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch):
     # the host drifts: a round's two steps share its state, separate medians do not
+    monkeypatch.setattr(budget_sweep, "PAIRED_ROUNDS", (3, 3))
     class Drifting:
         def __init__(self, label, times):
             self.method, self.times = budget_sweep.Method(label), iter(times)
@@ -101,8 +124,9 @@ def test_paired_ratio_is_the_median_of_each_rounds_own_ratio():
         def warming_up(self):
             return False
 
-    p = budget_sweep.paired(Drifting("a", [3.0, 3.0, 30.0]), Drifting("b", [2.0, 2.0, 20.0, 20.0]),
-                            rounds=3, warmup=1, first_step=0)
+    # a's first step and b's warm-up step measure how long a round takes
+    p = budget_sweep.paired(Drifting("a", [9.0, 3.0, 3.0, 30.0]), Drifting("b", [9.0, 2.0, 20.0, 20.0]),
+                            warmup=1, first_step=0)
     assert p["ratio"] == pytest.approx(1.5) and p["ratio_of_medians"] == pytest.approx(3.0 / 20.0)
 
 

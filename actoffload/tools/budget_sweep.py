@@ -31,7 +31,9 @@ from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next
 
 GiB = 1 << 30
 LEVELS = 5
-PAIRED_ROUNDS = 16  # alternating steps of a budget and its rival (a host-bound MoE drifts by 10%)
+PAIRED_S = 6.0  # seconds of alternating steps of a budget and its rival (a host-bound MoE drifts by 10%)
+PAIRED_ROUNDS = (8, 40)  # the fewest and most rounds of them
+SLOW_S = 6.0  # a method whose measured steps take this long stops after 3 (it is far from the front)
 
 
 @dataclass
@@ -218,6 +220,8 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
         elapsed, peak = run.step(step)
         times.append(elapsed)
         peaks.append(peak)
+        if len(times) >= 3 and sum(times) > SLOW_S:
+            break
     early = early or times[:1]
     # kept on the host: a copy on the device would raise every later method's peak
     grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
@@ -236,13 +240,18 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     return out, run
 
 
-def paired(a: _Runner, b: _Runner, rounds: int, warmup: int, first_step: int) -> dict[str, Any]:
+def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, Any]:
     """``a`` against ``b`` in alternating steps (``b`` warmed up first): the host's state
     drifts over seconds (a MoE waits on the host in every block), so two methods measured
     one after the other can differ by more than the difference asked about; alternating
-    steps see the same drift. Step numbers go on from ``first_step`` (the workload's data
-    may depend on them)."""
-    step = first_step + len(_warm_up(b, first_step, warmup))
+    steps see the same drift. As many rounds as fill about ``PAIRED_S`` seconds (short,
+    noisy steps get more). Step numbers go on from ``first_step`` (the workload's data may
+    depend on them)."""
+    warming = _warm_up(b, first_step, warmup)
+    step = first_step + len(warming)
+    pair_s = a.step(step)[0] + warming[-1][0]
+    step += 1
+    rounds = max(PAIRED_ROUNDS[0], min(PAIRED_ROUNDS[1], round(PAIRED_S / pair_s)))
     ta, tb = [], []
     for _ in range(rounds):
         ta.append(a.step(step)[0])
@@ -327,8 +336,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         r["under_checkpoint_all"] = budget == under_ckpt
         rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(res, budget)
         if rival is not None:
-            r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), PAIRED_ROUNDS, warmup,
-                                 settle + steps)
+            r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), warmup, settle + steps)
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
                 f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
