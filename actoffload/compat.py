@@ -93,6 +93,13 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def backward_keeps_graph() -> bool:
+    """Whether the running backward pass keeps its graph for another (``retain_graph``);
+    ``True`` where this torch cannot say."""
+    keeps = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keeps is None else bool(keeps())
+
+
 def current_node() -> Any:
     """The autograd node whose backward is running on this thread (``None`` outside one)."""
     return torch._C._current_autograd_node()

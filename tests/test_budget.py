@@ -109,6 +109,75 @@ def test_budget_a_recomputed_group_lets_go_of_its_inputs_once_its_backward_is_do
     assert alive == [(i, [j < i for j in range(4)]) for i in (3, 2, 1, 0)]
 
 
+class _Doubled(torch.nn.Module):
+    """``gelu(fc(2 x))``: its recomputation saves ``2 x``, never ``x`` itself (as attention saves
+    copies of its strided queries and keys); ``seen`` records, in backward between ``gelu``'s
+    and ``fc``'s (which still holds what it saved), whether ``x``'s storage (``watch``) is
+    still alive."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+        self.seen, self.watch = seen, None
+
+    def forward(self, x):
+        module = self
+
+        class Look(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, y):
+                return y.view_as(y)
+
+            @staticmethod
+            def backward(ctx, grad):
+                module.seen.append(not module.watch.expired())
+                return grad
+
+        return torch.nn.functional.gelu(Look.apply(self.fc(x * 2)))
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_budget_a_recomputed_group_lets_go_of_kept_inputs_once_recomputed(monkeypatch, retain_graph):
+    """A recomputed group's kept inputs are freed once its recomputation is done where that
+    does not save them again, as reloaded ones are (the plan's model was measured on those);
+    a graph kept for another backward keeps them, and recomputes again bitwise."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen = []
+    blocks = torch.nn.ModuleList(_Doubled(seen) for _ in range(2))
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+
+    def step():
+        for p in blocks.parameters():
+            p.grad = None
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        h = x * 1
+        for b in blocks:
+            b.watch = StorageWeakRef(h.untyped_storage())
+            h = b(h)
+        loss = h.square().sum()
+        loss.backward(retain_graph=retain_graph)
+        if retain_graph:
+            first = [p.grad.clone() for p in blocks.parameters()]
+            for p in blocks.parameters():
+                p.grad = None
+            loss.backward()
+            assert_bitwise([p.grad for p in blocks.parameters()], first)
+        return [p.grad.clone() for p in blocks.parameters()]
+
+    expected = step()
+    with ao.wrap(blocks, off):
+        for _ in range(PROFILE_STEPS):
+            step()
+        _forced(off, ["recompute", "recompute"], monkeypatch)
+        seen.clear()
+        assert_bitwise(step(), expected)
+    assert [a["action"] for a in off.stats()["plan"]["groups"]] == ["recompute"] * 2
+    # block 1's input is block 0's output, held by nothing else; block 0's is x * 1, the same
+    # (the second backward keeps nothing: it lets go as the first would have)
+    assert seen == ([True, True, False, False] if retain_graph else [False, False])
+
+
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
     with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest reachable peak"):

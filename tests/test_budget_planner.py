@@ -172,3 +172,22 @@ def test_planner_recomputes_a_module_whole_where_recomputing_its_parts_would_kee
     assert plan.groups == whole_first
     # the model runs the module as one recomputed group: its forward again, all its activations back at once
     assert plan.step_s == pytest.approx(6 * 1e-3 + 6 * 2e-3 + 3 * 1e-3)  # forward, backward, recompute
+
+
+
+def test_simulate_frees_a_whole_modules_later_parts_before_its_earlier_parts_backward():
+    # after recomputing, all of a module's activations are back (120 MiB); the first part's
+    # 50 MiB of temporaries come when the later parts' backward has freed theirs (10 + 50)
+    parts = [GroupProfile("0", spans=(10 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3,
+                          backward_extra=50 * MiB),
+             GroupProfile("1", spans=(10 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3),
+             GroupProfile("2", spans=(100 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3)]
+    profile = Profile(tuple(parts), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9, wholes=(Whole(0, 3, MiB),))
+    trace = []
+    simulate(profile, tuple(GroupPlan(a) for a in ("recompute_whole", "inside", "inside")), 0, 0, trace)
+    assert dict(trace)["backward 0"] == 120 * MiB
+    # with a part's own parameter gradients: the first part's backward comes after the others' are made
+    profile = replace(profile, groups=(parts[0], parts[1], replace(parts[2], grads=80 * MiB)))
+    trace = []
+    simulate(profile, tuple(GroupPlan(a) for a in ("recompute_whole", "inside", "inside")), 0, 0, trace)
+    assert dict(trace)["backward 0"] == 80 * MiB + 10 * MiB + 50 * MiB

@@ -302,18 +302,22 @@ def as_run(profile: Profile, groups: Sequence[GroupPlan]) -> tuple[Profile, Sequ
 def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:
     """A module's parts as one recomputed group saving ``inputs``. Its forward holds, beyond
     what it keeps, one part's temporaries and that part's inputs (the outputs of the part
-    before it); its
-    backward begins with every part's activations back at once, and the parameter gradients
-    of the parts whose backward ran already."""
+    before it). Its backward begins with every part's activations back at once; while a part's
+    backward runs, those of the parts after it are freed already, and their parameter
+    gradients made: its ``backward_extra`` is the most of that over the parts, less all the
+    activations (which :func:`simulate` counts), and so may be negative."""
     first = parts[0]
     later_grads = [sum(g.grads for g in parts[k + 1:]) for k in range(len(parts))]
+    activations = [g.offloadable + g.kept for g in parts]
+    so_far = [sum(activations[:k + 1]) for k in range(len(parts))]
     return GroupProfile(
         name=f"{first.name}..{parts[-1].name}",
         spans=tuple(sorted((n for g in parts for n in g.spans), reverse=True)),
         kept=sum(g.kept for g in parts), inputs=inputs,
         forward_s=sum(g.forward_s for g in parts), backward_s=sum(g.backward_s for g in parts),
         forward_extra=max(g.forward_extra + ((g.inputs or 0) if k else 0) for k, g in enumerate(parts)),
-        backward_extra=max(g.backward_extra + later for g, later in zip(parts, later_grads)),
+        backward_extra=max(held + g.backward_extra + later for g, held, later in zip(parts, so_far, later_grads))
+        - so_far[-1],
         grads=sum(g.grads for g in parts), recompute_extra=max(g.recompute_extra for g in parts),
         recompute_s=sum(g.recompute_time for g in parts))
 
