@@ -397,4 +397,4 @@ def test_controller_tries_the_plan_moving_fewer_bytes_among_those_the_model_rate
     mover = Plan((GroupPlan("offload"), GroupPlan("offload")), 1, 1, peak=10, step_s=1.0)
     lighter = Plan((GroupPlan("offload"), GroupPlan()), 1, 1, peak=20, step_s=1.0 + TIE / 2)
     slower = Plan((GroupPlan(), GroupPlan()), 0, 0, peak=30, step_s=1.0 + 2 * TIE)
-    assert _least_moved_first([slower, mover, lighter], profile) == [lighter, mover, slower]
+    assert list(_least_moved_first([slower, mover, lighter], profile)) == [lighter, mover, slower]

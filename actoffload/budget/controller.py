@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -115,20 +115,25 @@ def _merged(a: Profile, b: Profile) -> Profile:
                    outside_extra=max(a.outside_extra, b.outside_extra))
 
 
-def _least_moved_first(plans: list[Plan], profile: Profile) -> list[Plan]:
+def _least_moved_first(plans: list[Plan], profile: Profile) -> Iterator[Plan]:
     """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
     order of the bytes they move across the bus: the model sees copies hide behind compute
-    perfectly, and the fewer bytes cross the bus, the less a step depends on it."""
-    moved = {id(p): bus_bytes(profile, p.groups) for p in plans}
-    left = sorted(plans, key=lambda p: (p.step_s, moved[id(p)], p.peak))
-    out = []
+    perfectly, and the fewer bytes cross the bus, the less a step depends on it. Lazily:
+    choosing reads the first few of a thousand plans, during a step."""
+    moved: dict[int, int] = {}
+
+    def bus(p: Plan) -> int:
+        if id(p) not in moved:
+            moved[id(p)] = bus_bytes(profile, p.groups)
+        return moved[id(p)]
+
+    left = sorted(plans, key=lambda p: p.step_s)
     while left:
         near = 1
         while near < len(left) and left[near].step_s <= left[0].step_s * (1 + TIE):
             near += 1
-        first = min(range(near), key=lambda i: (moved[id(left[i])], left[i].step_s, left[i].peak))
-        out.append(left.pop(first))
-    return out
+        first = min(range(near), key=lambda i: (bus(left[i]), left[i].step_s, left[i].peak))
+        yield left.pop(first)
 
 
 def _window(plan: Plan) -> tuple[int, int]:
@@ -195,7 +200,9 @@ class BudgetController:
         if self._profiling is None and self.plan is None and self.profile is not None:
             self._choose()  # no plan fitted the budget: say so again, as clearly
         self.probe.reset_peak()
-        self._step_start = now
+        # after choosing (tens of milliseconds of host time while plans are tried, the device
+        # idle): a step's measured time is the plan's, not the controller's
+        self._step_start = self.probe.mark()
         self._position = 0
         if self._profiling is None and self.plan is not None:
             self._runs[_key(self.plan)] = self._runs.get(_key(self.plan), 0) + 1
@@ -457,7 +464,9 @@ class BudgetController:
             return [replace(p, peak=self._measured[_key(p)] + base) if _key(p) in self._measured
                     else replace(p, peak=p.peak + (margin if with_margins else 0)) for p in self.plans]
 
-        choose(self.profile, self.budget, judged(False))  # raises if the budget is out of reach
+        plain = judged(False)
+        if all(p.peak > self.budget for p in plain):
+            choose(self.profile, self.budget, plain)  # raises, naming the smallest reachable peak
         with_margins = judged(True)
         fitting = [p for p in with_margins if p.peak <= self.budget]
         if not fitting:
