@@ -501,7 +501,7 @@ class BudgetController:
         if (best is not None and moves_bytes(profile, best.groups) and still is not None
                 and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
-        return best if best is not None else by_model[0]
+        return best if best is not None else next(_least_moved_first(fitting, profile))
 
     def _timed(self, plan: Plan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed."""
