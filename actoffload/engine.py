@@ -513,20 +513,22 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _restore(self, group: GroupT, s: SavedBuffer) -> torch.Tensor:
         held = s.tensor if s.tensor is not None else s.guard
-        if held is None:
+        if held is None:  # let go below
             raise RuntimeError(
-                f"group {group.name!r} was recomputed in a backward pass that did not keep the graph, which let go "
-                "of the inputs it recomputes from; to run backward through it again, pass retain_graph=True "
-                "to the first backward"
+                f"group {group.name!r} was recomputed under a memory_budget's plan in a backward pass that did not "
+                "keep the graph, which let go of the inputs it recomputes from; to run backward through its "
+                "module again (another of its outputs), pass retain_graph=True to the first backward"
             )
         if held._version != s.version:
             raise _modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)
         if s.tensor is not None:
             t = s.tensor
-            if group.recompute and compat.in_backward() and not compat.backward_keeps_graph():
-                # A recomputed group saves only its inputs, and its recomputation is their one use
-                # in this pass: let go of them, so that they are freed with what the recomputation
-                # saved (as reloaded inputs are), not only when the group's whole backward is over.
+            if group.release_inputs and s.derived and compat.in_backward() and not compat.backward_keeps_graph():
+                # A memory plan's recomputed group saves only its inputs, and its recomputation is
+                # their one use in this pass: let go of them, so that they are freed with what the
+                # recomputation saved (as reloaded inputs are, which is what the plan's model
+                # measured), not only when the group's whole backward is over. Leaves and
+                # constants stay: something else holds them anyway.
                 s.tensor = None
             return t
         v = s.view

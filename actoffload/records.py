@@ -82,11 +82,12 @@ class SavedBuffer:
     it as PyTorch would, a later ``.data`` replacement included.
     """
 
-    __slots__ = ("tensor", "is_parameter", "version", "guard", "view")
+    __slots__ = ("tensor", "is_parameter", "version", "guard", "view", "derived")
 
     def __init__(self, t: torch.Tensor, is_parameter: bool):
         self.is_parameter = is_parameter
-        self.tensor: torch.Tensor | None = t if t.grad_fn is None else t.detach()
+        self.derived = t.grad_fn is not None
+        self.tensor: torch.Tensor | None = t.detach() if self.derived else t
         self.version = t._version
         self.guard: torch.Tensor | None = None  # set when the tensor is let go (moved)
         self.view: MovedView | None = None
@@ -114,6 +115,10 @@ class Group:
         self.recomputable = False  # a wrapped module: it can run under activation checkpointing
         self.parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
         self.recompute = False  # it does (a memory plan or the warm-up says so)
+        # a memory plan's recomputed group lets go of its kept inputs once recomputed from (the
+        # plan's model counts them so); a second backward through the module then needs the
+        # first to keep the graph
+        self.release_inputs = False
         # a memory plan keeps all it saves: autograd holds them itself, counted only (storage
         # key -> bytes), with none of the per-save work a group that may move does
         self.kept_whole = False

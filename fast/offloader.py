@@ -252,6 +252,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             group.position = self._budget.next_position
             group.planned = self._budget.action(group.recomputable, group.parts)
             group.recompute = group.recomputable and group.planned.action.startswith("recompute")
+            group.release_inputs = group.recompute
             group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
         elif self._warming:
             group.recompute = group.recomputable

@@ -178,6 +178,45 @@ def test_budget_a_recomputed_group_lets_go_of_kept_inputs_once_recomputed(monkey
     assert seen == ([True, True, False, False] if retain_graph else [False, False])
 
 
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("leaf", [True, False])
+def test_budget_two_backward_passes_through_one_recomputed_module(monkeypatch, leaf):
+    """Each backward recomputes. A plan's kept inputs made by autograd are let go after the
+    first (the plan's model counts them so): the second then asks for the graph to be kept,
+    and recomputes bitwise where it is. A leaf input stays, as with checkpointing alone."""
+    blocks = torch.nn.ModuleList([_TwoHeads()])
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+
+    def step(retain_graph=False):
+        blocks.zero_grad(set_to_none=True)
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        a, b = blocks[0](x if leaf else x + 1)  # an add saves nothing: plain PyTorch runs both
+        a.square().sum().backward(retain_graph=retain_graph)
+        b.square().sum().backward()
+        return [t.clone() for t in [x.grad] + [p.grad for p in blocks.parameters()]]
+
+    plain = step()
+    with ao.wrap(blocks, off):
+        for _ in range(PROFILE_STEPS):
+            assert_bitwise(step(), plain)  # inputs moved out: reloaded again
+        _forced(off, ["recompute"], monkeypatch)
+        if leaf:
+            assert_bitwise(step(), plain)
+        else:
+            with pytest.raises(RuntimeError, match="retain_graph=True"):
+                step()
+            assert_bitwise(step(retain_graph=True), plain)
+    assert off.stats()["plan"]["groups"][0]["action"] == "recompute"
+
+
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
     with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest reachable peak"):
