@@ -153,8 +153,9 @@ class BudgetController:
         self.budget = budget
         self.probe = Probe(device)
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
-        # one plan family misjudged (a d8192 stack's first parts recomputed, inputs kept: 384 MiB
-        # on an H200) overshot under each of three windows, one after the other
+        # a misjudged plan family would overshoot under each window, one after the other (as a
+        # d8192 stack's first parts recomputed with their inputs kept did, 384 MiB on an H200,
+        # before those inputs were let go once recomputed from)
         self.margin = 0
         self.profile: Profile | None = None
         self.plans: list[Plan] = []

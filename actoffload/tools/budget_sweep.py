@@ -247,7 +247,7 @@ def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, An
     steps see the same drift. As many rounds as fill about ``PAIRED_S`` seconds (short,
     noisy steps get more). Step numbers go on from ``first_step`` (the workload's data may
     depend on them)."""
-    warming = _warm_up(b, first_step, warmup)
+    warming = _warm_up(b, first_step, max(1, warmup))  # its last step times a round
     step = first_step + len(warming)
     pair_s = a.step(step)[0] + warming[-1][0]
     step += 1
