@@ -435,16 +435,19 @@ class Engine(Generic[GroupT, MovedT]):
             return self._pack_multi(group, t)
         return Handle(group, self._add(group, t))
 
-    def _pack_multi(self, group: GroupT, t: torch.Tensor) -> MultiHandle:
+    def _pack_multi(self, group: GroupT, t: torch.Tensor, derived: bool = False) -> MultiHandle:
+        # its buffers have no autograd history of their own: the tensor's says whether autograd made them
+        derived = derived or t.grad_fn is not None
         parts = multibuffer.split(t)
         saved: list[SavedBuffer | MultiHandle | None] = []
         for b in parts.buffers:
             if b is None:
                 saved.append(None)
             elif multibuffer.is_multibuffer(b):
-                saved.append(self._pack_multi(group, b))
+                saved.append(self._pack_multi(group, b, derived))
             else:
                 saved.append(self._add(group, b))
+                saved[-1].derived |= derived  # type: ignore[union-attr]
         try:
             guard: torch.Tensor | None = compat.version_guard(t)
         except (NotImplementedError, RuntimeError, TypeError):
@@ -516,8 +519,9 @@ class Engine(Generic[GroupT, MovedT]):
         if held is None:  # let go below
             raise RuntimeError(
                 f"group {group.name!r} was recomputed under a memory_budget's plan in a backward pass that did not "
-                "keep the graph, which let go of the inputs it recomputes from; to run backward through its "
-                "module again (another of its outputs), pass retain_graph=True to the first backward"
+                "keep the graph, which let go of the inputs it recomputes from; to run another backward pass "
+                "through its module (from another of its outputs, or autograd.grad for other parameters), pass "
+                "retain_graph=True to the first"
             )
         if held._version != s.version:
             raise _modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)

@@ -217,6 +217,55 @@ def test_budget_two_backward_passes_through_one_recomputed_module(monkeypatch, l
     assert off.stats()["plan"]["groups"][0]["action"] == "recompute"
 
 
+def test_budget_a_recomputed_groups_wrapper_subclass_input_is_let_go_as_a_plain_one(monkeypatch):
+    """A tensor made of several buffers (R7) that autograd made: its buffers have no history of
+    their own, and are let go after the recomputation all the same; gradients bitwise."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from actoffload.engine import Engine
+
+    released, kept = [], []
+    restore = Engine._restore
+
+    def counting(self, group, s):
+        had = s.tensor is not None
+        out = restore(self, group, s)
+        if had:
+            (released if s.tensor is None else kept).append(s)
+        return out
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(D))
+
+        def forward(self, x):
+            return torch.tanh(x * self.w).sin()
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Scaled() for _ in range(2))
+
+    def step():
+        blocks.zero_grad(set_to_none=True)
+        x = torch.randn(16, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        h = x * TwoTensor(torch.ones(16, D), torch.full((16, D), 2.0))
+        for b in blocks:
+            h = b(h) + h
+        h.square().sum().backward()
+        return [x.grad.clone()] + [p.grad.a.clone() if isinstance(p.grad, TwoTensor) else p.grad.clone()
+                                   for p in blocks.parameters()]
+
+    plain = step()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for _ in range(PROFILE_STEPS):
+            step()
+        _forced(off, ["recompute", "recompute"], monkeypatch)
+        monkeypatch.setattr(Engine, "_restore", counting)
+        assert_bitwise(step(), plain)
+    assert released and not kept
+
+
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
     with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest reachable peak"):

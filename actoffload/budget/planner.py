@@ -305,7 +305,7 @@ def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:
     before it). Its backward begins with every part's activations back at once; while a part's
     backward runs, those of the parts after it are freed already, and their parameter
     gradients made: its ``backward_extra`` is the most of that over the parts, less all the
-    activations (which :func:`simulate` counts), and so may be negative."""
+    activations (which :func:`simulate` counts)."""
     first = parts[0]
     later_grads = [sum(g.grads for g in parts[k + 1:]) for k in range(len(parts))]
     activations = [g.offloadable + g.kept for g in parts]
