@@ -263,7 +263,9 @@ def test_budget_a_recomputed_groups_wrapper_subclass_input_is_let_go_as_a_plain_
         _forced(off, ["recompute", "recompute"], monkeypatch)
         monkeypatch.setattr(Engine, "_restore", counting)
         assert_bitwise(step(), plain)
-    assert released and not kept
+    # all that stays is what checkpointing saves beside the inputs on some versions (torch
+    # 2.11: an empty tensor of its own)
+    assert released and all(s.tensor.numel() == 0 for s in kept)
 
 
 def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
