@@ -446,8 +446,9 @@ class Engine(Generic[GroupT, MovedT]):
             elif multibuffer.is_multibuffer(b):
                 saved.append(self._pack_multi(group, b, derived))
             else:
-                saved.append(self._add(group, b))
-                saved[-1].derived |= derived  # type: ignore[union-attr]
+                buffer = self._add(group, b)
+                buffer.derived |= derived
+                saved.append(buffer)
         try:
             guard: torch.Tensor | None = compat.version_guard(t)
         except (NotImplementedError, RuntimeError, TypeError):
