@@ -137,8 +137,8 @@ def test_verdicts_judge_a_cell_by_its_alternating_steps_where_they_ran():
 
     m = {"none": method("none", 100, 9), "checkpoint_all": method("checkpoint_all", 140, 4),
          "save_on_cpu": method("save_on_cpu", 700, 4), "ref": method("ref", 500, 4), "fast": method("fast", 300, 5)}
-    cell = {"budget_bytes": 9 << 30, "peak_bytes": 9 << 30, "step_ms": 110, "bitwise": True,
-            "first_step_ms": 200, "plan": {"predicted_step_s": 0.1}}
+    cell = {"budget_bytes": 9 << 30, "peak_bytes": 9 << 30, "step_ms": 110, "steps_ms": [110, 105, 115],
+            "bitwise": True, "first_step_ms": 200, "plan": {"predicted_step_s": 0.1}}
     under = dict(cell, budget_bytes=(4 << 30) - 1, peak_bytes=(4 << 30) - 2, step_ms=160, under_checkpoint_all=True,
                  paired={"against": "checkpoint_all", "ratio": 1.05})
     workload = {"methods": m, "selective": [], "budgets": [dict(cell), under]}
@@ -146,10 +146,14 @@ def test_verdicts_judge_a_cell_by_its_alternating_steps_where_they_ran():
     assert v["cells"][0]["vs_fastest_fitting"] == pytest.approx(1.10)
     assert v["cells"][0]["vs_fastest_fitting_measured"] == "separately"
     assert v["below_checkpoint_all"] and v["below_checkpoint_all_time_ratio"] == 1.05  # 160/140 apart: 1.14
-    workload["budgets"][0]["paired"] = {"against": "none", "ratio": 1.02}
+    assert v["cells"][0]["vs_predicted"] == pytest.approx(1.10)
+    workload["budgets"][0]["paired"] = {"against": "none", "ratio": 1.02, "steps_ms": [95, 100, 90, 98, 99]}
     v = budget_sweep.verdicts(workload)
     assert v["cells"][0]["vs_fastest_fitting"] == 1.02
     assert v["cells"][0]["vs_fastest_fitting_separately"] == pytest.approx(1.10)
+    # its step time against the model's: the median of every steady step, alone and alternating
+    assert v["cells"][0]["vs_predicted"] == pytest.approx(0.995)  # 99.5 ms of 8 steps
+    assert v["cells"][0]["vs_predicted_alone"] == pytest.approx(1.10)
 
 
 def test_bench_rejects_an_unknown_section():

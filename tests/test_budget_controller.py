@@ -391,10 +391,21 @@ def test_controller_judges_a_plan_by_the_median_of_its_timed_steps():
 
 
 def test_controller_tries_the_plan_moving_fewer_bytes_among_those_the_model_rates_alike():
-    from actoffload.budget.controller import TIE, _least_moved_first
+    from actoffload.budget.controller import TIE, _simplest_first
     g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
     profile = Profile((g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
     mover = Plan((GroupPlan("offload"), GroupPlan("offload")), 1, 1, peak=10, step_s=1.0)
     lighter = Plan((GroupPlan("offload"), GroupPlan()), 1, 1, peak=20, step_s=1.0 + TIE / 2)
     slower = Plan((GroupPlan(), GroupPlan()), 0, 0, peak=30, step_s=1.0 + 2 * TIE)
-    assert list(_least_moved_first([slower, mover, lighter], profile)) == [lighter, mover, slower]
+    assert list(_simplest_first([slower, mover, lighter], profile)) == [lighter, mover, slower]
+
+
+def test_controller_tries_the_plan_with_fewer_groups_not_kept_among_those_the_model_rates_alike():
+    # a recomputed part costs host time the model does not see (checkpointing, hooks): between
+    # two plans moving nothing that the model rates alike, the one recomputing fewer groups goes first
+    from actoffload.budget.controller import TIE, _simplest_first
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+    profile = Profile((g, g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+    parts = Plan((GroupPlan("recompute"), GroupPlan("recompute"), GroupPlan()), 0, 0, peak=10, step_s=1.0)
+    one = Plan((GroupPlan("recompute"), GroupPlan(), GroupPlan()), 0, 0, peak=20, step_s=1.0 + TIE / 2)
+    assert list(_simplest_first([parts, one], profile)) == [one, parts]

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from actoffload.budget.planner import (BudgetTooSmall, GroupPlan, GroupProfile, Profile, Whole, candidates, choose,
-                                      simulate)
+from actoffload.budget.planner import (BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, candidates,
+                                      choose, fastest, simulate, unkept_groups)
 
 MiB = 1 << 20
 
@@ -173,6 +173,22 @@ def test_planner_recomputes_a_module_whole_where_recomputing_its_parts_would_kee
     # the model runs the module as one recomputed group: its forward again, all its activations back at once
     assert plan.step_s == pytest.approx(6 * 1e-3 + 6 * 2e-3 + 3 * 1e-3)  # forward, backward, recompute
 
+
+def test_planner_between_plans_modelled_alike_picks_the_one_recomputing_fewer_groups():
+    # recomputing one module whole, or its first part alone plus the next module whole, model
+    # alike where the first part's recomputation is free (checkpointing stops before its
+    # matmul); the second runs checkpointing twice, which costs host time the model cannot see,
+    # though it recomputes fewer bytes (6 MiB against 9)
+    parts = [GroupProfile(str(i), spans=(n * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=1e-3,
+                          recompute_s=0.0 if i % 2 == 0 else 1e-3) for i, n in enumerate((1, 8, 1, 4))]
+    profile = Profile(tuple(parts), base=0, outside_s=0.0, d2h_bps=1e8, h2d_bps=1e8,
+                      wholes=(Whole(0, 2, inputs=8 * MiB), Whole(2, 2, inputs=8 * MiB)))
+    one = tuple(GroupPlan(a) for a in ("recompute_whole", "inside", "keep", "keep"))
+    two = tuple(GroupPlan(a) for a in ("recompute", "keep", "recompute_whole", "inside"))
+    assert simulate(profile, one, 0, 0)[1] == simulate(profile, two, 0, 0)[1]
+    assert unkept_groups(profile, one) == 1 and unkept_groups(profile, two) == 2
+    plans = [Plan(g, 0, 0, *simulate(profile, g, 0, 0)) for g in (two, one)]
+    assert fastest(profile, plans).groups == one
 
 
 def test_simulate_frees_a_whole_modules_later_parts_before_its_earlier_parts_backward():

@@ -19,8 +19,8 @@ the first group opened after a backward pass began.
 - **Checking**: each step's measured peak is compared with the budget; an overshoot
   widens the margin of every plan not yet run by as much. A plan's steps are timed
   until it is measured; while the model rates an untried plan faster than the fastest
-  measured, a few more are tried (those the model rates alike moving fewest bytes
-  first), and where the
+  measured, a few more are tried (of those the model rates alike, the one moving fewest
+  bytes first, then the one with fewest groups that hook or recompute), and where the
   fastest measured moves bytes, the fastest plan that moves none. A plan that moved
   bytes slower than modelled slows the modelled bus; one faster than modelled shrinks the
   modelled compute.
@@ -36,14 +36,14 @@ import torch
 
 from .. import compat, policy
 from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, bus_bytes, candidates,
-                      choose, fastest, moves_bytes, simulate)
+                      choose, fastest, moves_bytes, simulate, unkept_groups)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
 TIMINGS = 3  # timed steps that measure a plan (after its first, which pins host memory)
-TIE = 0.01  # modelled step times this close are equal: the plan that moves fewer bytes goes first
+TIE = 0.01  # modelled step times this close are equal: the plan that moves fewer bytes, then has fewer groups not kept, goes first
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 CALIBRATION_SLACK = 0.05  # a step this much off the model is noise
 
@@ -115,24 +115,26 @@ def _merged(a: Profile, b: Profile) -> Profile:
                    outside_extra=max(a.outside_extra, b.outside_extra))
 
 
-def _least_moved_first(plans: list[Plan], profile: Profile) -> Iterator[Plan]:
+def _simplest_first(plans: list[Plan], profile: Profile) -> Iterator[Plan]:
     """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
-    order of the bytes they move across the bus: the model sees copies hide behind compute
-    perfectly, and the fewer bytes cross the bus, the less a step depends on it. Lazily:
-    choosing reads the first few of a thousand plans, during a step."""
-    moved: dict[int, int] = {}
+    order of the bytes they move across the bus, then of their groups that do not keep
+    everything: the model sees copies hide behind compute perfectly and no host time in
+    hooks or checkpointing, so among plans it rates alike, the one that leans least on
+    either runs fastest. Lazily: choosing reads the first few of a thousand plans, during a
+    step."""
+    work: dict[int, tuple[int, int]] = {}
 
-    def bus(p: Plan) -> int:
-        if id(p) not in moved:
-            moved[id(p)] = bus_bytes(profile, p.groups)
-        return moved[id(p)]
+    def unseen(p: Plan) -> tuple[int, int]:
+        if id(p) not in work:
+            work[id(p)] = (bus_bytes(profile, p.groups), unkept_groups(profile, p.groups))
+        return work[id(p)]
 
     left = sorted(plans, key=lambda p: p.step_s)
     while left:
         near = 1
         while near < len(left) and left[near].step_s <= left[0].step_s * (1 + TIE):
             near += 1
-        first = min(range(near), key=lambda i: (bus(left[i]), left[i].step_s, left[i].peak))
+        first = min(range(near), key=lambda i: (*unseen(left[i]), left[i].step_s, left[i].peak))
         yield left.pop(first)
 
 
@@ -484,7 +486,7 @@ class BudgetController:
         contention, a step that waits on the host); measuring finds them."""
         assert self.profile is not None
         profile = self.profile
-        by_model = _least_moved_first(fitting, profile)
+        by_model = _simplest_first(fitting, profile)
         timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
         for p in by_model:
@@ -502,7 +504,7 @@ class BudgetController:
         if (best is not None and moves_bytes(profile, best.groups) and still is not None
                 and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
-        return best if best is not None else next(_least_moved_first(fitting, profile))
+        return best if best is not None else next(_simplest_first(fitting, profile))
 
     def _timed(self, plan: Plan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed."""

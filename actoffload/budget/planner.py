@@ -333,6 +333,16 @@ def bus_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> int:
     return sum(p.moved(g) for p, g in zip(plans, run.groups))
 
 
+def unkept_groups(profile: Profile, groups: Sequence[GroupPlan]) -> int:
+    """Groups, as the step runs them (a module recomputed whole is one), that do not keep what
+    they save: each runs saved-tensor hooks, and a recomputed one checkpoint's machinery and
+    its kernels again in backward. That is host time the model does not count, and a step
+    that waits on the host (a MoE's routing) pays it: where the model rates plans alike,
+    the one with fewer such groups runs faster."""
+    _, plans = as_run(profile, groups)
+    return sum(p.action != "keep" for p in plans)
+
+
 def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
     if not moves_bytes(profile, groups):
         w = pf = 0  # nothing crosses the bus: one plan, whatever the copy window
@@ -502,6 +512,7 @@ def choose(profile: Profile, budget: int, plans: Sequence[Plan] | None = None) -
 
 def fastest(profile: Profile, plans: Iterable[Plan]) -> Plan:
     """The plan of least modelled step time. Equal times (the bus hidden behind compute) go
-    to the plan that moves and recomputes least: what the model does not see (hooks,
-    packing) costs it nothing."""
-    return min(plans, key=lambda p: (round(p.step_s, 9), p.moved(profile), p.peak))
+    to the plan with the fewest groups that do not keep everything, then to the one that
+    moves and recomputes least: what the model does not see (hooks, checkpointing, packing)
+    then costs least."""
+    return min(plans, key=lambda p: (round(p.step_s, 9), unkept_groups(profile, p.groups), p.moved(profile), p.peak))
