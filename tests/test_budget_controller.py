@@ -3,6 +3,7 @@
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from actoffload.budget.controller import TIMINGS, BudgetController, _key, _merged
@@ -129,13 +130,15 @@ def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_model
 def test_controller_two_profiling_steps_merge_to_the_faster_time_and_the_larger_memory():
     """The first profiling step also pins host memory: its times run long, its peaks do not lie."""
     g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=3e-3, backward_s=2e-3,
-                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB, recompute_s=5e-4)
+                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB, recompute_s=5e-4,
+                     host_s=6e-3)
     h = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=4e-3,
-                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB, recompute_s=7e-4)
+                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB, recompute_s=7e-4,
+                     host_s=2e-3)
     first = Profile((g,), base=100 * MiB, outside_s=2e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
     second = Profile((h,), base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=4 * MiB)
     m = _merged(first, second).groups[0]
-    assert (m.forward_s, m.backward_s, m.recompute_s) == (1e-3, 2e-3, 5e-4)
+    assert (m.forward_s, m.backward_s, m.recompute_s, m.host_s) == (1e-3, 2e-3, 5e-4, 2e-3)
     assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
     assert _merged(first, second).outside_s == 1e-3 and _merged(first, second).outside_extra == 8 * MiB
 
@@ -275,6 +278,9 @@ class _DeviceSteps:
     def reset_peak(self):
         pass
 
+    def host_clock(self):
+        return None
+
 
 def test_controller_stops_choosing_once_the_running_plan_is_measured(monkeypatch):
     """Choosing again walks every candidate plan: host time in every step, for nothing once
@@ -409,3 +415,46 @@ def test_controller_tries_the_plan_with_fewer_groups_not_kept_among_those_the_mo
     parts = Plan((GroupPlan("recompute"), GroupPlan("recompute"), GroupPlan()), 0, 0, peak=10, step_s=1.0)
     one = Plan((GroupPlan("recompute"), GroupPlan(), GroupPlan()), 0, 0, peak=20, step_s=1.0 + TIE / 2)
     assert list(_simplest_first([parts, one], profile)) == [one, parts]
+
+
+class _HostPaced(_DeviceSteps):
+    """A CUDA-like probe where each group's forward takes ``device_s`` on the device and the
+    host's clock advances ``host_s`` between a group's opening and its closing."""
+
+    def __init__(self, device_s, host_s):
+        super().__init__(device_s)
+        self.host_s, self.now = host_s, 0.0
+
+    def host_clock(self):
+        self.now += self.host_s  # read as a group opens and as it closes: host_s apart
+        return self.now
+
+    def bandwidth(self):
+        return 20e9, 20e9
+
+
+@pytest.mark.parametrize("host_s, paced", [(3e-3, True), (0.5e-3, False)])
+def test_controller_a_forward_at_the_hosts_pace_recomputes_at_that_pace(monkeypatch, host_s, paced):
+    # 1 ms of device time for its forward, and for its recomputation; where the host needs
+    # 3 ms to run that forward, recomputing it costs 3 ms of the step
+    from actoffload import compat, policy
+
+    monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
+    c = BudgetController(1 << 40, torch.device("cpu"))
+    c.probe = _HostPaced(1e-3, host_s)
+    for _ in range(2):  # the profiling steps
+        c.step_begins()
+        for i in range(2):
+            c.action(True)
+            c.group_closing(i)
+            c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
+                        policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
+        for i in reversed(range(2)):
+            c.backward_reaches(i)
+            c.recompute_begins(i)
+            c.recompute_ends(i)
+        c._backward_ended()
+    c.step_begins()
+    g = c.profile.groups[0]
+    assert g.host_s == pytest.approx(host_s) and g.forward_s == g.recompute_s == 1e-3
+    assert g.recompute_time == (pytest.approx(host_s) if paced else 1e-3)

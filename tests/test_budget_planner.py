@@ -174,6 +174,27 @@ def test_planner_recomputes_a_module_whole_where_recomputing_its_parts_would_kee
     assert plan.step_s == pytest.approx(6 * 1e-3 + 6 * 2e-3 + 3 * 1e-3)  # forward, backward, recompute
 
 
+def test_simulate_charges_a_host_paced_forwards_recomputation_its_host_time():
+    # a forward whose host time reaches its device time kept the device waiting: so does its
+    # recomputation, whatever its device time. A device-paced forward's host time is hidden.
+    def step(host_s):
+        g = GroupProfile("0", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3,
+                         recompute_s=2e-5, host_s=host_s)
+        return simulate(Profile((g,), 0, 0.0, 1e9, 1e9), (GroupPlan("recompute"),), 0, 0)[1]
+
+    assert step(None) == pytest.approx(2e-3 + 2e-5)
+    assert step(0.5e-3) == pytest.approx(2e-3 + 2e-5)  # the device's pace
+    assert step(3e-3) == pytest.approx(2e-3 + 3e-3)
+    # a module recomputed whole: each part at its own pace
+    parts = (GroupProfile("0", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3,
+                          recompute_s=2e-5, host_s=3e-3),
+             GroupProfile("1", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3,
+                          recompute_s=5e-4, host_s=0.2e-3))
+    profile = Profile(parts, 0, 0.0, 1e9, 1e9, wholes=(Whole(0, 2, MiB),))
+    whole = (GroupPlan("recompute_whole"), GroupPlan("inside"))
+    assert simulate(profile, whole, 0, 0)[1] == pytest.approx(4e-3 + 3e-3 + 5e-4)
+
+
 def test_planner_between_plans_modelled_alike_picks_the_one_recomputing_fewer_groups():
     # recomputing one module whole, or its first part alone plus the next module whole, model
     # alike where the first part's recomputation is free (checkpointing stops before its

@@ -10,9 +10,10 @@ the first group opened after a backward pass began.
   its inputs moved out, every other group moved out whole, copies synchronous
   (``max_inflight=0``, ``prefetch=0``). Meanwhile it measures each group's compute time
   (the faster of the two steps: the first also pins host memory and grows the
-  allocator's pools) and its recomputation in backward (which stops once the last saved
-  tensor is back, so it costs less than the forward), the bytes it
-  would save, and the most memory its forward, its backward and its recomputation in
+  allocator's pools), the host's time for its forward (on CUDA: a forward that keeps the
+  device waiting recomputes at the host's pace too), and its recomputation in backward
+  (which stops once the last saved tensor is back, so it costs less than the forward),
+  the bytes it would save, and the most memory its forward, its backward and its recomputation in
   backward allocate beyond them.
 - **Planning**: among the planner's candidates, the fastest whose peak fits: measured for
   a plan that ran, modelled (plus the margin) for the others.
@@ -66,6 +67,8 @@ class _Measured:
     kept: int = 0
     inputs: int = 0  # bytes it saved while recomputed
     moved: int = 0  # bytes it moved during profiling
+    host_start: float | None = None  # the host's clock (CUDA only)
+    host_end: float | None = None
 
 
 @dataclass
@@ -105,7 +108,7 @@ def _least(a: float | None, b: float | None) -> float | None:
 def _merged(a: Profile, b: Profile) -> Profile:
     """Two profiling steps of one workload: the faster time and the larger memory of each."""
     groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
-                           recompute_s=_least(x.recompute_s, y.recompute_s),
+                           recompute_s=_least(x.recompute_s, y.recompute_s), host_s=_least(x.host_s, y.host_s),
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
@@ -268,7 +271,8 @@ class BudgetController:
         if self._profiling is not None:
             action = GroupPlan("recompute_offload" if recomputable else "offload")
             self._profiling.groups.append(_Measured(recomputed=recomputable, start=self.probe.mark(),
-                                                    allocated_at_start=self.probe.allocated()))
+                                                    allocated_at_start=self.probe.allocated(),
+                                                    host_start=self.probe.host_clock()))
             self.probe.reset_peak()
             return action
         assert self.plan is not None and self.profile is not None
@@ -284,6 +288,7 @@ class BudgetController:
         if self._profiling is not None and position < len(self._profiling.groups):
             m = self._profiling.groups[position]
             m.end = self._profiling.last_exit = self.probe.mark()
+            m.host_end = self.probe.host_clock()
             m.forward_peak = max(0, self.probe.peak() - m.allocated_at_start)
             self.probe.reset_peak()
 
@@ -436,7 +441,9 @@ class BudgetController:
             groups.append(GroupProfile(str(i), m.spans, m.kept, m.inputs if m.recomputed else None,
                                        max(fwd, 0.0), max(bwd, 0.0), max(forward_extra, 0), max(backward_extra, 0),
                                        recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
-                                       recompute_s=measured_recompute, reached=m.touched is not None))
+                                       recompute_s=measured_recompute, reached=m.touched is not None,
+                                       host_s=(m.host_end - m.host_start
+                                               if m.host_end is not None and m.host_start is not None else None)))
             held += 0 if m.recomputed else m.kept
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
@@ -551,7 +558,8 @@ class BudgetController:
             def scaled(f: float) -> Profile:  # a factor on every compute time
                 return replace(profile, outside_s=profile.outside_s * f, groups=tuple(
                     replace(g, forward_s=g.forward_s * f, backward_s=g.backward_s * f,
-                            recompute_s=None if g.recompute_s is None else g.recompute_s * f)
+                            recompute_s=None if g.recompute_s is None else g.recompute_s * f,
+                            host_s=None if g.host_s is None else g.host_s * f)
                     for g in profile.groups))
         else:
             return

@@ -34,6 +34,7 @@ WHOLE = ("recompute_whole", "recompute_whole_offload")  # on a module's first pa
 WINDOWS = (0, 1, 2)  # max_inflight
 PREFETCHES = (0, 1, 2)
 FRACTIONS = (0.5, 1.0)  # of a group's offloadable bytes, largest spans first
+HOST_PACED = 0.9  # a forward whose host time is at least this share of its device time ran at the host's pace
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class GroupProfile:
     higher memory goes while backward runs its forward again (recomputed plans only: a
     group moved out and reloaded skips that peak); ``grads``: bytes of parameter gradients
     its backward allocates; ``recompute_s``: how long backward took to run its forward again
-    (less than ``forward_s``: checkpointing stops once the last saved tensor is back).
+    (less than ``forward_s``: checkpointing stops once the last saved tensor is back);
+    ``host_s``: the host's time for its forward (``None`` where the host is the device).
     """
 
     name: str
@@ -66,11 +68,19 @@ class GroupProfile:
     recompute_extra: int = 0
     recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
     reached: bool = True  # backward unpacked something it saved
+    host_s: float | None = None
 
     @property
     def recompute_time(self) -> float:
-        """Seconds backward spends running its forward again (its forward's, if not measured)."""
-        return self.forward_s if self.recompute_s is None else self.recompute_s
+        """Seconds backward spends running its forward again (its forward's, if not measured).
+        A forward that ran at the host's pace (the device waited for its kernels: a MoE's
+        routing, Python loops over experts) runs again at that pace, checkpointing's own work
+        added: its host time, where that is longer. A MoE part whose recomputation keeps the
+        device busy for 0.02 ms adds 1 ms to a step that waits on the host."""
+        device = self.forward_s if self.recompute_s is None else self.recompute_s
+        if self.host_s is not None and self.host_s >= HOST_PACED * self.forward_s:
+            return max(device, self.host_s)
+        return device
 
     @cached_property  # read in every simulation step: summed once
     def offloadable(self) -> int:

@@ -52,6 +52,12 @@ class Probe:
             return event
         return time.perf_counter()
 
+    def host_clock(self) -> float | None:
+        """The host's own clock, apart from the device's (``None`` on the CPU, where the two
+        are one): whether a step waits on the host shows where the host's time for a piece of
+        work reaches the device's."""
+        return time.perf_counter() if self.cuda else None
+
     def seconds(self, start: Any, end: Any) -> float:
         """Seconds between two marks (waits for ``end`` on CUDA)."""
         if self.cuda:
