@@ -4,8 +4,9 @@ the budget planner's profile says (a diagnostic, not a test; CUDA).
 Each plan names, per block part (Q/K/V projection, attention core, MoE), what a step does:
 ``K`` keep, ``R`` recompute the part, ``rii`` recompute the whole block. Every plan runs
 twice: with ``torch.utils.checkpoint`` on those parts ("plain"), and under a fast
-offloader with a memory budget whose controller is made to run that plan ("off", through
-its private ``_fastest``: a diagnostic, not an API). After a warm-up, all of them run in
+offloader with a memory budget whose controller is made to run that plan ("off": the
+script replaces private methods of ``BudgetController`` for the whole process, to force
+the plan and read the host's clock; a diagnostic, not an API). After a warm-up, all of them run in
 interleaved rounds, so that the host's drift hits each alike; the medians and each plan's
 ratio to plain checkpointing of two blocks go to the JSON, with the host's time for each
 group's forward and recomputation while the offloader profiled.

@@ -92,6 +92,27 @@ def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
     assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
 
 
+def test_a_budgets_warm_up_lasts_until_its_plan_is_settled():
+    class Settling:
+        def __init__(self, settled_after):
+            self.steps, self.settled_after = 0, settled_after
+
+        def step(self, step):
+            self.steps += 1
+            return 0.001, 0
+
+        def warming_up(self):
+            return False
+
+        def settling(self):
+            return self.steps < self.settled_after
+
+    assert len(budget_sweep._warm_up(Settling(9), 0, least=4, settle=True)) == 9
+    assert len(budget_sweep._warm_up(Settling(2), 0, least=4, settle=True)) == 4
+    assert len(budget_sweep._warm_up(Settling(9), 0, least=4)) == 4  # other methods: no plan to settle
+    assert len(budget_sweep._warm_up(Settling(10**6), 0, least=4, settle=True)) == 54  # never settling: capped
+
+
 def test_paired_rounds_fill_their_time_within_bounds():
     class Fake:
         def __init__(self, label, seconds):

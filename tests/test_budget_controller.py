@@ -192,6 +192,22 @@ def test_controller_a_step_faster_than_modelled_shrinks_the_modelled_compute():
     assert c.profile.d2h_bps == 20e9  # the bus is left alone
 
 
+def test_controller_shrinking_the_modelled_compute_shrinks_the_hosts_time_alike():
+    # a host-paced group stays host-paced, and its recomputation costs less by the same factor
+    c, least = _controller(1 << 40)
+    c._profiled = least.groups
+    c.profile = replace(c.profile, groups=tuple(replace(g, host_s=2 * g.forward_s) for g in c.profile.groups))
+    c._plan_all()
+    keep = next(p for p in c.plans if all(g.action == "keep" for g in p.groups))
+    before = c.profile.groups[0]
+    c._calibrate(keep, 0.5 * keep.step_s)
+    after = c.profile.groups[0]
+    factor = after.forward_s / before.forward_s
+    assert factor < 0.9
+    assert after.host_s == pytest.approx(before.host_s * factor)
+    assert after.recompute_time == pytest.approx(before.recompute_time * factor)
+
+
 def test_planner_plans_that_move_nothing_have_one_copy_window():
     """A window of copies matters only to a plan that moves bytes: the same groups under
     another window are the same plan (tried, measured and given a margin once)."""
@@ -406,6 +422,27 @@ def test_controller_tries_the_plan_moving_fewer_bytes_among_those_the_model_rate
     assert list(_simplest_first([slower, mover, lighter], profile)) == [lighter, mover, slower]
 
 
+def test_controller_two_profiling_steps_judge_the_hosts_pace_within_one_step():
+    # the faster forward's step gives the host time too: the least of each, from two steps,
+    # would call a device-paced group host-paced
+    g = GroupProfile("g", spans=(MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3, host_s=0.5e-3)
+    h = replace(g, forward_s=3e-3, host_s=0.2e-3)
+    for a, b in ((g, h), (h, g)):
+        p = Profile((a,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        q = Profile((b,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        m = _merged(p, q).groups[0]
+        assert (m.forward_s, m.host_s) == (1e-3, 0.5e-3)
+
+
+def test_controller_among_plans_rated_alike_bus_bytes_come_before_groups_not_kept():
+    from actoffload.budget.controller import _simplest_first
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+    profile = Profile((g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+    moving = Plan((GroupPlan("offload"), GroupPlan()), 1, 1, peak=10, step_s=1.0)  # one group, 64 MiB moved
+    still = Plan((GroupPlan("recompute"), GroupPlan("recompute")), 0, 0, peak=20, step_s=1.0)  # two, none
+    assert list(_simplest_first([moving, still], profile)) == [still, moving]
+
+
 def test_controller_tries_the_plan_with_fewer_groups_not_kept_among_those_the_model_rates_alike():
     # a recomputed part costs host time the model does not see (checkpointing, hooks): between
     # two plans moving nothing that the model rates alike, the one recomputing fewer groups goes first
@@ -458,3 +495,17 @@ def test_controller_a_forward_at_the_hosts_pace_recomputes_at_that_pace(monkeypa
     g = c.profile.groups[0]
     assert g.host_s == pytest.approx(host_s) and g.forward_s == g.recompute_s == 1e-3
     assert g.recompute_time == (pytest.approx(host_s) if paced else 1e-3)
+
+
+def test_controller_is_settled_once_its_plan_is_measured_and_nothing_is_left_to_try():
+    c, _ = _controller(1 << 40)
+    assert c.settled and c.stats()["settled"]  # on the CPU nothing is timed: planned is settled
+    c.probe = _DeviceSteps(c.plan.step_s)
+    assert not c.settled  # on CUDA: measured first
+    c._runs = {_key(c.plan): TIMINGS + 1}
+    c._times = {_key(c.plan): [c.plan.step_s] * TIMINGS}
+    c._choose()
+    assert c.settled
+    c._reprofile = True
+    c.step_begins()  # profiling again
+    assert not c.settled and not c.stats()["settled"]

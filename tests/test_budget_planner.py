@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from actoffload.budget.planner import (BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, candidates,
-                                      choose, fastest, simulate, unkept_groups)
+                                      choose, fastest, simulate, unmodelled_work)
 
 MiB = 1 << 20
 
@@ -184,6 +184,8 @@ def test_simulate_charges_a_host_paced_forwards_recomputation_its_host_time():
 
     assert step(None) == pytest.approx(2e-3 + 2e-5)
     assert step(0.5e-3) == pytest.approx(2e-3 + 2e-5)  # the device's pace
+    assert step(0.85e-3) == pytest.approx(2e-3 + 2e-5)
+    assert step(0.95e-3) == pytest.approx(2e-3 + 0.95e-3)  # within HOST_PACED of it: the host's
     assert step(3e-3) == pytest.approx(2e-3 + 3e-3)
     # a module recomputed whole: each part at its own pace
     parts = (GroupProfile("0", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3,
@@ -207,7 +209,8 @@ def test_planner_between_plans_modelled_alike_picks_the_one_recomputing_fewer_gr
     one = tuple(GroupPlan(a) for a in ("recompute_whole", "inside", "keep", "keep"))
     two = tuple(GroupPlan(a) for a in ("recompute", "keep", "recompute_whole", "inside"))
     assert simulate(profile, one, 0, 0)[1] == simulate(profile, two, 0, 0)[1]
-    assert unkept_groups(profile, one) == 1 and unkept_groups(profile, two) == 2
+    assert unmodelled_work(profile, one).unkept_groups == 1 and unmodelled_work(profile, two).unkept_groups == 2
+    assert unmodelled_work(profile, one).redone_bytes > unmodelled_work(profile, two).redone_bytes
     plans = [Plan(g, 0, 0, *simulate(profile, g, 0, 0)) for g in (two, one)]
     assert fastest(profile, plans).groups == one
 

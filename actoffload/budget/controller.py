@@ -36,15 +36,15 @@ from typing import Any, Iterator
 import torch
 
 from .. import compat, policy
-from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, bus_bytes, candidates,
-                      choose, fastest, moves_bytes, simulate, unkept_groups)
+from .planner import (WHOLE, BudgetTooSmall, GroupPlan, GroupProfile, Plan, Profile, Whole, Work, candidates,
+                      choose, fastest, moves_bytes, simulate, unmodelled_work)
 from .probe import Probe
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 WORKLOAD_CHANGE = 0.10  # a group saving 10% more or less than profiled means a new workload
 EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
 TIMINGS = 3  # timed steps that measure a plan (after its first, which pins host memory)
-TIE = 0.01  # modelled step times this close are equal: the plan that moves fewer bytes, then has fewer groups not kept, goes first
+TIE = 0.01  # modelled step times this close are equal: the plan doing less the model cannot see goes first
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 CALIBRATION_SLACK = 0.05  # a step this much off the model is noise
 
@@ -108,7 +108,9 @@ def _least(a: float | None, b: float | None) -> float | None:
 def _merged(a: Profile, b: Profile) -> Profile:
     """Two profiling steps of one workload: the faster time and the larger memory of each."""
     groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
-                           recompute_s=_least(x.recompute_s, y.recompute_s), host_s=_least(x.host_s, y.host_s),
+                           recompute_s=_least(x.recompute_s, y.recompute_s),
+                           # whether the host set the pace: host and device time of one step
+                           host_s=x.host_s if x.forward_s < y.forward_s else y.host_s,
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
@@ -120,16 +122,15 @@ def _merged(a: Profile, b: Profile) -> Profile:
 
 def _simplest_first(plans: list[Plan], profile: Profile) -> Iterator[Plan]:
     """``plans`` by modelled step time, where those within ``TIE`` of the fastest left go in the
-    order of the bytes they move across the bus, then of their groups that do not keep
-    everything: the model sees copies hide behind compute perfectly and no host time in
-    hooks or checkpointing, so among plans it rates alike, the one that leans least on
-    either runs fastest. Lazily: choosing reads the first few of a thousand plans, during a
-    step."""
-    work: dict[int, tuple[int, int]] = {}
+    order of the work the model does not see (:class:`~.planner.Work`: bus bytes, then groups
+    that hook or recompute): among plans it rates alike, the one that leans least on what
+    it cannot see runs fastest. Lazily: choosing reads the first few of a thousand plans,
+    during a step."""
+    work: dict[int, Work] = {}
 
-    def unseen(p: Plan) -> tuple[int, int]:
+    def unseen(p: Plan) -> Work:
         if id(p) not in work:
-            work[id(p)] = (bus_bytes(profile, p.groups), unkept_groups(profile, p.groups))
+            work[id(p)] = unmodelled_work(profile, p.groups)
         return work[id(p)]
 
     left = sorted(plans, key=lambda p: p.step_s)
@@ -137,7 +138,7 @@ def _simplest_first(plans: list[Plan], profile: Profile) -> Iterator[Plan]:
         near = 1
         while near < len(left) and left[near].step_s <= left[0].step_s * (1 + TIE):
             near += 1
-        first = min(range(near), key=lambda i: (*unseen(left[i]), left[i].step_s, left[i].peak))
+        first = min(range(near), key=lambda i: (unseen(left[i]), left[i].step_s, left[i].peak))
         yield left.pop(first)
 
 
@@ -384,6 +385,14 @@ class BudgetController:
     @property
     def profiling(self) -> bool:
         return self._profiling is not None
+
+    @property
+    def settled(self) -> bool:
+        """Whether the plan is final: profiled, chosen, and on CUDA measured with nothing left
+        to try, so that the steps from now on run as the plan will (until a step goes over
+        the budget or the workload changes). Known from the step after the deciding one."""
+        return (self._profiling is None and self.plan is not None
+                and (not self.probe.cuda or self._timed(self.plan)))
 
     # ------------------------------------------------------------------ planning
     def _finish_profiling(self, end: Any) -> None:
@@ -640,7 +649,8 @@ class BudgetController:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"memory_budget": self.budget, "margin": self.margin + self._least_margin(),
-                               "state": "profiling" if self._profiling is not None or self.plan is None else "planned"}
+                               "state": "profiling" if self._profiling is not None or self.plan is None else "planned",
+                               "settled": self.settled}
         if self.plan is not None and self.profile is not None:
             out.update(groups=self.plan.describe(self.profile), max_inflight=self.plan.max_inflight,
                        prefetch=self.plan.prefetch, predicted_peak_bytes=self.plan.peak,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 ACTIONS = ("keep", "offload", "recompute", "recompute_offload", "recompute_whole", "recompute_whole_offload", "inside")
 WHOLE = ("recompute_whole", "recompute_whole_offload")  # on a module's first part; the others are "inside"
@@ -73,10 +73,14 @@ class GroupProfile:
     @property
     def recompute_time(self) -> float:
         """Seconds backward spends running its forward again (its forward's, if not measured).
-        A forward that ran at the host's pace (the device waited for its kernels: a MoE's
-        routing, Python loops over experts) runs again at that pace, checkpointing's own work
-        added: its host time, where that is longer. A MoE part whose recomputation keeps the
-        device busy for 0.02 ms adds 1 ms to a step that waits on the host."""
+        A forward that ran at the host's pace (its host time reached ``HOST_PACED`` of its
+        device time: the device waited for its kernels, as in a MoE's Python loop over
+        experts) runs again at that pace: it is charged its forward's host time where that is
+        longer, which holds the forward-side work of hooks and checkpointing too. A forward
+        that reads a value back (a MoE's routing) waits for the device's queue, and counts as
+        host-paced: recomputed in backward, it makes the device wait as well. Measured on an
+        H200, a MoE block's Q/K/V part, whose recomputation keeps the device busy for 0.02
+        ms, added 1 ms to the step."""
         device = self.forward_s if self.recompute_s is None else self.recompute_s
         if self.host_s is not None and self.host_s >= HOST_PACED * self.forward_s:
             return max(device, self.host_s)
@@ -167,11 +171,6 @@ class Plan:
     prefetch: int = 0
     peak: int = 0  # modelled, bytes
     step_s: float = 0.0  # modelled
-
-    def moved(self, profile: Profile) -> int:
-        """Bytes the plan moves or recomputes, a tie-breaker between equally fast plans."""
-        run, groups = as_run(profile, self.groups)
-        return sum(p.moved(g) + (g.offloadable if p.recomputed else 0) for g, p in zip(run.groups, groups))
 
     def describe(self, profile: Profile) -> list[dict]:
         """One row per group: name, action and bytes, for ``stats()["plan"]`` (a module run
@@ -343,14 +342,26 @@ def bus_bytes(profile: Profile, groups: Sequence[GroupPlan]) -> int:
     return sum(p.moved(g) for p, g in zip(plans, run.groups))
 
 
-def unkept_groups(profile: Profile, groups: Sequence[GroupPlan]) -> int:
-    """Groups, as the step runs them (a module recomputed whole is one), that do not keep what
-    they save: each runs saved-tensor hooks, and a recomputed one checkpoint's machinery and
-    its kernels again in backward. That is host time the model does not count, and a step
-    that waits on the host (a MoE's routing) pays it: where the model rates plans alike,
-    the one with fewer such groups runs faster."""
-    _, plans = as_run(profile, groups)
-    return sum(p.action != "keep" for p in plans)
+class Work(NamedTuple):
+    """What a plan does that the model takes as free or perfectly hidden, to choose between
+    plans it rates alike (least first, in this order): ``bus_bytes`` moved to host memory and
+    back (the model hides copies behind compute perfectly; they contend with it);
+    ``unkept_groups``, groups as the step runs them (a module recomputed whole is one) that
+    do not keep what they save (each runs saved-tensor hooks, a recomputed one checkpoint's
+    machinery and its kernels again: host time, which a step that waits on the host pays);
+    ``redone_bytes`` moved or recomputed."""
+
+    bus_bytes: int
+    unkept_groups: int
+    redone_bytes: int
+
+
+def unmodelled_work(profile: Profile, groups: Sequence[GroupPlan]) -> Work:
+    """A plan's :class:`Work`."""
+    run, plans = as_run(profile, groups)
+    return Work(sum(p.moved(g) for p, g in zip(plans, run.groups)),
+                sum(p.action != "keep" for p in plans),
+                sum(p.moved(g) + (g.offloadable if p.recomputed else 0) for p, g in zip(plans, run.groups)))
 
 
 def _evaluated(profile: Profile, groups: tuple[GroupPlan, ...], w: int, pf: int) -> Plan:
@@ -522,7 +533,8 @@ def choose(profile: Profile, budget: int, plans: Sequence[Plan] | None = None) -
 
 def fastest(profile: Profile, plans: Iterable[Plan]) -> Plan:
     """The plan of least modelled step time. Equal times (the bus hidden behind compute) go
-    to the plan with the fewest groups that do not keep everything, then to the one that
-    moves and recomputes least: what the model does not see (hooks, checkpointing, packing)
-    then costs least."""
-    return min(plans, key=lambda p: (round(p.step_s, 9), unkept_groups(profile, p.groups), p.moved(profile), p.peak))
+    to the plan doing the least the model does not see (:class:`Work`)."""
+    plans = list(plans)
+    least = min(round(p.step_s, 9) for p in plans)
+    tied = [p for p in plans if round(p.step_s, 9) == least]  # the rest need no Work
+    return min(tied, key=lambda p: (unmodelled_work(profile, p.groups), p.peak))

@@ -26,7 +26,7 @@ import torch.utils.checkpoint
 
 import actoffload as ao
 from actoffload import compat, hostmem
-from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS
+from actoffload.budget.controller import PROFILE_STEPS
 from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 
 GiB = 1 << 30
@@ -172,6 +172,10 @@ class _Runner:
         """Whether the offloader still recomputes while it pins (its warm-up on CUDA)."""
         return self.off is not None and self.off.stats().get("warmup", {}).get("warming_up", False)
 
+    def settling(self) -> bool:
+        """Whether the offloader's memory budget still profiles or tries plans."""
+        return self.off is not None and not self.off.stats().get("plan", {}).get("settled", True)
+
     def step(self, step: int) -> tuple[float, int]:
         """One step's seconds and peak device bytes."""
         w, cuda = self.w, self.device.type == "cuda"
@@ -198,23 +202,26 @@ class _Runner:
         return elapsed, torch.cuda.max_memory_allocated(self.device) if cuda else 0
 
 
-def _warm_up(run: Any, first: int, least: int) -> list[tuple[float, int]]:
+def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int]]:
     """Steps of ``run`` from step ``first`` until it is steady: ``least`` of them, and on while
-    its offloader still recomputes as it pins (fast's warm-up on CUDA; at most 50 more,
-    should it never end). Each step's seconds and peak bytes."""
+    its offloader still recomputes as it pins (fast's warm-up on CUDA), or with ``settle``
+    while its memory budget still tries plans (at most 50 more, should either never end).
+    Each step's seconds and peak bytes."""
     out: list[tuple[float, int]] = []
-    while len(out) < least or (run.warming_up() and len(out) < least + 50):
+    while len(out) < least or ((run.warming_up() or (settle and run.settling())) and len(out) < least + 50):
         out.append(run.step(first + len(out)))
     return out
 
 
-def measure(w: Workload, method: Method, device: torch.device, steps: int, warmup: int) -> tuple[dict[str, Any], _Runner]:
+def measure(w: Workload, method: Method, device: torch.device, steps: int, warmup: int,
+            settle: bool = False) -> tuple[dict[str, Any], _Runner]:
     """Median step seconds, peak device bytes, the gradients of the last step, and what the
-    offloader reports; and the runner, for more steps of the same method."""
+    offloader reports; and the runner, for more steps of the same method. ``settle``: warm
+    up until a memory budget's plan is final too."""
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     run = _Runner(w, method, device)
     times, peaks = [], []
-    warming = _warm_up(run, 0, warmup)
+    warming = _warm_up(run, 0, warmup, settle)
     early, early_peaks = [t for t, _ in warming], [0] + [p for _, p in warming]
     for step in range(len(warming), len(warming) + steps):
         elapsed, peak = run.step(step)
@@ -318,15 +325,14 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
         under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
-    # a budget's first steps profile, then may try a few plans the model rates fastest and the
-    # fastest that moves no bytes (TIMINGS + 1 steps each: the first pins host memory) before
-    # keeping the fastest measured
-    settle = warmup + PROFILE_STEPS - 1 + (TIMINGS + 1) * (EXPLORE + 2)
+    # a budget's first steps profile, then it may try a few plans the model rates fastest and
+    # the fastest that moves no bytes before keeping the fastest measured: its steady steps
+    # begin once its plan is settled
     for budget in budgets:
         method = Method("fast_budget", parts=True,
                         offloader=lambda: ao.Offloader(impl="fast", device=device, memory_budget=budget))
         try:
-            r, run = measure(w, method, device, steps, settle)
+            r, run = measure(w, method, device, steps, warmup + PROFILE_STEPS, settle=True)
         except ValueError as e:  # no plan fits
             res["budgets"].append({"budget_bytes": budget, "error": str(e)})
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB: {e}")
@@ -336,7 +342,8 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         r["under_checkpoint_all"] = budget == under_ckpt
         rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(res, budget)
         if rival is not None:
-            r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), warmup, settle + steps)
+            r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), warmup,
+                                 len(r["early_steps_ms"]) + len(r["steps_ms"]))
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
                 f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
@@ -408,8 +415,8 @@ def _ratio(b: dict[str, Any], rival: dict[str, Any]) -> tuple[float, str]:
 
 def _steady_ms(b: dict[str, Any]) -> float:
     """A budget's steady step time: the median of all its steps after it settled, those run
-    alone and those alternating with its rival (in a step that waits on the host, one
-    second's steps can sit 20% off the next second's)."""
+    alone and those alternating with its rival, which are more and weigh more (in a step that
+    waits on the host, one second's steps can sit 20% off the next second's)."""
     return statistics.median(b["steps_ms"] + b.get("paired", {}).get("steps_ms", []))
 
 
