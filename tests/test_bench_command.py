@@ -132,6 +132,32 @@ def test_paired_rounds_fill_their_time_within_bounds():
                                first_step=0)["rounds"] == round((lo + hi) / 2)
 
 
+def test_paired_rounds_go_on_until_the_ratio_is_known_within_a_percent_or_time_runs_out():
+    import random
+
+    class Noisy:
+        def __init__(self, label, seconds, spread):
+            self.method, self.seconds, self.spread = budget_sweep.Method(label), seconds, spread
+            self.rng = random.Random(label)
+
+        def step(self, step):
+            return self.seconds * (1 + self.rng.uniform(-self.spread, self.spread)), 0
+
+        def warming_up(self):
+            return False
+
+    lo, hi = budget_sweep.PAIRED_ROUNDS
+    steady = budget_sweep.paired(Noisy("a", 1e-3, 0.0), Noisy("b", 1e-3, 0.0), warmup=1, first_step=0)
+    assert steady["rounds"] == hi and steady["ratio_interval"] == [1.0, 1.0]  # known at once
+    noisy = budget_sweep.paired(Noisy("a", 1e-3, 0.1), Noisy("b", 1e-3, 0.1), warmup=1, first_step=0)
+    a, b = noisy["ratio_interval"]
+    assert noisy["rounds"] > hi and b - a <= 2 * budget_sweep.PAIRED_PRECISION * noisy["ratio"]
+    slow = budget_sweep.paired(Noisy("a", 1.0, 0.1), Noisy("b", 1.0, 0.1), warmup=1, first_step=0)
+    # 2 s a round: 8 rounds (16 s), one more batch of 8 (32 s), and the time has run out
+    assert slow["rounds"] == 2 * lo and 2 * lo * 2.0 > budget_sweep.PAIRED_MAX_S > lo * 2.0
+    assert budget_sweep.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+
+
 def test_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch):
     # the host drifts: a round's two steps share its state, separate medians do not
     monkeypatch.setattr(budget_sweep, "PAIRED_ROUNDS", (3, 3))

@@ -32,7 +32,9 @@ from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next
 GiB = 1 << 30
 LEVELS = 5
 PAIRED_S = 6.0  # seconds of alternating steps of a budget and its rival (a host-bound MoE drifts by 10%)
-PAIRED_ROUNDS = (8, 40)  # the fewest and most rounds of them
+PAIRED_ROUNDS = (8, 40)  # the fewest and most rounds of them, at first
+PAIRED_PRECISION = 0.01  # then more rounds, until the median ratio's 95% interval is this narrow (each side)
+PAIRED_MAX_S = 24.0  # or the rounds took this long
 SLOW_S = 6.0  # a method whose measured steps take this long stops after 3 (it is far from the front)
 
 
@@ -247,27 +249,49 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     return out, run
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95% interval for the median of ``values``, from their order statistics (no
+    assumption on how they spread)."""
+    v = sorted(values)
+    k = max(0, int((len(v) - 1.96 * len(v) ** 0.5) / 2))
+    return v[k], v[len(v) - 1 - k]
+
+
 def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, Any]:
     """``a`` against ``b`` in alternating steps (``b`` warmed up first): the host's state
     drifts over seconds (a MoE waits on the host in every block), so two methods measured
     one after the other can differ by more than the difference asked about; alternating
     steps see the same drift. As many rounds as fill about ``PAIRED_S`` seconds (short,
-    noisy steps get more). Step numbers go on from ``first_step`` (the workload's data may
-    depend on them)."""
+    noisy steps get more), then more while the median ratio is not known within
+    ``PAIRED_PRECISION`` and the rounds took less than ``PAIRED_MAX_S``. Step numbers go on
+    from ``first_step`` (the workload's data may depend on them)."""
     warming = _warm_up(b, first_step, max(1, warmup))  # its last step times a round
     step = first_step + len(warming)
     pair_s = a.step(step)[0] + warming[-1][0]
     step += 1
     rounds = max(PAIRED_ROUNDS[0], min(PAIRED_ROUNDS[1], round(PAIRED_S / pair_s)))
-    ta, tb = [], []
-    for _ in range(rounds):
-        ta.append(a.step(step)[0])
-        tb.append(b.step(step + 1)[0])
-        step += 2
+    ta: list[float] = []
+    tb: list[float] = []
+
+    def more(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            ta.append(a.step(step)[0])
+            tb.append(b.step(step + 1)[0])
+            step += 2
+
+    def ratios() -> list[float]:  # each round's own: two neighbouring steps share the host's state
+        return [x / y for x, y in zip(ta, tb)]
+
+    more(rounds)
+    while sum(ta) + sum(tb) < PAIRED_MAX_S:
+        lo, hi = median_interval(ratios())
+        if hi - lo <= 2 * PAIRED_PRECISION * statistics.median(ratios()):
+            break
+        more(PAIRED_ROUNDS[0])
     ma, mb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
-    # each round's own ratio: two neighbouring steps share the host's state of the moment
-    ratio = statistics.median(x / y for x, y in zip(ta, tb))
-    return {"against": b.method.label, "rounds": rounds, "step_ms": ma, "against_step_ms": mb, "ratio": ratio,
+    return {"against": b.method.label, "rounds": len(ta), "step_ms": ma, "against_step_ms": mb,
+            "ratio": statistics.median(ratios()), "ratio_interval": list(median_interval(ratios())),
             "ratio_of_medians": ma / mb, "steps_ms": [t * 1e3 for t in ta], "against_steps_ms": [t * 1e3 for t in tb]}
 
 
@@ -443,6 +467,8 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
             "fastest_fitting_alternative": best["method"] if best else None,
             "vs_fastest_fitting": ratio,
             "vs_fastest_fitting_measured": how,
+            # where alternating: a 95% interval for that median ratio
+            "vs_fastest_fitting_interval": (b["paired"].get("ratio_interval") if how == "alternating" else None),
             "vs_fastest_fitting_separately": b["step_ms"] / best["step_ms"] if best else None,
             "vs_predicted": _steady_ms(b) / predicted if predicted else None,
             "vs_predicted_alone": b["step_ms"] / predicted if predicted else None,
