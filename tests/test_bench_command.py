@@ -201,6 +201,8 @@ def test_verdicts_judge_a_cell_by_its_alternating_steps_where_they_ran():
     # its step time against the model's: the median of every steady step, alone and alternating
     assert v["cells"][0]["vs_predicted"] == pytest.approx(0.995)  # 99.5 ms of 8 steps
     assert v["cells"][0]["vs_predicted_alone"] == pytest.approx(1.10)
+    workload["budgets"][0]["plan"] = {"predicted_step_s": None}  # no plan predicted a time
+    assert budget_sweep.verdicts(workload)["cells"][0]["vs_predicted"] is None
 
 
 def test_bench_rejects_an_unknown_section():

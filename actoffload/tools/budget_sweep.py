@@ -457,7 +457,7 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
             cells.append({"budget_bytes": b["budget_bytes"], "error": b["error"]})
             continue
         best = _fastest_fitting(workload, b["budget_bytes"])
-        predicted = b.get("plan", {}).get("predicted_step_s", 0.0) * 1e3
+        predicted = (b.get("plan", {}).get("predicted_step_s") or 0.0) * 1e3
         ratio, how = _ratio(b, best) if best else (None, None)
         cells.append({
             "budget_bytes": b["budget_bytes"],
