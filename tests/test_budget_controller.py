@@ -362,8 +362,27 @@ class _PendingSteps(_DeviceSteps):
         return 20e9, 20e9
 
 
+def _profiling_step(c, groups, recompute=False):
+    """One profiling step of ``groups`` recomputed groups, each saving 4 MiB of inputs (32 MiB
+    unrecomputed); ``recompute``: backward marks each one's recomputation too."""
+    from actoffload import policy
+
+    c.step_begins()
+    for i in range(groups):
+        c.action(True)
+        c.group_closing(i)
+        c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
+                    policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
+    for i in reversed(range(groups)):
+        c.backward_reaches(i)
+        if recompute:
+            c.recompute_begins(i)
+            c.recompute_ends(i)
+    c._backward_ended()
+
+
 def test_controller_a_step_still_running_when_profiling_begins_is_not_timed_against_the_new_profile(monkeypatch):
-    from actoffload import compat, policy
+    from actoffload import compat
 
     monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
     c, _ = _controller(1 << 40)
@@ -375,15 +394,7 @@ def test_controller_a_step_still_running_when_profiling_begins_is_not_timed_agai
     pending.done = False  # its end not reached when the next step begins
     c._reprofile = True  # a new workload: three groups now
     for _ in range(2):  # the profiling steps
-        c.step_begins()
-        for i in range(3):
-            c.action(True)
-            c.group_closing(i)
-            c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
-                        policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
-        for i in reversed(range(3)):
-            c.backward_reaches(i)
-        c._backward_ended()
+        _profiling_step(c, 3)
     pending.done = True
     c.step_begins()  # profiling ends: a plan for three groups
     c._backward_ended()
@@ -474,23 +485,13 @@ class _HostPaced(_DeviceSteps):
 def test_controller_a_forward_at_the_hosts_pace_recomputes_at_that_pace(monkeypatch, host_s, paced):
     # 1 ms of device time for its forward, and for its recomputation; where the host needs
     # 3 ms to run that forward, recomputing it costs 3 ms of the step
-    from actoffload import compat, policy
+    from actoffload import compat
 
     monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
     c = BudgetController(1 << 40, torch.device("cpu"))
     c.probe = _HostPaced(1e-3, host_s)
     for _ in range(2):  # the profiling steps
-        c.step_begins()
-        for i in range(2):
-            c.action(True)
-            c.group_closing(i)
-            c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
-                        policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
-        for i in reversed(range(2)):
-            c.backward_reaches(i)
-            c.recompute_begins(i)
-            c.recompute_ends(i)
-        c._backward_ended()
+        _profiling_step(c, 2, recompute=True)
     c.step_begins()
     g = c.profile.groups[0]
     assert g.host_s == pytest.approx(host_s) and g.forward_s == g.recompute_s == 1e-3

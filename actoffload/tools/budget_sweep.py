@@ -284,14 +284,16 @@ def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, An
         return [x / y for x, y in zip(ta, tb)]
 
     more(rounds)
+    r = ratios()
     while sum(ta) + sum(tb) < PAIRED_MAX_S:
-        lo, hi = median_interval(ratios())
-        if hi - lo <= 2 * PAIRED_PRECISION * statistics.median(ratios()):
+        lo, hi = median_interval(r)
+        if hi - lo <= 2 * PAIRED_PRECISION * statistics.median(r):
             break
         more(PAIRED_ROUNDS[0])
+        r = ratios()
     ma, mb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
     return {"against": b.method.label, "rounds": len(ta), "step_ms": ma, "against_step_ms": mb,
-            "ratio": statistics.median(ratios()), "ratio_interval": list(median_interval(ratios())),
+            "ratio": statistics.median(r), "ratio_interval": list(median_interval(r)),
             "ratio_of_medians": ma / mb, "steps_ms": [t * 1e3 for t in ta], "against_steps_ms": [t * 1e3 for t in tb]}
 
 
