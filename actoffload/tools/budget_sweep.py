@@ -82,7 +82,9 @@ def _gpt_moe(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
                     n_heads=4 if small else 16, n_layers=2 if small else 8, attention="eager",
                     n_experts=4 if small else 8, top_k=2)
     model = GPT(cfg).to(device=device, dtype=dtype)
-    batch = _tokens(model, cfg.vocab_size, 2 if small else 8, cfg.seq_len, device)
+    # 16 sequences: with 8, each expert's GEMMs were short enough that the host, reading the
+    # routing back every block, set the pace, and steps drifted by 10-20% within seconds
+    batch = _tokens(model, cfg.vocab_size, 2 if small else 16, cfg.seq_len, device)
 
     def loss(call, step):
         x, y = batch[:, :-1], batch[:, 1:]
