@@ -82,8 +82,9 @@ def _gpt_moe(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
                     n_heads=4 if small else 16, n_layers=2 if small else 8, attention="eager",
                     n_experts=4 if small else 8, top_k=2)
     model = GPT(cfg).to(device=device, dtype=dtype)
-    # 16 sequences: with 8, each expert's GEMMs were short enough that the host, reading the
-    # routing back every block, set the pace, and steps drifted by 10-20% within seconds
+    # 16 sequences: with 8, each expert's GEMMs were so short that the host (reading the
+    # routing back every block) set the pace of nearly the whole step, which then drifted by
+    # 10-20% within seconds on an H200's host; with 16 the steps hold within 3%
     batch = _tokens(model, cfg.vocab_size, 2 if small else 16, cfg.seq_len, device)
 
     def loss(call, step):
