@@ -13,7 +13,8 @@ group's forward and recomputation while the offloader profiled.
 
     PYTHONPATH=. CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/recompute_costs.py OUT.json
 
-On an H200 (commit 8e2c441, ``benchmarks/results/*-recompute-costs.json``): recomputing
+On an H200 (commit 8e2c441, ``benchmarks/results/*-recompute-costs.json``; the workload
+then trained 8 sequences, the sweep's MoE now trains 16): recomputing
 the eight Q/K/V parts (0.016 ms of device time each) added 8.4 ms to the step, the eight
 attention cores (0.82 ms each) 15.7 ms, the eight MoE parts (1.75 ms each) 35.9 ms: each
 at about the host's time for its forward, because the step waits on the host.
