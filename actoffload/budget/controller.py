@@ -29,6 +29,7 @@ the first group opened after a backward pass began.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
@@ -503,9 +504,10 @@ class BudgetController:
         assert self.profile is not None
         profile = self.profile
         by_model = _simplest_first(fitting, profile)
+        first = next(by_model)  # the model's choice, should nothing be measured
         timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
-        for p in by_model:
+        for p in itertools.chain((first,), by_model):
             if self._timed(p) or (best is not None and p.step_s >= self._time_of(best)):
                 continue  # measured, or the model promises nothing faster than what was
             if _key(p) in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
@@ -520,7 +522,7 @@ class BudgetController:
         if (best is not None and moves_bytes(profile, best.groups) and still is not None
                 and not self._timed(still) and (_key(still) in self._runs or len(self._runs) <= EXPLORE + 1)):
             return still
-        return best if best is not None else next(_simplest_first(fitting, profile))
+        return best if best is not None else first
 
     def _timed(self, plan: Plan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed."""
