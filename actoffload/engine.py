@@ -120,7 +120,7 @@ class Engine(Generic[GroupT, MovedT]):
         """Bytes a memory plan lets this group move (``None``: no plan, no limit)."""
         return None
 
-    def _committed(self, group: GroupT, plan: policy.GroupPlan) -> None:
+    def _committed(self, group: GroupT, plan: policy.SavePlan) -> None:
         """``group`` was committed with ``plan``."""
 
     def _host_bytes(self) -> tuple[int, int]:
@@ -303,7 +303,7 @@ class Engine(Generic[GroupT, MovedT]):
             self._commit(g)
 
     # ------------------------------------------------------------------ deciding
-    def _plan(self, group: GroupT, committed: bool) -> policy.GroupPlan:
+    def _plan(self, group: GroupT, committed: bool) -> policy.SavePlan:
         plan = policy.plan_group(
             [s.tensor for s in group.saved],
             parameters=[s.is_parameter for s in group.saved],
@@ -324,7 +324,7 @@ class Engine(Generic[GroupT, MovedT]):
         """Decide (policy) and start moving what the plan says (implementation)."""
         if group.kept_whole:
             group.state = GroupState.COMMITTED
-            self._committed(group, policy.GroupPlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
+            self._committed(group, policy.SavePlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
             self._report_commit(group)
             return
         plan = self._plan(group, committed=True)

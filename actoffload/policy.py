@@ -47,7 +47,7 @@ class Span:
 
 
 @dataclass
-class GroupPlan:
+class SavePlan:
     """What to do with each saved buffer of a group.
 
     ``reasons[i]`` is ``None`` for the buffer counted as offloaded and a reason from
@@ -162,7 +162,7 @@ def plan_group(
     parameters: Sequence[bool] | None = None,
     device: torch.device,
     **decisions: Any,
-) -> GroupPlan:
+) -> SavePlan:
     """Decide, for one group, which saved buffers move and why the others stay: the
     :class:`SavedFact` of each tensor, judged by :func:`plan_facts` (``decisions`` are its
     keyword arguments).
@@ -189,7 +189,7 @@ def plan_facts(
     committed: bool,
     moved_earlier: Callable[[int, list[SavedFact]], bool] | None = None,
     move_at_most: int | None = None,
-) -> GroupPlan:
+) -> SavePlan:
     """Decide, for one group's saved buffers, which move and why the others stay.
 
     Buffers are judged per storage (R5): a storage with any parameter alias stays
@@ -257,4 +257,4 @@ def plan_facts(
         spans.append(span)
         for i in span.members[1:]:
             reasons[i] = "alias"
-    return GroupPlan(reasons, spans, shared, roles, stayed)
+    return SavePlan(reasons, spans, shared, roles, stayed)

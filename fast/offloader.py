@@ -313,7 +313,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 fact = dataclasses.replace(fact, key=key)
             group.would_save.append(fact)
 
-    def _committed(self, group: FastGroup, plan: policy.GroupPlan) -> None:
+    def _committed(self, group: FastGroup, plan: policy.SavePlan) -> None:
         inner = None
         if group.recompute and self._learning_sizes():
             warming = self._budget is None

@@ -304,7 +304,7 @@ class BudgetController:
             return None
         return action.moved(self.profile.groups[position])
 
-    def committed(self, position: int, recomputed: bool, plan: policy.GroupPlan, would_save: policy.GroupPlan | None) -> None:
+    def committed(self, position: int, recomputed: bool, plan: policy.SavePlan, would_save: policy.SavePlan | None) -> None:
         """A group's commit: what it saved (profiling), or whether the workload changed."""
         moved = sum(s.nbytes for s in plan.spans)
         kept = sum(n for reason, n in plan.stayed if reason not in ("parameter",))
@@ -315,7 +315,7 @@ class BudgetController:
             m.moved = moved
             if recomputed:
                 m.inputs = moved + kept
-                inner = would_save or policy.GroupPlan([], [])
+                inner = would_save or policy.SavePlan([], [])
                 m.spans = tuple(sorted((s.nbytes for s in inner.spans), reverse=True))
                 m.kept = sum(n for reason, n in inner.stayed if reason != "parameter")
             else:
