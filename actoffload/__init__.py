@@ -32,6 +32,7 @@ _EXPORTS = {
     "HostMemoryError": "hostmem", "Observer": "observe", "Offloader": "offloader",
     "WrapHandle": "wrapping", "wrap": "wrapping", "select_modules": "ops",
     "mark_activation_offload": "marks", "mark_not_offload": "marks",
+    "Plan": "plans", "Opening": "plans",
 }
 __all__ = sorted([*_EXPORTS, "ops"])
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from .observe import Observer
     from .offloader import Offloader
     from .ops import select_modules
+    from .plans import Opening, Plan
     from .quantized import QuantizedTensor, quantize
     from .settings import IMPLS, resolve_impl
     from .wrapping import WrapHandle, wrap

@@ -2,27 +2,32 @@
 
 An implementation (``ref``, ``fast``) subclasses :class:`actoffload.Offloader` and supplies
 only *how bytes move*: :meth:`Engine._move_out` at commit, :meth:`Engine._device_bytes` at
-unpack, and optionally :meth:`Engine._on_backward`. *What* moves is decided by
-:func:`actoffload.policy.plan_group`; *when* a group commits (R4's keep_last rule), the
-version check (R6), the multi-buffer protocol (R7), storages shared between groups (R5)
-and lifetimes (R8) live here, once.
+unpack, and optionally the points where it does work of its own (a group opens, backward
+reaches a group). *What* moves is decided by :func:`actoffload.policy.plan_group`; *what
+each group does* (open at all, recompute, how much it may move) by the one plan object
+the engine asks (:mod:`actoffload.plans`); *when* a group commits (R4's keep_last rule),
+the version check (R6), the multi-buffer protocol (R7) and lifetimes (R8) live here, once.
+Storages shared between groups (R5) are :mod:`actoffload.sharing`'s, groups run under
+activation checkpointing :mod:`actoffload.checkpointing`'s, and the search for the groups
+backward reaches next :mod:`actoffload.graph`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from functools import partial
-from typing import Any, ClassVar, Generic, Iterator, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import compat, marks, multibuffer, policy
+from . import checkpointing, compat, marks, multibuffer, policy
+from .checkpointing import modified_error
 from .hostmem import HostMemory, HostMemoryError
 from .observe import Observer
+from .plans import Plan
 from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
+from .sharing import SharedStorages
 
 GroupT = TypeVar("GroupT", bound=Group)
 MovedT = TypeVar("MovedT", bound=Moved)
@@ -37,38 +42,31 @@ def group_open() -> bool:
     return getattr(_local, "open", None) is not None
 
 
-def _modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeError:
-    return RuntimeError(
-        f"one of the tensors saved for backward in offload group {group.name!r} (shape {list(shape)}) "
-        f"was modified by an in-place operation after it was saved: version {saved} at save, {now} now "
-        "(R6). Use an out-of-place operation, or clone the tensor before modifying it."
-    )
-
-
 class Engine(Generic[GroupT, MovedT]):
     """The lifecycle of groups; see :class:`actoffload.Offloader` for the public API."""
 
     impl: ClassVar[str] = "base"
 
     def __init__(self, device: torch.device, min_offload_bytes: int, policy_name: str, keep_last: int,
-                 host: HostMemory):
+                 host: HostMemory, plan: Plan):
         self.device = device
         self.min_offload_bytes = min_offload_bytes
         self.policy = policy_name
-        self.keep_last = keep_last
+        self.keep_last = keep_last if plan.keep_last is None else plan.keep_last
+        self.plan = plan  # what each group does (the plan decides; the engine asks it)
         self._host = host
         self._lock = threading.RLock()
         self._pending: list[weakref.ref[GroupT]] = []  # exited, not yet committed, in open order
         # stats() window: the groups opened since a backward pass last began
         self._window: dict[str, dict[str, Any]] = {}
+        self._repeats: dict[str, int] = {}  # name -> the last "#k" given to it in the window
         self._backward_began = False
         self._step_begun = False  # a step began and no group opened yet (a module's parts will)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
         self._observers: list[Observer] = []
-        # spans moved out and still alive, by storage: a later group saving the same storage
-        # reuses the copy (R5) instead of moving the bytes again
-        self._moved_by_storage: dict[int, list[tuple[weakref.ref[Moved], StorageWeakRef]]] = {}
+        self._shared = SharedStorages()  # spans moved out, by storage: a later group reuses them (R5)
+        plan.attach(self)
 
     # ------------------------------------------------------------------ implementation
     def _new_group(self, name: str, prev: GroupT | None, first_seq: int) -> GroupT:
@@ -90,48 +88,33 @@ class Engine(Generic[GroupT, MovedT]):
         """
         raise NotImplementedError
 
-    def _on_backward(self, group: GroupT) -> None:
-        """Called at every unpack; implementations may start reloads here."""
+    def _group_opening(self) -> None:
+        """A group is about to open (or would, were it not kept whole): implementations may
+        finish earlier work here."""
 
-    # Where a memory plan (fast's memory_budget) takes part; without one they do nothing.
-    def _step_begins(self) -> None:
-        """The first group of a step (the first after a backward pass began) is opening."""
-
-    def _group_opens(self, group: GroupT) -> None:
-        """``group`` is opening; a plan may set ``group.recompute``."""
-
-    def _unhooked_next(self) -> bool:
-        """Whether the group opening now keeps everything it saves and needs no tracking: it
-        then opens no group at all (only a memory plan says so)."""
-        return False
-
-    def _whole_next(self, parts: int, inputs: int) -> bool:
-        """Whether a plan runs the module opening now, whose ``parts`` are groups, as one
-        recomputed group saving its ``inputs`` (bytes) instead (only a memory plan does)."""
-        return False
-
-    def _whole_closed(self, parts: int) -> None:
-        """A module whose ``parts`` were the groups (not run whole) is done."""
-
-    def _group_closing(self, group: GroupT) -> None:
-        """``group``'s forward is over (before its commit)."""
-
-    def _move_at_most(self, group: GroupT) -> int | None:
-        """Bytes a memory plan lets this group move (``None``: no plan, no limit)."""
-        return None
-
-    def _committed(self, group: GroupT, plan: policy.SavePlan) -> None:
-        """``group`` was committed with ``plan``."""
+    def _backward_reaches(self, group: GroupT) -> None:
+        """Backward unpacked something ``group`` saved for the first time: reloads may start."""
 
     def _host_bytes(self) -> tuple[int, int]:
         """``(in_use, pooled)`` host bytes."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ for plans
+    def reserve_host_blocks(self, span_bytes: list[int]) -> Callable[[], None]:
+        """Get host memory ready, ahead of time, for a commit that will move spans of these
+        sizes; returns what gives the reservation back. (Implementations that pin a pool
+        do it on a background thread; the others need nothing.)"""
+        return lambda: None
+
+    def host_pinning(self) -> tuple[int, BaseException | None]:
+        """``(bytes still being reserved, the error that stopped the last reservation)``."""
+        return 0, None
+
     # ------------------------------------------------------------------ opening and closing
     def _enter(self, name: str, recomputable: bool = False, parts: int = 0,
                inputs: int = 0) -> tuple[GroupT, Any] | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
-        opened as one group only where a plan recomputes it whole (else ``None``: nothing)."""
+        opened as one group only where the plan recomputes it whole (else ``None``: nothing)."""
         if compat.in_backward():
             # Activation checkpointing re-runs a forward inside backward, under hooks of its
             # own that must see what it saves: a group opened there does nothing.
@@ -153,34 +136,47 @@ class Engine(Generic[GroupT, MovedT]):
                 f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "
                 f"{self._owner}: an Offloader is used from one thread. Create one ao.Offloader per thread."
             )
+        outer = compat.current_saved_tensors_hooks()
+        if not compat.hooks_own_saves(outer):
+            outer = None  # other hooks (a tool watching saves): the group's own take precedence
         if parts:
             self._begin_step_if_new()  # the plan to ask is this step's
-            if not (recomputable and self._whole_next(parts, inputs)):
+            if outer is not None or not (recomputable and self.plan.runs_whole(parts, inputs)):
                 return None
         self._advance_schedule(opening=True)
         self._begin_step_if_new()
-        if self._unhooked_next():
-            return None  # autograd holds what it saves, as without an offloader
+        self._group_opening()
+        if outer is None:
+            opening = self.plan.opening(name, recomputable, parts)
+            if not opening.hooked:
+                return None  # autograd holds what it saves, as without an offloader
         with self._lock:
             self._step_begun = False
-            unique, k = name, 1
-            while unique in self._window:
-                k += 1
-                unique = f"{name}#{k}"
+            unique = name
+            if name in self._window:  # "name#k": counted on from the last k given, not from 2
+                k = self._repeats.get(name, 1)
+                while unique in self._window:
+                    k += 1
+                    unique = f"{name}#{k}"
+                self._repeats[name] = k
             position = len(self._window)
             self._window[unique] = {}
             prev = self._last_group() if self._last_group is not None else None
             group = self._new_group(unique, prev, compat.sequence_nr())
             group.position, group.recomputable, group.parts = position, recomputable, parts
             self._last_group = weakref.ref(group)
-        self._group_opens(group)
-        if compat.mutation_on_saved_allowed():
-            hooks = self._delegating_hooks(group)
-        elif group.kept_whole:
-            hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
-                                                             partial(self._unpack_kept, group))
+        if outer is not None:
+            hooks = self._delegating_hooks(group, outer)
         else:
-            hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
+            group.recompute = recomputable and opening.recompute
+            group.release_inputs = group.recompute and opening.release_inputs
+            group.kept_whole = opening.keep_all and not group.recompute
+            self.plan.opened(group)
+            if group.kept_whole:
+                hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
+                                                                 partial(self._unpack_kept, group))
+            else:
+                hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
         hooks.__enter__()
         _local.open, _local.whole = name, bool(parts)
         return group, hooks
@@ -191,20 +187,21 @@ class Engine(Generic[GroupT, MovedT]):
             new_step = self._backward_began or (not self._window and not self._step_begun)
             if self._backward_began:
                 self._window.clear()
+                self._repeats.clear()
                 self._backward_began = False
         if new_step:
             marks.new_step()
-            self._step_begins()  # may raise (no plan fits): the next group begins it again
+            self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
             with self._lock:
                 self._step_begun = True
 
-    def _delegating_hooks(self, group: GroupT) -> torch.autograd.graph.saved_tensors_hooks:
-        """Under ``allow_mutation_on_saved_tensors()`` PyTorch's own hooks must see every save
-        (it clones a saved tensor before an in-place write), and it holds each one itself, so
-        nothing could be freed anyway: the group hands its saves on and stays resident."""
+    def _delegating_hooks(self, group: GroupT, outer: tuple[Callable, Callable]) -> Any:
+        """A group opened inside saved-tensor hooks that must see every save (activation
+        checkpointing around it, ``allow_mutation_on_saved_tensors()``) hands every save on to
+        them and stays resident: they own what is saved there. Checkpointing, say, recomputes the
+        region in backward, where no group opens, and pairs the recomputed saves with the
+        forward's by position: it must see the same saves both times."""
         group.state = GroupState.INERT
-        outer = compat.current_saved_tensors_hooks()
-        assert outer is not None, "allow_mutation_on_saved_tensors installs saved-tensor hooks"
         outer_pack, outer_unpack = outer
 
         def pack(t: torch.Tensor) -> DelegatedHandle:
@@ -215,47 +212,9 @@ class Engine(Generic[GroupT, MovedT]):
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
-        """``context_fn`` for the activation checkpointing a plan runs ``group`` under: the
-        forward's saves go on to checkpoint's hooks, seen by :meth:`_seen_under_checkpoint`
-        on the way (what the group would have saved, for a memory plan's profile)."""
-        # Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
-        # saved tensor after its save would go unnoticed where autograd raises (R6): each save's
-        # version is checked before each recomputation (not after: the recomputation may itself
-        # write what it saves again).
-        seen: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
-        return (_SeeingSaves(lambda t: seen.append(self._saw_under_checkpoint(group, t))),
-                _EachTime(lambda: self._recomputation(group, seen)))
-
-    def _saw_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-        self._seen_under_checkpoint(group, t)
-        if t.is_nested:
-            raise RuntimeError(
-                f"group {group.name!r} is being recomputed (fast's warm-up on CUDA, or a memory_budget's plan), but "
-                "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
-                "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
-            )
-        try:
-            guard = compat.version_guard(t)
-        except RuntimeError:  # a kind whose data cannot be swapped out (sparse): hold it whole
-            guard = t.detach()
-        return guard, t._version, tuple(t.shape)
-
-    @contextlib.contextmanager
-    def _recomputation(self, group: GroupT, seen: list[tuple[torch.Tensor, int, tuple[int, ...]]]) -> Iterator[None]:
-        for guard, version, shape in seen:
-            if guard._version != version:
-                raise _modified_error(group, shape, version, guard._version)
-        with self._recomputing(group):
-            yield
-
-    @contextlib.contextmanager
-    def _recomputing(self, group: GroupT) -> Iterator[None]:
-        """Around the recomputation of ``group``'s forward in backward (a memory plan measures
-        what it allocates)."""
-        yield
-
-    def _seen_under_checkpoint(self, group: GroupT, t: torch.Tensor) -> None:
-        """A tensor the checkpointed forward of ``group`` saved (and checkpoint discarded)."""
+        """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
+        return checkpointing.contexts(group, partial(self.plan.saved_under_checkpoint, group),
+                                      partial(self.plan.recomputation, group))
 
     def _exit(self, entry: tuple[GroupT, Any] | None, failed: bool) -> None:
         if entry is None:
@@ -264,7 +223,8 @@ class Engine(Generic[GroupT, MovedT]):
         _local.open, _local.whole = None, False
         hooks.__exit__(None, None, None)
         group.end_seq = compat.sequence_nr()
-        self._group_closing(group)
+        if group.state is not GroupState.INERT:
+            self.plan.closing(group)
         with self._lock:
             if failed:
                 # Never committed; it stays with its graph and is freed with it (R8).
@@ -311,8 +271,8 @@ class Engine(Generic[GroupT, MovedT]):
             min_offload_bytes=self.min_offload_bytes,
             policy=self.policy,
             committed=committed,
-            moved_earlier=(lambda key, aliases: self._moved_earlier(key, aliases) is not None) if committed else None,
-            move_at_most=self._move_at_most(group),
+            moved_earlier=(lambda key, aliases: self._shared.copy_of(key, aliases) is not None) if committed else None,
+            move_at_most=self.plan.move_at_most(group),
         )
         group.summary.clear()
         group.summary.update(plan.summary())
@@ -324,11 +284,11 @@ class Engine(Generic[GroupT, MovedT]):
         """Decide (policy) and start moving what the plan says (implementation)."""
         if group.kept_whole:
             group.state = GroupState.COMMITTED
-            self._committed(group, policy.SavePlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
+            self.plan.committed(group, policy.SavePlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
             self._report_commit(group)
             return
         plan = self._plan(group, committed=True)
-        self._committed(group, plan)
+        self.plan.committed(group, plan)
         tensors = [s.tensor for s in group.saved]
         moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
         try:
@@ -346,9 +306,9 @@ class Engine(Generic[GroupT, MovedT]):
             self._let_go(group, span, m)
             m.guard = group.saved[span.members[0]].guard
             m.version_at_copy = m.guard._version  # type: ignore[union-attr]  # the copy sees this version
-            self._remember(span.storage_key, m, tensors[span.members[0]])  # type: ignore[arg-type]
+            self._shared.remember(span.storage_key, m, tensors[span.members[0]])  # type: ignore[arg-type]
         for span in plan.shared:
-            earlier = self._moved_earlier(span.storage_key,
+            earlier = self._shared.copy_of(span.storage_key,
                                           [policy.fact_of(tensors[i], self.device) for i in span.members])
             assert earlier is not None, "the plan saw this copy a moment ago"
             self._let_go(group, span, earlier)
@@ -376,38 +336,6 @@ class Engine(Generic[GroupT, MovedT]):
                                (t.storage_offset() * es - m.span.start) // es, t.is_conj(), t.is_neg())
             s.guard = compat.version_guard(t)
             s.tensor = None
-
-    def _remember(self, key: int, m: Moved, t: torch.Tensor) -> None:
-        entry = (weakref.ref(m), compat.storage_weakref(t))
-        with self._lock:
-            self._moved_by_storage[key] = self._live_moved(key) + [entry]
-        weakref.finalize(m, self._forget, key)
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            live = self._live_moved(key)
-            if live:
-                self._moved_by_storage[key] = live
-            else:
-                self._moved_by_storage.pop(key, None)
-
-    def _live_moved(self, key: int) -> list[tuple[weakref.ref[Moved], StorageWeakRef]]:
-        """The entries of ``key`` whose span and storage both still live (caller holds the lock)."""
-        return [e for e in self._moved_by_storage.get(key, ()) if e[0]() is not None and not e[1].expired()]
-
-    def _moved_earlier(self, key: int, aliases: list[policy.SavedFact]) -> Moved | None:
-        """A live copy of this very storage, made by an earlier group, that holds every byte of
-        ``aliases`` at a whole-element offset, with no in-place write since it was made."""
-        with self._lock:
-            entries = list(self._moved_by_storage.get(key, ()))
-        for ref, storage in entries:
-            m = ref()
-            if m is None or storage.expired() or not m.unchanged_since_copy():
-                continue  # a dead storage's address may now belong to another one
-            lo, hi = m.span.start, m.span.start + m.nbytes
-            if all(lo <= f.start and f.end <= hi and (f.start - lo) % f.element_size == 0 for f in aliases):
-                return m
-        return None
 
     def _freeze(self, group: GroupT) -> None:
         """Backward began before the commit: the group stays resident (keep_last)."""
@@ -437,7 +365,7 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _pack_multi(self, group: GroupT, t: torch.Tensor, derived: bool = False) -> MultiHandle:
         # its buffers have no autograd history of their own: the tensor's says whether autograd made them
-        derived = derived or t.grad_fn is not None
+        derived = derived or not t.is_leaf
         parts = multibuffer.split(t)
         saved: list[SavedBuffer | MultiHandle | None] = []
         for b in parts.buffers:
@@ -457,7 +385,7 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _add(self, group: GroupT, t: torch.Tensor) -> SavedBuffer:
         # no autograd history: maybe a detached view of a weight, known only by its storage
-        constant = t.grad_fn is None and not t.requires_grad
+        constant = t.is_leaf and not t.requires_grad
         s = SavedBuffer(t, policy.is_parameter(t) or (constant and marks.is_parameter_storage(t)))
         group.saved.append(s)
         for obs in self._observers:
@@ -478,33 +406,42 @@ class Engine(Generic[GroupT, MovedT]):
     def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         if compat.in_backward():
             self._backward_began = True
-        if not group.unpacked:  # its first unpack (each later one costs nothing)
-            group.unpacked = True
-            self._reached(group)
+            if not group.reached:  # its first unpack (each later one costs nothing)
+                self._reached(group)
         return t
 
     @compat.not_traced
     def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:
-        if compat.in_backward():
-            self._backward_began = True
         if isinstance(handle, DelegatedHandle):
+            if compat.in_backward():
+                self._backward_began = True
             return handle.unpack(handle.packed)
         group: GroupT = handle.group  # type: ignore[assignment]
-        self._reached(group)
+        if compat.in_backward():
+            self._backward_began = True
+            if not group.reached:
+                self._reached(group)
+        # (read outside backward, as graph viewers read grad_fn._saved_*: restored, nothing more)
         return self._restore_handle(handle)
 
     def _reached(self, group: GroupT) -> None:
-        """An unpack of ``group``: a group not committed yet stays resident; reloads may start."""
+        """Backward's first unpack of ``group``: a group not committed yet stays resident; the
+        plan hears of it, and the implementation may start reloads."""
         if group.state is GroupState.PENDING:
             self._freeze(group)
-        self._on_backward(group)
+        with self._lock:
+            if group.reached:
+                return
+            group.reached = True
+        self.plan.reached(group)
+        self._backward_reaches(group)
 
     def _restore_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
         group: GroupT = handle.group  # type: ignore[assignment]
         if isinstance(handle, Handle):
             return self._restore(group, handle.saved)
         if handle.guard is not None and handle.guard._version != handle.version:
-            raise _modified_error(group, handle.shape, handle.version, handle.guard._version)
+            raise modified_error(group, handle.shape, handle.version, handle.guard._version)
         parts: list[torch.Tensor | None] = []
         for p in handle.parts:
             if p is None:
@@ -525,7 +462,7 @@ class Engine(Generic[GroupT, MovedT]):
                 "retain_graph=True to the first"
             )
         if held._version != s.version:
-            raise _modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)
+            raise modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)
         if s.tensor is not None:
             t = s.tensor
             if group.release_inputs and s.derived and compat.in_backward() and not compat.backward_keeps_graph():
@@ -548,29 +485,6 @@ class Engine(Generic[GroupT, MovedT]):
             out = compat.neg_view(out)
         return out
 
-    # ------------------------------------------------------------------ backward order
-    def _upcoming(self, group: GroupT, depth: int) -> list[GroupT]:
-        """Up to ``depth`` groups opened before ``group`` that the running backward pass will
-        reach next, in that order; never a group of another graph (another micro-batch).
-
-        From the node now unpacking ``group``, a search back through the graph (towards the
-        forward's earlier nodes) finds a node the previous group's forward created, by its
-        autograd sequence number; the engine then says whether this pass executes it.
-        """
-        out: list[GroupT] = []
-        frontier = [compat.current_node()]
-        if depth == 0 or frontier[0] is None:
-            return out
-        prev = group.previous()
-        while prev is not None and len(out) < depth:
-            found = _nodes_created_in(frontier, prev.first_seq, prev.end_seq)
-            if not found or not compat.will_execute(found[0]):
-                break
-            out.append(prev)  # type: ignore[arg-type]
-            frontier = found
-            prev = prev.previous()
-        return out
-
     # ------------------------------------------------------------------ stats
     def _stats(self) -> dict[str, Any]:
         with self._lock:
@@ -587,71 +501,6 @@ class Engine(Generic[GroupT, MovedT]):
             "offloaded_bytes": sum(g["offloaded_bytes"] for g in groups.values()),
             "host_bytes_in_use": in_use,
             "host_bytes_pooled": pooled,
+            **self.plan.stats(),
         }
 
-
-class _SeeingSaves:
-    """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
-    innermost when entered (checkpoint enters its own, then this one)."""
-
-    def __init__(self, see: Any):
-        self._see = see
-        self._hooks: Any = None
-
-    def __enter__(self) -> None:
-        outer = compat.current_saved_tensors_hooks()
-        assert outer is not None, "checkpoint installs its hooks before entering its context"
-        outer_pack, outer_unpack = outer
-        see = self._see  # not self: the hooks would hold themselves (below)
-
-        def pack(t: torch.Tensor) -> Any:
-            see(t)
-            return outer_pack(t)
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
-        self._hooks.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        # Let go of the hooks: checkpoint's pack hook holds its frame, and the frame the inputs
-        # it saved. Held by a cycle, they lived until the garbage collector ran (after the
-        # whole backward pass) instead of until the group's backward was done.
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
-
-
-class _EachTime:
-    """A context made anew at every entry: checkpoint enters its recomputation context once
-    per recomputation, and a graph kept for a second backward recomputes again."""
-
-    def __init__(self, make: Any):
-        self._make = make
-        self._entered: list[Any] = []
-
-    def __enter__(self) -> Any:
-        context = self._make()
-        self._entered.append(context)
-        return context.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._entered.pop().__exit__(*exc)
-
-
-def _nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list[Any]:
-    """Nodes reachable from ``frontier`` (towards inputs) whose sequence number lies in
-    ``[first_seq, end_seq)``, nearest first. Nodes older than ``first_seq`` cannot lead
-    into that range (a node's inputs are older than it), so the search stops there."""
-    seen: dict[int, Any] = {}  # id -> node: holding the node keeps its id from being reused
-    queue = list(frontier)
-    found = []
-    while queue:
-        node = queue.pop(0)
-        for nxt, _ in node.next_functions:
-            if nxt is None or id(nxt) in seen:
-                continue
-            seen[id(nxt)] = nxt
-            seq = compat.node_sequence_nr(nxt)
-            if first_seq <= seq < end_seq:
-                found.append(nxt)
-            elif seq >= first_seq and seq < 1 << 62:  # AccumulateGrad nodes have the largest number
-                queue.append(nxt)
-    return found

@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -133,3 +133,26 @@ class HostMemory:
             raise
         weakref.finalize(host, self._count, -nbytes)
         return host
+
+
+T = TypeVar("T")
+
+
+def allocate_all(sizes: Iterable[int], get: Callable[[int], T], give_back: Callable[[T], None] | None = None) -> list[T]:
+    """One host buffer per size from ``get``, or none: where one cannot be had (``MemoryError``,
+    :class:`HostMemoryError` among them), those already had go back through ``give_back`` and the
+    error is raised. A commit moves all of a group or nothing (R10).
+
+    >>> allocate_all([4, 8], lambda n: bytearray(n))
+    [bytearray(b'\\x00\\x00\\x00\\x00'), bytearray(b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00')]
+    """
+    had: list[T] = []
+    try:
+        for n in sizes:
+            had.append(get(n))
+    except MemoryError:
+        if give_back is not None:
+            for b in had:
+                give_back(b)
+        raise
+    return had

@@ -10,6 +10,7 @@ from . import compat
 from .engine import Engine, GroupT, MovedT
 from .hostmem import HostAllocator, HostMemory, default_host_budget, exact_host_allocator
 from .observe import Observer
+from .plans import Plan
 from .policy import POLICIES
 from .settings import IMPLS, check_choice, check_count, parse_bytes, resolve_device, resolve_impl
 
@@ -97,7 +98,7 @@ class GroupContext:
         """``__exit__`` for callers already kept out of ``torch.compile``."""
         entry, self._entry = self._entry, None
         if entry is None and self._parts:
-            self._offloader._whole_closed(self._parts)
+            self._offloader.plan.whole_closed(self._parts)
         self._offloader._exit(entry, failed=failed)
 
 
@@ -128,8 +129,11 @@ class Offloader(Engine[GroupT, MovedT]):
     - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host
       buffers come from (default: ``fast`` pins exactly what its pool keeps; ``ref``, which
       allocates every step, takes PyTorch's cached pinned memory).
+    - ``plan``: an :class:`actoffload.Plan`, what each group does (default: offload every
+      group as the policy says); see :mod:`actoffload.plans`.
 
-    ``fast`` adds ``max_inflight``, ``prefetch``, ``pack_below`` and ``packer``; see
+    ``fast`` adds ``max_inflight``, ``prefetch``, ``pack_below``, ``packer``, ``warmup`` and
+    ``memory_budget``; see
     :class:`actoffload.fast.FastOffloader`. A setting of the other implementation is
     refused with a message that says so.
 
@@ -172,6 +176,7 @@ class Offloader(Engine[GroupT, MovedT]):
         keep_last: int = 1,
         host_budget: int | str | None = None,
         host_allocator: HostAllocator | None = None,
+        plan: Plan | None = None,
         **others: Any,
     ):
         if others:  # ao.Offloader(...) names whose setting it is; a class built directly lands here
@@ -183,12 +188,15 @@ class Offloader(Engine[GroupT, MovedT]):
         budget = default_host_budget() if host_budget is None else parse_bytes("host_budget", host_budget)
         if host_allocator is not None and not callable(host_allocator):
             raise TypeError(f"host_allocator must be callable as allocator(nbytes, pinned), got {host_allocator!r}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an ao.Plan (a subclass of it), got {type(plan).__name__}")
         super().__init__(
             dev,
             check_count("min_offload_bytes", min_offload_bytes),
             check_choice("policy", policy, POLICIES, "policies"),
             check_count("keep_last", keep_last),
             HostMemory(host_allocator or self._default_host_allocator(), pinned=dev.type == "cuda", budget=budget),
+            Plan() if plan is None else plan,
         )
 
     def _default_host_allocator(self) -> HostAllocator:

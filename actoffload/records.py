@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import policy
+from .storageref import WeakStorage
 
 
 class GroupState(enum.Enum):
@@ -47,6 +48,14 @@ class Moved:
         self.host: torch.Tensor | None = None
         self.guard: torch.Tensor | None = None  # shares the storage's version counter
         self.version_at_copy = 0
+        # its latest reload, while a restored tensor still uses it: every alias restored
+        # meanwhile shares it (R5), and a second backward (retain_graph) after it was freed
+        # reloads again (R8)
+        self.reloaded: WeakStorage | None = None
+
+    def cached_reload(self) -> torch.Tensor | None:
+        """Its latest reload, if a restored tensor still uses it."""
+        return self.reloaded.get(self.device) if self.reloaded is not None else None
 
     def source(self) -> torch.Tensor:
         """The span's bytes on the device, as a flat uint8 tensor sharing the storage."""
@@ -86,7 +95,7 @@ class SavedBuffer:
 
     def __init__(self, t: torch.Tensor, is_parameter: bool):
         self.is_parameter = is_parameter
-        self.derived = t.grad_fn is not None
+        self.derived = not t.is_leaf  # (not t.grad_fn: a Python object for a graph node)
         self.tensor: torch.Tensor | None = t.detach() if self.derived else t
         self.version = t._version
         self.guard: torch.Tensor | None = None  # set when the tensor is let go (moved)
@@ -111,19 +120,19 @@ class Group:
         # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
         self.first_seq = first_seq
         self.end_seq = first_seq
-        self.position = 0  # its place among the groups of its step (a memory plan's, by parts)
+        self.position = 0  # its place among the groups of its step
         self.recomputable = False  # a wrapped module: it can run under activation checkpointing
         self.parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
-        self.recompute = False  # it does (a memory plan or the warm-up says so)
-        # a memory plan's recomputed group lets go of its kept inputs once recomputed from (the
-        # plan's model counts them so); a second backward through the module then needs the
-        # first to keep the graph
+        self.recompute = False  # it does: its plan says so (plans.Opening)
+        # its recomputed module lets go of its kept inputs once recomputed from; a second
+        # backward through the module then needs the first to keep the graph
         self.release_inputs = False
-        # a memory plan keeps all it saves: autograd holds them itself, counted only (storage
-        # key -> bytes), with none of the per-save work a group that may move does
+        # it keeps all it saves: autograd holds them itself, counted only (storage key ->
+        # bytes), with none of the per-save work a group that may move does
         self.kept_whole = False
         self.kept_storages: dict[int, int] = {}
-        self.unpacked = False  # backward unpacked one of its saves (kept whole: nothing more to do)
+        self.reached = False  # backward unpacked one of its saves
+        self.plan_state: Any = None  # the plan's own record of this group (``Plan.opened``)
 
     def previous(self) -> Group | None:
         return self.prev() if self.prev is not None else None

@@ -12,6 +12,7 @@ import sys
 
 from actoffload import marks, multibuffer
 from actoffload.fast import FastOffloader
+from actoffload.sharing import SharedStorages
 from actoffload.records import MultiHandle, SavedBuffer
 
 
@@ -136,7 +137,10 @@ def wrap_fails_inside_except():
 @contextlib.contextmanager
 def move_shared_storage_twice():
     """(i) Copy out a storage that an earlier group already moved."""
-    with mock.patch.object(FastOffloader, "_moved_earlier", lambda self, key, aliases: None):
+    def no_copy(self: SharedStorages, key: int, aliases: object) -> None:
+        return None
+
+    with mock.patch.object(SharedStorages, "copy_of", no_copy):
         yield
 
 

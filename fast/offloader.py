@@ -32,24 +32,23 @@ schedule that ties them together:
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
-import itertools
 import threading
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
-from actoffload import compat, multibuffer, policy
-from actoffload.budget.controller import BudgetController
-from actoffload.budget.planner import GroupPlan
+from actoffload import plans
+from actoffload.graph import upcoming
+from actoffload.hostmem import allocate_all
 from actoffload.observe import wants_copies
 from actoffload.offloader import Offloader
-from actoffload.policy import SavedFact, Span
+from actoffload.plans import WARMUPS, Plan
+from actoffload.policy import Span
 from actoffload.records import Group, GroupState, Moved
-from actoffload.settings import check_choice, check_count, parse_bytes
+from actoffload.settings import check_choice, check_count, parse_bytes, resolve_device
 from actoffload.storageref import WeakStorage
+from actoffload.warmup import WarmUp
 
 from .packing import PACKERS, Packer
 from .pool import Block, PinnedPool
@@ -59,7 +58,6 @@ from .streams import CopyStreams
 # Whole groups ahead made fast's peak exceed ref's by more than a group (ref reloads a
 # tensor only when backward unpacks it); half keeps most of the overlap.
 PREFETCH_SHARE = 0.5
-WARMUPS = ("auto", "offload", "recompute")
 
 
 class _Copied:
@@ -86,7 +84,7 @@ class FastMoved(Moved):
         self.copied: _Copied | None = None
         self.packed_offset: int | None = None  # its offset in the packed block, if packed
         self.dev: torch.Tensor | None = None  # reload (or in-place source) held for uses to come
-        self.weak: WeakStorage | None = None  # the same, once only restored tensors hold it
+        # (once only restored tensors hold it: Moved.reloaded)
         self.ready: Any = None  # event after which ``dev`` holds the bytes
         self.uses_left = 0
 
@@ -117,20 +115,13 @@ def _add_held_uses(spans: Iterable[tuple[Moved, int]]) -> None:
 
 
 class FastGroup(Group):
-    """A group in fast: whether its backward began, whether its reload was started, and
-    what a memory plan has it do."""
+    """A group in fast: whether its reload was started, and what is left to reload."""
 
     def __init__(self, name: str, prev: Group | None, first_seq: int):
         super().__init__(name, prev, first_seq)
-        self.reached = False  # its backward began (first unpack seen)
         self.reloading = False  # its reload was enqueued (or its sources used in place)
         # prefetched in part: the spans (and their uses) that come back when backward reaches it
         self.reload_rest: list[tuple[FastMoved, int]] = []
-        self.planned: GroupPlan | None = None  # the memory plan's action, if there is a plan
-        self.would_save: list[SavedFact] = []  # under checkpoint while profiling
-        # storage key -> (weak reference, key its facts get): checkpoint frees what the
-        # forward saves, so a key can come back as a different storage
-        self.seen_storages: dict[int, tuple[Any, int]] = {}
 
 
 class FastOffloader(Offloader[FastGroup, FastMoved]):
@@ -154,34 +145,23 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
       CPU), ``"triton"`` (also on the CPU, through Triton's interpreter: slow, for
       testing the kernels) or ``"torch"`` (the reference everywhere).
-    - ``warmup`` (default ``"auto"``: ``"recompute"`` on CUDA, ``"offload"`` elsewhere,
-      where nothing is pinned, and with a ``memory_budget``, whose first steps profile by
+    - ``warmup`` (default ``"auto"``: ``"recompute"`` on CUDA, ``"offload"`` elsewhere, where
+      nothing is pinned, and with a ``memory_budget``, whose first steps profile by
       recomputing already): how a fresh offloader's first steps go. ``"offload"``
-      offloads from the first step, pinning each pool block when first needed: pinning
-      costs about as much per byte as the copy out (50-80 ms per GiB on the H100 and H200
-      hosts measured), so that step takes 2-3x a steady one. ``"recompute"``: while the
-      blocks the first step asked for are pinned on a background thread, modules given
-      to ``ao.wrap`` run under activation checkpointing with their inputs moved out (the
-      least device memory of any plan), and from the first step that begins with every
-      block pinned, groups offload as usual; no step waits for pinning. Recomputing runs a
-      module's forward twice in those steps, with checkpointing's caveats: side effects of
-      a forward (counters, hooks, replacing a parameter's ``.data``, a buffer updated in
-      place as spectral normalization does) happen twice; pass ``warmup="offload"`` where
-      that matters. Modules that update batch-norm statistics and modules under
-      ``torch.compile`` are not recomputed; groups opened by hand offload from the start.
-    - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most
-      device memory a training step may allocate, everything included (parameters,
-      gradients, optimizer state, the offloader's own buffers). The first two steps
-      profile (the least-memory plan: every wrapped module recomputed with its inputs
-      moved out, every other group moved out, copies synchronous); from the third on, each group
-      keeps, offloads (all or its largest spans) or recomputes (modules given to
-      ``ao.wrap``, under activation checkpointing; a module given with ``parts`` also
-      whole) as the fastest plan that fits says (a kept group opens no group), and
-      ``max_inflight``/``prefetch`` are the plan's; ``keep_last`` does not apply. A new
-      workload (another sequence length) profiles again; a step over the budget makes every
-      plan not yet run leave that much more room. ``stats()["plan"]`` shows the plan, its
-      predicted peak and time, and the last step's measured ones. A budget no plan
-      reaches raises ``ValueError`` naming the smallest reachable peak.
+      offloads from the first step, pinning each pool block when first needed (pinning
+      costs about as much per byte as the copy out, so that step runs slower than a steady
+      one). ``"recompute"`` (:class:`actoffload.warmup.WarmUp`): while the blocks the first
+      step asked for are pinned on a background thread, modules given to ``ao.wrap`` run
+      under activation checkpointing; no step waits for pinning. Modules that update
+      batch-norm statistics and modules under ``torch.compile`` are not recomputed; groups
+      opened by hand offload from the start.
+    - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most device
+      memory a training step may allocate, everything included; each group then keeps,
+      offloads or recomputes as the fastest plan that fits says, and ``max_inflight``,
+      ``prefetch`` and ``keep_last`` are the plan's (:class:`actoffload.budget.plan.BudgetPlan`;
+      docs/budgets.md says what it counts and how it chooses). A budget no plan reaches raises
+      ``ValueError`` naming the smallest reachable peak.
+    - ``plan``: a plan of one's own (:class:`actoffload.Plan`) instead of the two above.
 
     Example::
 
@@ -193,149 +173,47 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     def __init__(self, impl: str | None = None, *, max_inflight: int = 1, prefetch: int = 1,
                  pack_below: int = 4 << 20, packer: str = "auto", warmup: str = "auto",
-                 memory_budget: int | str | None = None, **settings: Any):
-        super().__init__(impl, **settings)
+                 memory_budget: int | str | None = None, plan: Plan | None = None, **settings: Any):
         self.max_inflight = check_count("max_inflight", max_inflight)
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
-        if check_choice("warmup", warmup, WARMUPS) == "auto":  # only a CUDA device pins host memory
-            warmup = "recompute" if self.device.type == "cuda" and memory_budget is None else "offload"
-        self.warmup = warmup
-        self._budget: BudgetController | None = None
-        if memory_budget is not None:
-            if self.warmup == "recompute":
-                raise ValueError("warmup='recompute' does not apply with a memory_budget: a budget's first "
-                                 "steps profile by recomputing already; leave warmup at its default")
-            self._budget = BudgetController(parse_bytes("memory_budget", memory_budget), self.device)
-            self.keep_last = 0  # the plan decides what stays
+        self.warmup = check_choice("warmup", warmup, WARMUPS)
+        self.memory_budget = None if memory_budget is None else parse_bytes("memory_budget", memory_budget)
+        device = resolve_device(settings.pop("device", None))
+        super().__init__(impl, device=device, plan=plans.for_fast(warmup=self.warmup, memory_budget=self.memory_budget,
+                                                                  device=device, plan=plan), **settings)
+        if self.warmup == "auto":  # as plans.for_fast resolved it
+            self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"
+        self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         self._streams = CopyStreams(self.device)
         self._pool = PinnedPool(self._host.allocate)
-        # warming up: wrapped groups recompute until the blocks the first step asked for are pinned
-        self._warming = self._budget is None and self.warmup == "recompute"
-        self._warm_steps = 0  # steps begun while warming up
-        self._sizing_step: int | None = None  # the warm-up step whose groups reserved host blocks
-        self._sized: dict[int, Any] = {}  # storage key -> weak reference, sized in that step (R5: moved once)
-        self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._fresh_keys = itertools.count(-1, -1)  # storage keys no real storage has
 
     @property
     def settings(self) -> dict[str, Any]:
         return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
                 "pack_below": self.pack_below, "packer": self._packer.name, "warmup": self.warmup,
-                "memory_budget": None if self._budget is None else self._budget.budget}
+                "memory_budget": self.memory_budget}
 
-    # ------------------------------------------------------------------ a memory plan
+    # ------------------------------------------------------------------ the engine's points
     def _copy_window(self) -> tuple[int, int]:
         """``(max_inflight, prefetch)`` in effect: the plan's, else the settings."""
-        planned = self._budget.window() if self._budget is not None else None
+        planned = self.plan.copy_window()
         return planned if planned is not None else (self.max_inflight, self.prefetch)
 
-    def _step_begins(self) -> None:
-        if self._budget is not None:
-            self._budget.step_begins()
-        elif self._warming:
-            if self._warm_steps and self._pool.reserving == 0:
-                self._warming = False  # what a whole step reserved is pinned (or reserving failed)
-                self._sized = {}
-            else:
-                self._warm_steps += 1
-
-    def _group_opens(self, group: FastGroup) -> None:
+    def _group_opening(self) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
         # group that moves something (groups that keep everything may come in between).
         self._reap()
-        if self._budget is not None:
-            group.position = self._budget.next_position
-            group.planned = self._budget.action(group.recomputable, group.parts)
-            group.recompute = group.recomputable and group.planned.action.startswith("recompute")
-            group.release_inputs = group.recompute
-            group.kept_whole = group.planned.action == "keep" and not self._budget.profiling
-        elif self._warming:
-            group.recompute = group.recomputable
 
-    def _unhooked_next(self) -> bool:
-        if self._budget is None or not self._budget.unhooked_next():
-            return False
-        self._reap()  # as a group opening would: free the sources of copies that finished
-        return True
+    def reserve_host_blocks(self, span_bytes: list[int]) -> Callable[[], None]:
+        return self._pool.expect(self._layout(span_bytes)[2])
 
-    def _whole_next(self, parts: int, inputs: int) -> bool:
-        return self._budget is not None and self._budget.whole_next(parts, inputs)
-
-    def _whole_closed(self, parts: int) -> None:
-        if self._budget is not None:
-            self._budget.whole_closed(parts)
-
-    def _group_closing(self, group: FastGroup) -> None:
-        if self._budget is not None:
-            self._budget.group_closing(group.position)
-
-    def _move_at_most(self, group: FastGroup) -> int | None:
-        if self._budget is None or group.planned is None:
-            return None
-        return self._budget.move_at_most(group.position, group.planned)
-
-    @contextlib.contextmanager
-    def _recomputing(self, group: FastGroup) -> Iterator[None]:
-        if self._budget is not None:
-            self._budget.recompute_begins(group.position)
-        try:
-            yield
-        finally:
-            if self._budget is not None:
-                self._budget.recompute_ends(group.position)
-
-    def _learning_sizes(self) -> bool:
-        """Whether what recomputed groups would save is wanted: a budget's profile, or the
-        block sizes the first warm-up step reserves."""
-        if self._budget is not None:
-            return self._budget.profiling
-        return self._warming and self._sizing_step in (None, self._warm_steps)
-
-    def _seen_under_checkpoint(self, group: FastGroup, t: torch.Tensor) -> None:
-        if self._learning_sizes():
-            if multibuffer.is_multibuffer(t):  # its buffers, as the pack hook would see them
-                for b in multibuffer.split(t).buffers:
-                    if b is not None:
-                        self._seen_under_checkpoint(group, b)
-                return
-            fact = policy.fact_of(t, self.device)
-            if fact.key is not None:
-                ref, key = group.seen_storages.get(fact.key, (None, fact.key))
-                if ref is None or ref.expired():
-                    if ref is not None:  # the key was freed and reused: not an alias
-                        key = next(self._fresh_keys)
-                    group.seen_storages[fact.key] = (compat.storage_weakref(t), key)
-                fact = dataclasses.replace(fact, key=key)
-            group.would_save.append(fact)
-
-    def _committed(self, group: FastGroup, plan: policy.SavePlan) -> None:
-        inner = None
-        if group.recompute and self._learning_sizes():
-            warming = self._budget is None
-            inner = policy.plan_facts(group.would_save, min_offload_bytes=self.min_offload_bytes,
-                                      policy=self.policy, committed=True,
-                                      moved_earlier=self._sized_earlier if warming else None)
-            if warming:  # what this group will move once it offloads, as a commit would
-                refs = {key: ref for ref, key in group.seen_storages.values()}
-                for span in inner.spans:
-                    if span.storage_key in refs:
-                        self._sized[span.storage_key] = refs[span.storage_key]
-                self._sizing_step = self._warm_steps
-                weakref.finalize(group, self._pool.expect(self._layout([sp.nbytes for sp in inner.spans])[2]))
-            group.would_save = []
-            group.seen_storages = {}
-        if self._budget is not None:
-            self._budget.committed(group.position, group.recompute, plan, inner)
-
-    def _sized_earlier(self, key: int, aliases: list[SavedFact]) -> bool:
-        """An earlier group of the sizing step would move this storage, still alive (R5)."""
-        ref = self._sized.get(key)
-        return ref is not None and not ref.expired()
+    def host_pinning(self) -> tuple[int, BaseException | None]:
+        return self._pool.reserving, self._pool.reserve_error
 
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> FastGroup:
         return FastGroup(name, prev, first_seq)
@@ -372,13 +250,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         packed = [m for m in moved if m.nbytes < self.pack_below]
         large = [m for m in moved if m.nbytes >= self.pack_below]
         offsets, rec.packed_total, sizes = self._layout([m.nbytes for m in moved])
-        try:  # all host memory first: all or nothing (R10)
-            for n in sizes:
-                rec.blocks.append(self._pool.get(n))
-        except MemoryError:
-            for b in rec.blocks:
-                self._pool.put(b)
-            raise
+        rec.blocks = allocate_all(sizes, self._pool.get, self._pool.put)  # all host memory first (R10)
         weakref.finalize(rec, self._pool.put_all, list(rec.blocks))
         for m, off in zip(packed, offsets):
             m.copied, m.packed_offset = rec, off
@@ -459,13 +331,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 self._release_sources(entry)
 
     # ------------------------------------------------------------------ reload
-    def _on_backward(self, group: FastGroup) -> None:
-        with self._lock:
-            if group.reached:
-                return  # the common case: every unpack after the group's first
-            group.reached = True
-        if self._budget is not None:
-            self._budget.backward_reaches(group.position)
+    def _backward_reaches(self, group: FastGroup) -> None:
         self._reap()  # first free what finished copies no longer need, then allocate reloads
         if not self._start_reload(group):
             with self._lock:
@@ -473,7 +339,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if rest:
                 _add_held_uses(rest)  # brought back meanwhile for another group
                 self._reload(group)
-        for ahead in self._upcoming(group, self._copy_window()[1]):
+        for ahead in upcoming(group, self._copy_window()[1]):
             if self._start_reload(ahead, PREFETCH_SHARE):
                 self.counters["prefetched_groups"] += 1
 
@@ -518,7 +384,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         uses_of: dict[int, int] = {}
         for m, uses, at in zip(group.moved, group.uses, group.saved_at):
             assert isinstance(m, FastMoved)
-            if m.dev is None and (m.weak is None or m.weak.get(self.device) is None):
+            if m.dev is None and m.cached_reload() is None:
                 need.append(m)
                 saved_at.append(at)
                 uses_of[id(m)] = uses
@@ -574,14 +440,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _device_bytes(self, group: FastGroup, moved: FastMoved) -> torch.Tensor:
         dev = None
         if moved.dev is None:
-            dev = moved.weak.get(self.device) if moved.weak is not None else None
+            dev = moved.cached_reload()
             if dev is None:  # a later backward (retain_graph) after the reload was freed
                 self._reload(group)
         if moved.dev is not None:  # held for the uses still to come in this backward
             dev = moved.dev
             moved.uses_left -= 1
             if moved.uses_left <= 0:  # from now on only the restored tensors keep it alive
-                moved.weak = WeakStorage(dev)
+                moved.reloaded = WeakStorage(dev)
                 moved.dev = None
         self._streams.wait(moved.ready)  # never used before the reload completes
         assert dev is not None
@@ -592,12 +458,5 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         return self._pool.in_use, self._pool.pooled
 
     def _stats(self) -> dict[str, Any]:
-        out = {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
-               "pack_below": self.pack_below, "copies": dict(self.counters)}
-        if self._budget is not None:
-            out["plan"] = self._budget.stats()
-        else:
-            out["warmup"] = {"warming_up": self._warming, "steps": self._warm_steps,
-                             "pinning_bytes": self._pool.reserving,
-                             "error": None if self._pool.reserve_error is None else str(self._pool.reserve_error)}
-        return out
+        return {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
+                "pack_below": self.pack_below, "copies": dict(self.counters)}

@@ -10,9 +10,10 @@ lives:
 - The moves themselves, below: at commit each span is copied to host memory (pinned
   when the device is CUDA) and waits there; at unpack it is copied back. Copies are
   blocking, so nothing here can race.
-- R5, R8: a reload is cached only through a weak reference to its storage, so every
-  alias restored while it lives shares it, and it lives exactly as long as a restored
-  tensor uses it; a second backward (``retain_graph``) reloads again.
+- R5, R8: a reload is cached only through a weak reference to its storage
+  (``Moved.cached_reload``), so every alias restored while it lives shares it, and it
+  lives exactly as long as a restored tensor uses it; a second backward
+  (``retain_graph``) reloads again.
 - R9, R10: host memory comes from ``actoffload.hostmem.HostMemory``, which counts it
   while it lives and raises :class:`~actoffload.HostMemoryError` (the group stays
   resident) when it cannot be had.
@@ -22,22 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from actoffload.hostmem import HostAllocator, cached_host_allocator
+from actoffload.hostmem import HostAllocator, allocate_all, cached_host_allocator
 from actoffload.offloader import Offloader
 from actoffload.policy import Span
 from actoffload.records import Group, Moved
 from actoffload.storageref import WeakStorage
 
 
-class RefMoved(Moved):
-    """A span in ref: its host copy, and a weak reference to its latest reload."""
-
-    def __init__(self, span: Span, storage: torch.UntypedStorage, device: torch.device):
-        super().__init__(span, storage, device)
-        self.reloaded: WeakStorage | None = None
-
-
-class RefOffloader(Offloader[Group, RefMoved]):
+class RefOffloader(Offloader[Group, Moved]):
     """Synchronous reference implementation; create it with ``ao.Offloader(impl="ref")``."""
 
     impl = "ref"
@@ -48,18 +41,18 @@ class RefOffloader(Offloader[Group, RefMoved]):
     def _new_group(self, name: str, prev: Group | None, first_seq: int) -> Group:
         return Group(name, prev, first_seq)
 
-    def _new_moved(self, span: Span, storage: torch.UntypedStorage) -> RefMoved:
-        return RefMoved(span, storage, self.device)
+    def _new_moved(self, span: Span, storage: torch.UntypedStorage) -> Moved:
+        return Moved(span, storage, self.device)
 
-    def _move_out(self, group: Group, moved: list[RefMoved]) -> None:
-        hosts = [self._host.allocate(m.nbytes) for m in moved]  # all or nothing (R10)
+    def _move_out(self, group: Group, moved: list[Moved]) -> None:
+        hosts = allocate_all((m.nbytes for m in moved), self._host.allocate)
         for m, host in zip(moved, hosts):
             host.copy_(m.source())  # blocking
             m.storage = None
             m.host = host
 
-    def _device_bytes(self, group: Group, moved: RefMoved) -> torch.Tensor:
-        dev = moved.reloaded.get(self.device) if moved.reloaded is not None else None
+    def _device_bytes(self, group: Group, moved: Moved) -> torch.Tensor:
+        dev = moved.cached_reload()
         if dev is None:
             assert moved.host is not None
             dev = torch.empty(moved.nbytes, dtype=torch.uint8, device=self.device)

@@ -87,7 +87,7 @@ def test_budget_a_recomputed_group_lets_go_of_its_inputs_once_its_backward_is_do
     blocks = _blocks()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
     _steps(blocks, off, steps=PROFILE_STEPS)
-    controller = off._budget
+    controller = off.plan.controller
     controller.plan = Plan((GroupPlan("recompute"),) * len(blocks))
     monkeypatch.setattr(controller, "_choose", lambda: None)
     handle = ao.wrap(blocks, off)
@@ -338,7 +338,7 @@ def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_add
         return off
 
     saved = [g["offloaded_bytes"] for g in run().stats()["groups"].values()][-cfg.n_layers:]
-    profile = run(memory_budget=1 << 40)._budget.profile
+    profile = run(memory_budget=1 << 40).plan.controller.profile
     assert [g.offloadable + g.kept for g in profile.groups] == saved
 
 
@@ -384,7 +384,7 @@ def test_budget_a_step_with_more_groups_than_profiled_runs_and_profiles_again():
             for i in calls:
                 h = h + blocks[i](h)
             h.square().sum().backward()
-    assert off._budget._reprofile
+    assert off.plan.controller._reprofile
 
 
 def test_budget_a_graph_kept_for_a_second_backward_recomputes_again():
@@ -443,7 +443,7 @@ def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise(monkeypatch):
     handle = ao.wrap(model, off, parts=_parts)
     for step in range(PROFILE_STEPS + 1):  # profiled, then planned
         _step(model, step)
-    controller = off._budget
+    controller = off.plan.controller
     # each module's two parts, and what running it whole saves: its input
     assert [(w.first, w.parts, w.inputs) for w in controller.profile.wholes] == [(i, 2, 64 * D * 4) for i in (0, 2, 4, 6)]
     actions = ["recompute_whole", "inside", "recompute_whole_offload", "inside", "recompute", "keep", "keep", "keep"]
@@ -478,7 +478,7 @@ def _forced(off, actions, monkeypatch):
     """Run ``actions`` from the next step on, whatever the model would choose."""
     from actoffload.budget.planner import GroupPlan, Plan
 
-    controller = off._budget
+    controller = off.plan.controller
     controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 0, 0)
     monkeypatch.setattr(controller, "_choose", lambda: None)
     return controller
@@ -543,7 +543,7 @@ def test_budget_a_module_that_does_not_open_just_its_parts_is_never_run_whole():
                 h = h + b(h)
             h.square().sum().backward()
     # groups: 0.0, then 1.0, 1.1, 2.0, 2.1: only the modules that opened their two parts
-    assert [(w.first, w.parts) for w in off._budget.profile.wholes] == [(1, 2), (3, 2)]
+    assert [(w.first, w.parts) for w in off.plan.controller.profile.wholes] == [(1, 2), (3, 2)]
 
 
 def test_budget_kept_groups_still_end_the_step_when_the_first_block_is_frozen():

@@ -1,0 +1,148 @@
+"""Groups run under activation checkpointing (a plan recomputes them): the contexts handed
+to ``torch.utils.checkpoint``, the version check before each recomputation (R6), and what
+the checkpointed forward would have saved, for plans that size what a group moves."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from . import compat, multibuffer, policy
+from .records import Group
+
+
+def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        f"one of the tensors saved for backward in offload group {group.name!r} (shape {list(shape)}) "
+        f"was modified by an in-place operation after it was saved: version {saved} at save, {now} now "
+        "(R6). Use an out-of-place operation, or clone the tensor before modifying it."
+    )
+
+
+def contexts(group: Group, see: Callable[[torch.Tensor], None],
+             recomputation: Callable[[], ContextManager[None]]) -> tuple[Any, Any]:
+    """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
+    on to checkpoint's hooks, shown to ``see`` on the way; each recomputation in backward
+    runs inside ``recomputation()``, after the version check.
+
+    Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
+    saved tensor after its save would go unnoticed where autograd raises (R6): each save's
+    version is checked before each recomputation (not after: the recomputation may itself
+    write what it saves again).
+    """
+    seen: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
+
+    def saw(t: torch.Tensor) -> None:
+        see(t)
+        seen.append(_guarded(group, t))
+
+    @contextlib.contextmanager
+    def checked() -> Iterator[None]:
+        for guard, version, shape in seen:
+            if guard._version != version:
+                raise modified_error(group, shape, version, guard._version)
+        with recomputation():
+            yield
+
+    return _SeeingSaves(saw), _EachTime(checked)
+
+
+def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    if t.is_nested:
+        raise RuntimeError(
+            f"group {group.name!r} is being recomputed (fast's warm-up, or a memory_budget's plan), but "
+            "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
+            "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
+        )
+    try:
+        guard = compat.version_guard(t)
+    except RuntimeError:  # a kind whose data cannot be swapped out (sparse): hold it whole
+        guard = t.detach()
+    return guard, t._version, tuple(t.shape)
+
+
+class WouldSave:
+    """What a recomputed group's forward would have saved, as the policy's facts: a plan
+    that sizes what the group will move once it stops recomputing collects them.
+
+    Checkpoint frees what the forward saves as it goes, so a storage key can come back as a
+    different storage within one forward: such a key gets a fresh one no real storage has.
+    """
+
+    _fresh = itertools.count(-1, -1)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.facts: list[policy.SavedFact] = []
+        self._storages: dict[int, tuple[Any, int]] = {}  # storage key -> (weak reference, key its facts get)
+
+    def see(self, t: torch.Tensor) -> None:
+        if multibuffer.is_multibuffer(t):  # its buffers, as the pack hook would see them
+            for b in multibuffer.split(t).buffers:
+                if b is not None:
+                    self.see(b)
+            return
+        fact = policy.fact_of(t, self.device)
+        if fact.key is not None:
+            ref, key = self._storages.get(fact.key, (None, fact.key))
+            if ref is None or ref.expired():
+                if ref is not None:  # the key was freed and reused: not an alias
+                    key = next(self._fresh)
+                self._storages[fact.key] = (compat.storage_weakref(t), key)
+            fact = dataclasses.replace(fact, key=key)
+        self.facts.append(fact)
+
+    def storage_refs(self) -> dict[int, Any]:
+        """The key each fact got -> a weak reference to that storage."""
+        return {key: ref for ref, key in self._storages.values()}
+
+
+class _SeeingSaves:
+    """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
+    innermost when entered (checkpoint enters its own, then this one)."""
+
+    def __init__(self, see: Callable[[torch.Tensor], None]):
+        self._see = see
+        self._hooks: Any = None
+
+    def __enter__(self) -> None:
+        outer = compat.current_saved_tensors_hooks()
+        assert outer is not None, "checkpoint installs its hooks before entering its context"
+        outer_pack, outer_unpack = outer
+        see = self._see  # not self: the hooks would hold themselves (below)
+
+        def pack(t: torch.Tensor) -> Any:
+            see(t)
+            return outer_pack(t)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        # Let go of the hooks: checkpoint's pack hook holds its frame, and the frame the inputs
+        # it saved. Held by a cycle, they lived until the garbage collector ran (after the
+        # whole backward pass) instead of until the group's backward was done.
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+
+class _EachTime:
+    """A context made anew at every entry: checkpoint enters its recomputation context once
+    per recomputation, and a graph kept for a second backward recomputes again."""
+
+    def __init__(self, make: Callable[[], ContextManager[Any]]):
+        self._make = make
+        self._entered: list[ContextManager[Any]] = []
+
+    def __enter__(self) -> Any:
+        context = self._make()
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.pop().__exit__(*exc)
+

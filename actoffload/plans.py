@@ -1,0 +1,147 @@
+"""Plans: what each group of a step does. The engine asks one plan object, at the points of
+a step where it already works, and tells it what happened.
+
+The engine moves what a group saves as the policy says (``policy.py``); a plan decides,
+around that, whether a group opens at all, whether its module is recomputed instead
+(under activation checkpointing), how many bytes it may move, and how far an
+implementation's copies may run ahead. Offloading everything is :class:`Plan` itself; the
+warm-up (``warmup.py``) and a memory budget (``budget/plan.py``) are plans too, and a new
+one is a subclass in a file of its own.
+
+Example (a plan that offloads only the groups whose names match)::
+
+    import re
+    import actoffload as ao
+
+    class Matching(ao.Plan):
+        def __init__(self, pattern):
+            super().__init__()
+            self.pattern = re.compile(pattern)
+
+        def opening(self, name, recomputable, parts):
+            return ao.Opening() if self.pattern.fullmatch(name) else ao.Opening(hooked=False)
+
+    off = ao.Offloader(plan=Matching(r"mlp.*"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .policy import SavePlan
+    from .records import Group
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a group that is opening does.
+
+    ``hooked=False``: it opens no group; autograd keeps what it saves, as without an
+    offloader. ``recompute``: its module (one given to ``ao.wrap``) runs under activation
+    checkpointing, saving only its inputs, which the group then handles like any save.
+    ``release_inputs``: those inputs are let go once recomputed from (a second backward
+    through the module then needs the first to keep the graph). ``keep_all``: it keeps
+    everything it saves and only counts the bytes (a plan noticing a new workload).
+    """
+
+    hooked: bool = True
+    recompute: bool = False
+    release_inputs: bool = False
+    keep_all: bool = False
+
+
+class Plan:
+    """Offload every group as the policy says: the plan of an offloader given none.
+
+    Subclasses override the points they act at; each default does what offloading
+    everything needs (nothing). The engine calls them on the thread that runs the forward,
+    and ``reached`` and ``recomputation`` in backward.
+    """
+
+    keep_last: int | None = None  # overrides the offloader's keep_last (R4) where set
+
+    def __init__(self) -> None:
+        self.offloader: Engine | None = None
+
+    def attach(self, offloader: Engine) -> None:
+        """The offloader this plan serves (once, when the offloader is made)."""
+        if self.offloader is not None and self.offloader is not offloader:
+            raise ValueError(f"this {type(self).__name__} already serves another offloader; make one per offloader")
+        self.offloader = offloader
+
+    def step_begins(self) -> None:
+        """A step's first group is opening (the first after a backward pass began)."""
+
+    def runs_whole(self, parts: int, inputs: int) -> bool:
+        """Whether the module opening now, whose ``parts`` are groups of their own, instead runs
+        whole as one recomputed group saving its ``inputs`` (bytes)."""
+        return False
+
+    def whole_closed(self, parts: int) -> None:
+        """A module whose ``parts`` were the groups (it did not run whole) is done."""
+
+    def opening(self, name: str, recomputable: bool, parts: int) -> Opening:
+        """What the group opening now does; ``recomputable``: a wrapped module that can run under
+        checkpointing; ``parts``: a module run whole in place of that many parts."""
+        return Opening()
+
+    def opened(self, group: Group) -> None:
+        """``group`` (hooked) was opened as :meth:`opening` said; a plan may keep state in
+        ``group.plan_state``."""
+
+    def closing(self, group: Group) -> None:
+        """``group``'s forward is over (before its commit)."""
+
+    def move_at_most(self, group: Group) -> int | None:
+        """Bytes ``group`` may move at its commit, largest spans first (``None``: no limit)."""
+        return None
+
+    def saved_under_checkpoint(self, group: Group, t: torch.Tensor) -> None:
+        """A tensor the checkpointed forward of recomputed ``group`` saved (checkpoint drops it)."""
+
+    def recomputation(self, group: Group) -> ContextManager[Any]:
+        """Entered around each recomputation of ``group``'s forward in backward."""
+        return contextlib.nullcontext()
+
+    def committed(self, group: Group, saves: SavePlan) -> None:
+        """``group`` was committed: ``saves`` is what moved and what stayed."""
+
+    def reached(self, group: Group) -> None:
+        """Backward unpacked something ``group`` saved, for the first time in this pass."""
+
+    def copy_window(self) -> tuple[int, int] | None:
+        """``(max_inflight, prefetch)`` for implementations that copy ahead (``None``: their settings)."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Entries for the offloader's ``stats()``."""
+        return {}
+
+
+WARMUPS = ("auto", "offload", "recompute")
+
+
+def for_fast(*, warmup: str, memory_budget: int | None, device: torch.device, plan: Plan | None) -> Plan:
+    """The plan ``fast``'s settings ask for: a memory budget's, else the warm-up
+    (``warmup="auto"``: recompute on CUDA, where host memory is pinned, else offload), unless
+    the caller gives a ``plan`` of its own."""
+    if plan is not None:
+        if memory_budget is not None:
+            raise ValueError("give either memory_budget or a plan, not both: a memory budget is a plan itself")
+        return plan
+    if memory_budget is not None:
+        if warmup == "recompute":
+            raise ValueError("warmup='recompute' does not apply with a memory_budget: a budget's first "
+                             "steps profile by recomputing already; leave warmup at its default")
+        from .budget.plan import BudgetPlan  # imported only where a budget is asked for
+
+        return BudgetPlan(memory_budget, device)
+    from .warmup import WarmUp
+
+    return WarmUp(active=warmup == "recompute" or (warmup == "auto" and device.type == "cuda"))
