@@ -125,6 +125,18 @@ def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+def hooks_own_saves(hooks: tuple[Callable, Callable] | None) -> bool:
+    """Whether saved-tensor hooks active around a group must see every save made there: the
+    forward of non-reentrant activation checkpointing (which recomputes the region and pairs
+    its saves by position), or ``allow_mutation_on_saved_tensors()``."""
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    in_checkpoint = (getattr(pack, "__module__", None) == "torch.utils.checkpoint"
+                     and getattr(pack, "__qualname__", "").startswith("_checkpoint_hook."))
+    return in_checkpoint or mutation_on_saved_allowed()
+
+
 # ---------------------------------------------------------------- compile, CUDA
 def not_traced(fn: F) -> F:
     """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly."""
@@ -165,3 +177,13 @@ def empty_host_cache() -> bool:
         return False
     fn()
     return True
+
+
+# ---------------------------------------------------------------- modules
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """A context manager in which ``module``'s parameters and buffers named in ``tensors``
+    (dotted names, as ``named_parameters`` gives them) are those tensors, as inside
+    ``torch.func.functional_call``; the module's own come back at its exit."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=False, strict=False)

@@ -140,3 +140,33 @@ def test_storage_id_and_node_sequence_nr():
 def test_host_cache_emptier_is_found_in_every_supported_torch():
     assert compat.host_cache_emptier() is not None  # a release that renames it fails here
     assert compat.empty_host_cache() == torch.cuda.is_available()
+
+
+def test_hooks_own_saves_knows_checkpoint_and_mutation_hooks_only():
+    seen = []
+
+    def fn(x):
+        seen.append(compat.hooks_own_saves(compat.current_saved_tensors_hooks()))
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert seen[0] is True  # the forward, under checkpoint's hooks (the recomputation may differ)
+    assert compat.hooks_own_saves(None) is False
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert compat.hooks_own_saves(compat.current_saved_tensors_hooks()) is False
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        assert compat.hooks_own_saves(compat.current_saved_tensors_hooks()) is True
+
+
+def test_reparametrized_swaps_parameters_and_buffers_in_and_back():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    own = dict(m.named_parameters()) | dict(m.named_buffers())
+    other = {name: t.detach().clone() + 1 for name, t in own.items()}
+    other["0.weight"].requires_grad_()
+    with compat.reparametrized(m, other):
+        assert all(t is other[name] for name, t in m.named_parameters(remove_duplicate=False))
+        assert m[1].running_mean is other["1.running_mean"]
+        m[0](torch.ones(1, 3)).sum().backward()
+    assert other["0.weight"].grad is not None and m[0].weight.grad is None  # the grads went to the tensors given
+    assert all(t is own[name] for name, t in m.named_parameters()) and m[1].running_mean is own["1.running_mean"]
