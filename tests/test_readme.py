@@ -1,8 +1,24 @@
-"""The README's code runs as written: every Python block executes, and every shell line
-names a script, example or command that exists (with arguments those accept)."""
+"""README.md as written: every fenced block in it is checked here.
 
+- ```python blocks run, on the CPU (CUDA hidden, so that the output is the one the README
+  shows), and print what the ```text block right after them shows: exactly, or where the
+  README says the figures vary, in the same shape (``SHAPES``).
+- ```bash lines name scripts and commands that exist. ``scripts/demo`` and ``scripts/test``
+  are not run in full here (each first installs torch into .venv, minutes on a fresh
+  machine, and scripts/test runs this very file): they are checked for existence and
+  syntax, that they set up through scripts/setup, and that the demo's command answers
+  ``--help``. The install lines are tried as far as they can be offline: the wheel is built
+  (without build isolation, which would fetch setuptools) from a copy of the checkout,
+  installed with ``--no-deps`` into a folder of its own, and used from outside the checkout;
+  the CPU build of torch it names is the one scripts/setup installs, within pyproject's
+  range; the editable install's extras exist (scripts/setup runs that line itself).
+- The results table matches the JSON it cites, and every relative link resolves.
+"""
+
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,32 +27,85 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
-PYTHON = [code for lang, code in BLOCKS if lang == "python"]
-SHELL = [line.split("#")[0].strip() for lang, code in BLOCKS if lang == "bash" for line in code.splitlines()]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", flags=re.M | re.S)
+BLOCKS = [(m.group(1), m.group(2), m.start()) for m in FENCE.finditer(README)]
+SHELL = [line.split("#")[0].strip() for lang, code, _ in BLOCKS if lang == "bash" for line in code.splitlines()]
 SHELL = [line for line in SHELL if line]
 
 
-def test_the_readme_has_both_kinds_of_blocks():
+def _section(at: int) -> str:
+    """The ``##`` heading the README text at offset ``at`` is under."""
+    headings = re.findall(r"^## (.+)$", README[:at], flags=re.M)
+    return headings[-1] if headings else ""
+
+
+def _python_blocks() -> list[tuple[str, str, str | None]]:
+    """(section, code, the output shown right after it, or None) for each Python block."""
+    out = []
+    for i, (lang, code, at) in enumerate(BLOCKS):
+        if lang == "python":
+            shown = BLOCKS[i + 1][1] if i + 1 < len(BLOCKS) and BLOCKS[i + 1][0] == "text" else None
+            out.append((_section(at), code, shown))
+    return out
+
+
+PYTHON = _python_blocks()
+ACTIONS = "keep|offload|recompute|recompute_offload|recompute_whole|recompute_whole_offload|inside"
+# Output whose figures the README says vary: the shape it must have (both the README's and the run's)
+SHAPES = {
+    "A memory budget": re.compile(rf"^\[(?:'(?:{ACTIONS})'(?:, )?){{4}}\] (\d+) MiB predicted, (settled|not settled)$"),
+}
+
+
+def test_every_block_is_of_a_kind_checked_here():
+    assert BLOCKS, "README.md has no fenced blocks"
+    for i, (lang, code, at) in enumerate(BLOCKS):
+        assert lang in {"python", "bash", "text"}, f"a ```{lang} block under '{_section(at)}': check it here"
+        if lang == "text":  # output, of the Python block right before it
+            assert i > 0 and BLOCKS[i - 1][0] == "python", f"a ```text block under '{_section(at)}' follows no Python block"
     assert PYTHON and SHELL
 
 
-@pytest.mark.parametrize("i", range(len(PYTHON)))
-def test_readme_python_block_runs(i, tmp_path):
-    code = PYTHON[i]
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         # PATH as the user has it: Triton builds its launcher with the C compiler
-                         env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "")})
+def _run(code: str, cwd: Path, pythonpath: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(pythonpath), "PATH": os.environ.get("PATH", ""),  # Triton builds with the C compiler
+           "CUDA_VISIBLE_DEVICES": "", "HOME": os.environ.get("HOME", str(cwd))}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("i", range(len(PYTHON)), ids=[f"{i}-{s}" for i, (s, _, _) in enumerate(PYTHON)])
+def test_readme_python_block_runs_and_prints_what_the_readme_shows(i, tmp_path):
+    section, code, shown = PYTHON[i]
+    out = _run(code, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    if "Quickstart" in README.split(code)[0].rsplit("## ", 1)[-1]:
-        assert re.search(r"[1-9]\d* MiB offloaded by the latest forward", out.stdout), out.stdout
+    printed = out.stdout.strip()
+    if shown is None:
+        return
+    shown = shown.strip()
+    if section in SHAPES:
+        pattern = SHAPES[section]
+        assert pattern.match(shown), f"the README's output under '{section}' lost its shape: {shown!r}"
+        m = pattern.match(printed)
+        assert m, f"printed {printed!r}, not in the shape of {shown!r}"
+        if section == "A memory budget":
+            assert int(m.group(1)) <= 50 and m.group(2) == "settled", printed  # the plan fits its 50MiB; CPU: settled
+    else:
+        assert printed == shown
 
 
+def test_the_quickstart_and_the_budget_example_are_both_checked():
+    sections = {s for s, _, shown in PYTHON if shown is not None}
+    assert {"Quickstart", "A memory budget"} <= sections
+
+
+# ------------------------------------------------------------------ shell lines
 def _sections(script: Path) -> set[str]:
     return set(re.findall(r"^\s{4}(\w+)\)", script.read_text(), flags=re.M))
 
 
-@pytest.mark.parametrize("line", SHELL)
+PIP_LINES = [line for line in SHELL if line.split()[0] in {"pip", "python"} and "pip" in line.split()[:3]]
+
+
+@pytest.mark.parametrize("line", [line for line in SHELL if line not in PIP_LINES])
 def test_readme_shell_line_names_what_exists(line):
     words = line.split()
     command = words[0]
@@ -46,3 +115,153 @@ def test_readme_shell_line_names_what_exists(line):
             assert set(w for w in words[1:] if not w.startswith("-")) <= _sections(ROOT / command)
     else:
         assert command in {"python", "torchrun", "pytest", "actoffload"}, line
+
+
+@pytest.mark.parametrize("script", ["scripts/demo", "scripts/test"])
+def test_the_first_screen_scripts_exist_parse_and_set_up_first(script):
+    """Not run in full: each installs torch into .venv first (minutes on a fresh machine), and
+    scripts/test runs this file. Checked: there, executable, valid bash, set up by scripts/setup."""
+    assert f"{script}    #" in README  # the README's first block names it
+    path = ROOT / script
+    assert path.is_file() and os.access(path, os.X_OK), script
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert re.search(r"^scripts/setup$", path.read_text(), flags=re.M), f"{script} does not run scripts/setup"
+
+
+def test_the_demo_the_readme_names_answers_help(tmp_path):
+    assert "exec .venv/bin/actoffload demo" in (ROOT / "scripts/demo").read_text()
+    out = subprocess.run([sys.executable, "-m", "actoffload", "demo", "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "")})
+    assert out.returncode == 0 and "usage: actoffload demo" in out.stdout, out.stderr[-2000:]
+
+
+def test_every_pip_line_is_one_checked_here():
+    known = {
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        "pip install /path/to/actoffload",
+        "python -m pip wheel . --no-deps -w dist",
+        "pip install dist/actoffload-*.whl",
+        "pip install -e '.[test,plot]'",
+    }
+    assert set(PIP_LINES) == known, set(PIP_LINES) ^ known
+
+
+def test_the_cpu_torch_the_readme_names_is_the_one_setup_installs_and_pyproject_allows():
+    line = next(x for x in PIP_LINES if x.startswith("pip install torch=="))
+    version = re.search(r"torch==(\S+)", line).group(1)
+    url = re.search(r"--index-url (\S+)", line).group(1)
+    setup = (ROOT / "scripts/setup").read_text()
+    assert f"torch=={version}" in setup and url.rstrip("/") in setup
+    # (tomllib is Python 3.11's; the project runs on 3.10)
+    low, high = re.search(r'^\s*"torch>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).groups()
+
+    def v(s: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in s.split("."))
+
+    assert v(low) <= v(version) < v(high), (version, spec)
+
+
+def test_the_editable_install_names_extras_that_exist_and_is_what_setup_runs():
+    extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r"^test = \[", extras, flags=re.M) and re.search(r"^plot = \[", extras, flags=re.M), extras
+    assert "pip install --quiet -e '.[test,plot]'" in (ROOT / "scripts/setup").read_text()
+
+
+def test_the_wheel_builds_installs_and_works_outside_the_checkout(tmp_path):
+    """``pip install /path/to/actoffload`` and ``pip wheel`` build the same wheel: built here
+    offline (no build isolation), from a copy of what pyproject packages, installed without
+    dependencies (torch is this environment's) into a folder of its own."""
+    src = tmp_path / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("actoffload", "ref", "fast", "triton_kernels"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    dist, site = tmp_path / "dist", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    built = subprocess.run(pip + ["wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(dist), "-q"],
+                           cwd=src, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheels = list(dist.glob("actoffload-*.whl"))
+    assert len(wheels) == 1, wheels
+    installed = subprocess.run(pip + ["install", "--no-deps", "--no-index", "--target", str(site), "-q", str(wheels[0])],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = _run(
+        "import torch, actoffload as ao, actoffload.ref, actoffload.fast, actoffload.triton_kernels, actoffload.budget\n"
+        f"assert ao.__file__.startswith({str(site)!r}), ao.__file__\n"
+        "blocks = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])\n"
+        "off = ao.Offloader(min_offload_bytes=0)\n"
+        "with ao.wrap(blocks, off):\n"
+        "    blocks(torch.randn(64, 256)).sum().backward()\n"
+        "assert off.stats()['offloaded_bytes'] > 0\n"
+        "print('ok')\n", elsewhere, pythonpath=site)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ the results table
+def _results_section() -> str:
+    return README.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_results_table_is_the_json_it_cites():
+    text = _results_section()
+    link = re.search(r"\]\((benchmarks/results/[^)]+-budget-sweep\.json)\)", text).group(1)
+    data = json.loads((ROOT / link).read_text())
+    gpu, commit = data["env"]["gpu"], data["env"]["commit"]
+    assert f"**{gpu}**" in text and f"commit {commit}" in text and f"torch {data['env']['torch'][:4]}" in text
+    png = re.search(r"!\[[^\]]*\]\((benchmarks/results/[^)]+\.png)\)", text).group(1)
+    assert (ROOT / png).is_file() and commit in png and gpu.replace(" ", "-") in png
+    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith(("| workload", "| ---"))]
+    assert len(rows) == len(data["workloads"])
+    gib = 2 ** 30
+    for row, w in zip(rows, data["workloads"]):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        m = w["methods"]
+        verdict = data["verdicts"][w["workload"]]
+
+        def method(name):
+            return f"{m[name]['step_ms']:.0f} / {m[name]['peak_bytes'] / gib:.1f}"
+
+        under = next(b for b in w["budgets"] if b["under_checkpoint_all"])
+        ratios = [c["vs_fastest_fitting"] for c in verdict["cells"]
+                  if c["fastest_fitting_alternative"] == "none"
+                  or re.fullmatch(r"checkpoint_\d+", c["fastest_fitting_alternative"] or "")]
+        expected = [method("none"), method("checkpoint_all"), method("fast"),
+                    f"{under['step_ms']:.0f} / {under['peak_bytes'] / gib:.2f} "
+                    f"({verdict['below_checkpoint_all_time_ratio']:.2f})",
+                    f"{min(ratios):.2f}-{max(ratios):.2f}"]
+        assert cells[1:] == expected, (w["workload"], cells[1:], expected)
+        # "Every step stayed within its budget, gradients bitwise equal to no offloading."
+        assert all(c["peak_within_budget_every_step"] and c["bitwise"] for c in verdict["cells"]), w["workload"]
+
+
+# ------------------------------------------------------------------ links
+DOCS = ["README.md", "docs/budgets.md", "docs/compatibility.md", "docs/architecture.md", "docs/semantics.md",
+        "benchmarks/README.md", "examples/README.md"]
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", FENCE.sub("", md.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_resolves(doc):
+    path = ROOT / doc
+    text = FENCE.sub("", path.read_text())
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{doc}: {target}"
+        if anchor and dest.suffix == ".md":
+            assert anchor in _anchors(dest), f"{doc}: {target} (no such heading)"
