@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import re
 from typing import Any
@@ -61,17 +63,21 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], plural: str | 
     return value
 
 
+_MAX_BYTES = 1 << 63  # more than any machine holds: a larger size is a typo
+
+
 def parse_bytes(name: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``.
+    """Bytes from an int (or an integer-like value such as ``numpy.int64``, not a bool) or a
+    string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most ``2**63`` bytes.
 
     >>> parse_bytes("memory_budget", "1.5GiB")
     1610612736
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
+    if isinstance(value, float):
+        if not value.is_integer():  # also inf and nan
+            raise ValueError(f"{name} must be a whole number of bytes or a size such as '60GiB', got {value!r}")
         n = int(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
@@ -81,9 +87,20 @@ def parse_bytes(name: str, value: Any) -> int:
                 f"{name} {value!r} is not a size; write bytes as a number or with a unit: "
                 "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
             )
-        n = int(float(m.group(1)) * _UNITS[unit])
+        digits = m.group(1).lstrip("0") or "0"
+        if digits.isdigit():  # exact, and checked for length before int() reads it
+            n = int(digits) * _UNITS[unit] if len(digits) <= 30 else _MAX_BYTES + 1
+        else:  # a fraction or an exponent: float() gives inf rather than raise when it overflows
+            x = float(m.group(1)) * _UNITS[unit]
+            n = int(x) if math.isfinite(x) and x <= _MAX_BYTES else _MAX_BYTES + 1
     else:
-        raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}")
+        try:
+            n = operator.index(value)  # int, numpy.int64, an integer tensor of one element
+        except TypeError:
+            raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}") from None
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+    if n > _MAX_BYTES:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name} {shown} is too large: a size is at most 2**63 bytes")
     return n

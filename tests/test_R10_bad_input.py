@@ -71,6 +71,34 @@ def test_R10_host_budget_takes_bytes_or_a_size(size, expected):
     assert ao.Offloader(impl="ref", device="cpu", host_budget=size).settings["host_budget"] == expected
 
 
+@pytest.mark.parametrize("size, message", [
+    ("1e400", "host_budget '1e400' is too large: a size is at most 2\\*\\*63 bytes"),
+    ("9" * 400, "host_budget '9999.*\\.\\.\\. is too large"),
+    ("1" * 5000 + " GiB", "is too large"),
+    (1e300, "host_budget 1e\\+300 is too large"),
+    ((1 << 63) + 1, "is too large"),
+    (float("inf"), "host_budget must be a whole number of bytes"),
+    (2.5, "host_budget must be a whole number of bytes"),
+    (True, "host_budget must be a number of bytes"),
+    (torch.tensor(True), "host_budget must be a number of bytes"),
+    (torch.tensor([1, 2]), "host_budget must be a number of bytes"),
+    ("1e-3", "host_budget '1e-3' is not a size"),
+])
+def test_R10_a_size_too_large_or_not_whole_is_a_value_error(size, message):
+    with pytest.raises(ValueError, match=message):
+        ao.Offloader(impl="ref", device="cpu", host_budget=size)
+
+
+def test_R10_integer_like_sizes_are_sizes():
+    np = pytest.importorskip("numpy")
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=np.int64(1 << 30)).settings["host_budget"] == 1 << 30
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=torch.tensor(4096)).settings["host_budget"] == 4096
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=np.float64(2048.0)).settings["host_budget"] == 2048
+    assert ao.Offloader(impl="fast", device="cpu", memory_budget=np.int32(1 << 20)).memory_budget == 1 << 20
+    with pytest.raises(ValueError, match="host_budget must be a number of bytes"):
+        ao.Offloader(impl="ref", device="cpu", host_budget=np.bool_(True))
+
+
 def test_R10_implementation_class_refuses_another_impl_name():
     from actoffload.fast import FastOffloader
 
