@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -12,17 +14,22 @@ from . import compat, policy
 from .marks import mark_parameters
 from .offloader import GroupContext, Offloader
 
+_WRAP = "_actoffload_wrap"  # the instance attribute holding a wrapped module's bookkeeping
+_BASE = "_actoffload_base"  # on a generated class: the class it wraps
+_NEWOBJ, _NEWOBJ_EX = getattr(copyreg, "__newobj__"), getattr(copyreg, "__newobj_ex__")
+
 
 class WrapHandle:
-    """Returned by :func:`wrap`; ``remove()`` gives every module its own forward back."""
+    """Returned by :func:`wrap`; ``remove()`` gives every module its own class and forward
+    back, in the reverse order of wrapping (also as a context manager)."""
 
     def __init__(self, restores: list[Callable[[], None]]):
         self._restores = restores
 
     def remove(self) -> None:
-        for restore in self._restores:
+        restores, self._restores = self._restores, []
+        for restore in reversed(restores):
             restore()
-        self._restores = []
 
     def __enter__(self) -> WrapHandle:
         return self
@@ -40,16 +47,33 @@ def wrap(
     """Make each module's forward an offload group named by its index or by ``names``.
 
     A single module is one group; a ``ModuleList``/``Sequential``/list gives one group per
-    element. The module's forward runs inside ``off.group(name)``: leaving it by an
-    exception leaves the group as ``with`` would (R8), and a module called twice in one
-    forward is two groups (``stats()`` shows ``name`` and ``name#2``). The module's
-    parameters are recorded at every call, so any tensor over their storage stays
+    element, a ``ModuleDict`` one per value (named by its keys unless ``names`` is given).
+    The module's forward runs inside ``off.group(name)``: leaving it by an exception leaves
+    the group as ``with`` would (R8), and a module called twice in one forward is two groups
+    (``stats()`` shows ``name`` and ``name#2``). One module given at several positions (a
+    layer shared across depth, ``ModuleList([layer] * 4)``) is wrapped once, under the name
+    of its first position: each call is a group of its own (``"0"``, ``"0#2"``, ...). The
+    module's parameters are recorded at every call, so any tensor over their storage stays
     resident (R3), a detached view of a weight included.
 
+    A wrapped module stays an instance of its class: its class is swapped for a generated
+    subclass (``OffloadBlock`` for a ``Block``, as FSDP2's ``fully_shard`` does) whose
+    ``forward`` opens the group and runs the module's own (its class's, or one assigned on
+    the instance before wrapping). ``remove()`` undoes the wraps in reverse order, giving each
+    module its class and instance ``forward`` back, nothing left over; a class swap made after
+    wrapping (``fully_shard``) stays, without the wrapper. A copy of a wrapped module
+    (``copy.deepcopy``, ``copy.copy``, ``pickle``, ``torch.save`` then ``torch.load``) is a
+    plain module of its original class, not wrapped, computing with its own weights; the
+    original stays wrapped. A ``forward`` assigned on the instance after wrapping takes
+    precedence over the wrapper: no group opens.
+
+    ``names`` must be strings (``TypeError`` otherwise), and ``parts(module)`` must return a
+    sequence of submodules of the module.
+
     Composes with: ``torch.compile`` of the blocks or of the whole model (the group
-    boundary is a graph break), FSDP2's ``fully_shard`` on the same modules, activation
-    checkpointing inside or around a wrapped module (a checkpoint's recomputation in
-    backward opens no group).
+    boundary is a graph break), FSDP2's ``fully_shard`` on the same modules (before or after
+    wrapping), activation checkpointing inside or around a wrapped module (a checkpoint's
+    recomputation in backward opens no group).
 
     ``parts``: a function giving each module's parts, submodules its forward calls once
     each, in that order. The parts are then the groups (``"0.0"``, ``"0.1"``, ...), and a
@@ -67,81 +91,228 @@ def wrap(
     """
     if not isinstance(off, Offloader):
         raise TypeError(f"wrap needs an offloader from actoffload.Offloader(...), got {type(off).__name__}")
-    if isinstance(modules, torch.nn.Module) and not isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
+    keys: list[str] | None = None
+    if isinstance(modules, torch.nn.ModuleDict):
+        keys, modules = list(modules.keys()), list(modules.values())
+    elif isinstance(modules, torch.nn.Module) and not isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
         modules = [modules]
     modules = list(modules)
     for m in modules:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"wrap takes nn.Modules, got {type(m).__name__}")
     if names is None:
-        names = [str(i) for i in range(len(modules))]
+        names = keys if keys is not None else [str(i) for i in range(len(modules))]
+    elif isinstance(names, str):
+        raise TypeError(f"wrap's names must be a sequence of str, one per module, got the str {names!r}")
     names = list(names)
     if len(names) != len(modules):
         raise ValueError(f"wrap got {len(modules)} modules but {len(names)} names")
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise TypeError(f"wrap's names must be str: names[{i}] is {name!r} ({type(name).__name__})")
+    # one module at several positions is wrapped once, under its first position's name
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    for m, name in zip(modules, names):
+        first.setdefault(id(m), (m, name))
+    modules, names = [m for m, _ in first.values()], [name for _, name in first.values()]
     for m in modules:
-        if getattr(m.forward, "__actoffload_group__", None) is not None:
-            raise ValueError(f"{type(m).__name__} is already wrapped; remove() its handle before wrapping it again")
+        if _is_wrapped(m):
+            raise ValueError(f"{_class_name(m)} is already wrapped; remove() its handle before wrapping it again")
     if parts is None:
-        return WrapHandle([_wrap_one(m, off, name) for m, name in zip(modules, names)])
-    inner_of = [list(parts(m)) for m in modules]
+        return _wrap_all([(m, name, 0) for m, name in zip(modules, names)], off)
+    inner_of = [_parts_of(m, parts) for m in modules]
     for m, inner in zip(modules, inner_of):  # all checked before any is wrapped
         owned = {id(x) for x in m.modules()}
         if not inner or any(not isinstance(x, torch.nn.Module) or id(x) not in owned or x is m for x in inner):
-            raise ValueError(f"parts({type(m).__name__}) must give submodules of it (its forward calls each once, "
+            raise ValueError(f"parts({_class_name(m)}) must give submodules of it (its forward calls each once, "
                              f"in order); got {[type(x).__name__ for x in inner]}")
         if len({id(x) for x in inner}) != len(inner):
-            raise ValueError(f"parts({type(m).__name__}) gives a submodule twice: each part is one group")
+            raise ValueError(f"parts({_class_name(m)}) gives a submodule twice: each part is one group")
         if any(y is not x and id(y) in {id(z) for z in x.modules()} for x in inner for y in inner):
-            raise ValueError(f"parts({type(m).__name__}) gives a part inside another: groups do not nest (R2)")
-        if any(getattr(x.forward, "__actoffload_group__", None) is not None for x in inner):
-            raise ValueError(f"a part of {type(m).__name__} is already wrapped; remove() its handle first")
+            raise ValueError(f"parts({_class_name(m)}) gives a part inside another: groups do not nest (R2)")
+        if any(_is_wrapped(x) for x in inner):
+            raise ValueError(f"a part of {_class_name(m)} is already wrapped; remove() its handle first")
     every = [id(x) for inner in inner_of for x in inner]
     if len(set(every)) != len(every) or {id(m) for m in modules} & set(every):
         raise ValueError("parts gives one submodule for two modules, or a module that is itself wrapped: "
                          "each part is one group (R2)")
-    restores = []
+    todo: list[tuple[torch.nn.Module, str, int]] = []
     for m, name, inner in zip(modules, names, inner_of):
-        restores += [_wrap_one(x, off, f"{name}.{k}") for k, x in enumerate(inner)]
-        restores.append(_wrap_one(m, off, name, parts=len(inner)))
+        todo += [(x, f"{name}.{k}", 0) for k, x in enumerate(inner)]
+        todo.append((m, name, len(inner)))
+    return _wrap_all(todo, off)
+
+
+def _parts_of(module: torch.nn.Module, parts: Callable[[torch.nn.Module], Any]) -> list[Any]:
+    result = parts(module)
+    given = None
+    if not isinstance(result, (str, bytes, torch.Tensor)):
+        try:
+            given = list(result)
+        except TypeError:
+            pass
+    if given is None:
+        raise TypeError(f"parts({_class_name(module)}) must return a sequence of submodules of it "
+                        f"(its forward calls each once, in order); got {result!r}")
+    return given
+
+
+def _wrap_all(todo: list[tuple[torch.nn.Module, str, int]], off: Offloader) -> WrapHandle:
+    restores: list[Callable[[], None]] = []
+    try:
+        for m, name, n in todo:
+            restores.append(_wrap_one(m, off, name, n))
+    except BaseException:
+        WrapHandle(restores).remove()
+        raise
     return WrapHandle(restores)
 
 
+def _is_wrapped(module: torch.nn.Module) -> bool:
+    return _WRAP in vars(module)
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    return _plain_class(type(module)).__name__
+
+
+class _Wrap:
+    """A wrapped module's bookkeeping (kept out of its copies and pickles)."""
+
+    __slots__ = ("off", "name", "parts", "norms", "own_forward")
+
+    def __init__(self, off: Offloader, name: str, parts: int, norms: list[torch.nn.modules.batchnorm._NormBase],
+                 own_forward: Callable[..., Any] | None):
+        self.off, self.name, self.parts, self.norms = off, name, parts, norms
+        self.own_forward = own_forward  # a forward the instance had of its own before wrapping
+
+
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
-    had_own = "forward" in vars(module)
-    inner = module.forward
+    before = type(module)
+    cls = _wrapped_class(before)
+    own = vars(module).get("forward")
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+    state = _Wrap(off, name, parts, norms, own)
+    module.__class__ = cls
+    vars(module)[_WRAP] = state
+    if own is not None:
+        del vars(module)["forward"]
+
+    def restore() -> None:
+        if vars(module).get(_WRAP) is not state:
+            return  # already undone
+        del vars(module)[_WRAP]
+        if own is not None and "forward" not in vars(module):
+            vars(module)["forward"] = own
+        now = type(module)
+        if now is cls:
+            module.__class__ = before
+        elif cls in now.__mro__:  # a class swap after wrapping (FSDP2): keep it, without ours
+            module.__class__ = _plain_class(now)
+
+    return restore
+
+
+_CLASSES: dict[type, type[torch.nn.Module]] = {}  # class -> its generated subclass
+_PLAIN: dict[type, type] = {}  # a class with a generated class among its bases -> the same without
+
+
+def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """The generated subclass of ``base`` whose forward opens the module's group."""
+    known = _CLASSES.get(base)
+    if known is not None:
+        return known
 
     # Not a `with` block: torch.compile cannot resume inside a `with` whose context manager
     # it does not trace, and would then run the whole forward eagerly. Two calls it does not
     # trace are two clean graph breaks, and the module's own forward between them compiles.
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(base.forward)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        w: _Wrap = getattr(self, _WRAP)
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
-        recomputable = not torch.compiler.is_compiling() and not _updates_stats(norms)
-        group = _open(module, off, name, recomputable, parts, args, kwargs)
+        recomputable = not torch.compiler.is_compiling() and not _updates_stats(w.norms)
+        group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
-                out = _recomputed(inner, group, args, kwargs)
+                inner = w.own_forward if w.own_forward is not None else functools.partial(base.forward, self)
+                out = _recomputed(self, inner, group, args, kwargs)
+            elif w.own_forward is not None:
+                out = w.own_forward(*args, **kwargs)
             else:
-                out = inner(*args, **kwargs)
+                out = base.forward(self, *args, **kwargs)
         except BaseException:
             _close(group, failed=True)
             raise
         _close(group, failed=False)
         return out
 
-    forward.__actoffload_group__ = name  # type: ignore[attr-defined]
-    module.forward = forward
+    def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
+        # A copy or a pickle is of the class the module had: plain, not wrapped.
+        reduced = super(cls, self).__reduce_ex__(protocol)
+        if not isinstance(reduced, tuple):
+            return reduced
+        now, plain = type(self), _plain_class(type(self))
+        rv = list(reduced)
+        if rv[0] is now:  # a __reduce__ calling the class
+            rv[0] = plain
+        # pickle insists that __newobj__ makes an object of the pickled one's class: call the
+        # class's __new__ directly instead (what __newobj__ does)
+        if rv[0] is _NEWOBJ and rv[1][0] is now:
+            rv[0], rv[1] = plain.__new__, (plain, *rv[1][1:])
+        elif rv[0] is _NEWOBJ_EX and rv[1][0] is now:
+            rv[0], rv[1] = functools.partial(plain.__new__, plain, *rv[1][1], **rv[1][2]), ()
+        elif len(rv) > 1 and isinstance(rv[1], tuple) and rv[1] and rv[1][0] is now:  # copyreg._reconstructor
+            rv[1] = (plain, *rv[1][1:])
+        if len(rv) > 2:
+            rv[2] = _plain_state(rv[2])
+        return tuple(rv)
 
-    def restore() -> None:
-        if had_own:
-            module.forward = inner
-        else:
-            del module.forward
+    namespace: dict[str, Any] = {
+        "forward": forward, "__reduce_ex__": __reduce_ex__, _BASE: base,
+        "__module__": __name__, "__qualname__": f"Offload{base.__name__}",
+    }
+    deepcopy = getattr(base, "__deepcopy__", None)
+    if deepcopy is not None:  # the class copies itself: let it copy the module as it was
+        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
+            proxy: Any = object.__new__(_plain_class(type(self)))
+            vars(proxy).update(_plain_state(vars(self)))
+            new = deepcopy(proxy, memo)
+            memo[id(self)] = new
+            return new
+        namespace["__deepcopy__"] = __deepcopy__
+    cls: type[torch.nn.Module] = type(base)(f"Offload{base.__name__}", (base,), namespace)  # type: ignore[misc]
+    _CLASSES[base] = cls
+    return cls
 
-    return restore
+
+def _plain_class(cls: type) -> type:
+    """``cls`` without the generated classes of ``wrap`` in its hierarchy."""
+    base = vars(cls).get(_BASE)
+    if base is not None:
+        return base
+    if not any(_BASE in vars(k) for k in cls.__mro__):
+        return cls
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        plain = type(cls)(cls.__name__, tuple(_plain_class(b) for b in cls.__bases__), namespace)
+        _PLAIN[cls] = plain
+    return plain
+
+
+def _plain_state(state: Any) -> Any:
+    """A module's pickled state without the wrap's bookkeeping (and with its own forward back)."""
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):  # (dict, slots)
+        return (_plain_state(state[0]), state[1])
+    if not isinstance(state, dict) or _WRAP not in state:
+        return state
+    state = dict(state)
+    w = state.pop(_WRAP)
+    if isinstance(w, _Wrap) and w.own_forward is not None:
+        state.setdefault("forward", w.own_forward)
+    return state
 
 
 def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -166,11 +337,76 @@ def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
     return any(m.training and m.track_running_stats for m in norms)
 
 
+# what every nn.Module has in its __dict__ from Module.__init__ (hooks, registries), except the training flag
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_MISSING = object()
+
+
+def _immutable(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, tuple) and all(_immutable(v) for v in value)
+
+
+class _ForwardState:
+    """What a recomputed module's forward saw, for its recomputation in backward: the
+    parameters and buffers of the module and its submodules (references, not copies), and
+    their immutable plain attributes (the training flag among them)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.tensors = self._tensors()
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS and _immutable(v)})
+                      for m in module.modules()]
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = dict(self.module.named_parameters(remove_duplicate=False))
+        tensors.update(self.module.named_buffers(remove_duplicate=False))
+        return tensors
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """The forward's attributes, parameters and buffers, for as long as the block runs;
+        then those of now again."""
+        undo: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for m, attrs in self.attrs:
+                d = vars(m)
+                for k, v in attrs.items():
+                    now = d.get(k, _MISSING)
+                    if now is not v:
+                        undo.append((d, k, now))
+                        d[k] = v
+            now = self._tensors()
+            same = now.keys() == self.tensors.keys() and all(now[k] is t for k, t in self.tensors.items())
+            with contextlib.nullcontext() if same else compat.reparametrized(self.module, self.tensors):
+                yield
+        finally:
+            for d, k, v in reversed(undo):
+                if v is _MISSING:
+                    d.pop(k, None)
+                else:
+                    d[k] = v
+
+
 @compat.not_traced
-def _recomputed(inner: Callable[..., Any], group: GroupContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: GroupContext,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``inner`` under non-reentrant checkpointing with the group's contexts (never traced:
-    Dynamo cannot trace checkpoint with a ``context_fn`` of ours)."""
-    return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False,
+    Dynamo cannot trace checkpoint with a ``context_fn`` of ours). The recomputation in
+    backward sees the state the forward saw (:class:`_ForwardState`)."""
+    state = _ForwardState(module)
+    calls = 0
+
+    def run(*a: Any, **k: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the forward
+            return inner(*a, **k)
+        with state.restored():  # a recomputation
+            return inner(*a, **k)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
                                              context_fn=group.checkpoint_contexts, **kwargs)
 
 

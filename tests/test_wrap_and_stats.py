@@ -11,14 +11,17 @@ from helpers import IMPLS, mlp_stack, off_for
 def test_wrap_makes_one_group_per_module_and_remove_undoes_it(impl):
     model = mlp_stack(3, 16, "cpu")
     off = off_for(impl, "cpu")
+    attrs = [set(vars(m)) for m in model]
     handle = ao.wrap(model, off)
+    assert all(isinstance(m, torch.nn.Sequential) for m in model)  # still what they were
     model(torch.randn(4, 16, requires_grad=True)).sum().backward()
     assert sorted(off.stats()["groups"]) == ["0", "1", "2"]
     handle.remove()
     off2 = off_for(impl, "cpu")
     model(torch.randn(4, 16, requires_grad=True)).sum().backward()
     assert off2.stats()["groups"] == {}
-    assert not any("forward" in vars(m) for m in model)  # every module has its own forward back
+    assert all(type(m) is torch.nn.Sequential for m in model)  # every module has its own class back
+    assert [set(vars(m)) for m in model] == attrs  # and nothing left over
 
 
 @pytest.mark.parametrize("impl", IMPLS)
