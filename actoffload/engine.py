@@ -88,6 +88,11 @@ class Engine(Generic[GroupT, MovedT]):
         """
         raise NotImplementedError
 
+    def _inputs_copied(self, group: GroupT) -> None:
+        """``group``'s copies out must be done before any later work on the device (a later
+        in-place write must not reach them): implementations whose copies run alongside
+        compute order them here."""
+
     def _group_opening(self) -> None:
         """A group is about to open (or would, were it not kept whole): implementations may
         finish earlier work here."""
@@ -171,6 +176,7 @@ class Engine(Generic[GroupT, MovedT]):
             group.recompute = recomputable and opening.recompute
             group.release_inputs = group.recompute and opening.release_inputs
             group.kept_whole = opening.keep_all and not group.recompute
+            group.guard_inputs = group.recompute and opening.guard_inputs
             self.plan.opened(group)
             if group.kept_whole:
                 hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
@@ -236,7 +242,16 @@ class Engine(Generic[GroupT, MovedT]):
                 return
             group.state = GroupState.PENDING
             self._pending.append(weakref.ref(group))
-        if self.keep_last == 0:
+        if group.recompute:
+            # What a recomputed group saves are its module's inputs, which the caller may write
+            # in place once the forward is over (``h += block(h)``, which autograd allows where
+            # nothing saved h): committed now, and where the plan guards them, copied before any
+            # later work can write them (clones of those that stay), for the recomputation to
+            # read as the forward did (R6's exception for inputs a plan saved).
+            self._commit(group)
+            if group.guard_inputs and group.state is GroupState.COMMITTED:
+                self._inputs_copied(group)
+        elif self.keep_last == 0:
             self._advance_schedule(opening=False)
 
     def _advance_schedule(self, opening: bool) -> None:
@@ -317,6 +332,10 @@ class Engine(Generic[GroupT, MovedT]):
             saved_at.append(min(span.members))
         group.moved, group.uses, group.saved_at = needed, uses, saved_at
         group.state = GroupState.COMMITTED
+        if group.guard_inputs:
+            for s in group.saved:
+                if s.tensor is not None and s.derived and s.view is None:  # stays: a private clone
+                    s.guard, s.tensor, s.cloned = compat.version_guard(s.tensor), s.tensor.clone(), True
         group.saved = []  # decided: each buffer now lives exactly as long as its handle
         self._report_commit(group)
 
@@ -461,8 +480,14 @@ class Engine(Generic[GroupT, MovedT]):
                 "through its module (from another of its outputs, or autograd.grad for other parameters), pass "
                 "retain_graph=True to the first"
             )
+        if s.cloned and s.guard is not None:
+            held = s.guard  # the original's version counter
         if held._version != s.version:
-            raise modified_error(group, s.view.size if s.view is not None else held.shape, s.version, held._version)
+            if group.recompute:
+                self.plan.inputs_written(group)
+            if not self._copied_before_write(group, s):
+                raise modified_error(group, s.view.size if s.view is not None else held.shape, s.version,
+                                     held._version)
         if s.tensor is not None:
             t = s.tensor
             if group.release_inputs and s.derived and compat.in_backward() and not compat.backward_keeps_graph():
@@ -472,6 +497,8 @@ class Engine(Generic[GroupT, MovedT]):
                 # measured), not only when the group's whole backward is over. Leaves and
                 # constants stay: something else holds them anyway.
                 s.tensor = None
+                if s.cloned:
+                    s.guard = None
             return t
         v = s.view
         assert v is not None
@@ -484,6 +511,14 @@ class Engine(Generic[GroupT, MovedT]):
         if v.neg:
             out = compat.neg_view(out)
         return out
+
+    @staticmethod
+    def _copied_before_write(group: Group, s: SavedBuffer) -> bool:
+        """An input a plan's recomputed group saved, written in place after its forward, whose
+        copy holds the bytes as saved: the recomputation reads that copy, as the forward read
+        the input (autograd itself saved no such tensor, so it raises nothing either)."""
+        copied = s.view is not None and s.view.moved.version_at_copy == s.version
+        return group.guard_inputs and (copied or s.cloned)
 
     # ------------------------------------------------------------------ stats
     def _stats(self) -> dict[str, Any]:

@@ -48,12 +48,19 @@ class Opening:
     ``release_inputs``: those inputs are let go once recomputed from (a second backward
     through the module then needs the first to keep the graph). ``keep_all``: it keeps
     everything it saves and only counts the bytes (a plan noticing a new workload).
+    ``guard_inputs`` (a recomputed group): its module's inputs are copied when its forward
+    ends, before any later work can write them in place (those too small to move are
+    cloned), so that the recomputation reads what the forward read (``h += block(h)`` is
+    allowed where autograd saved no ``h``); ``False`` lets their copies run alongside
+    compute, for a plan that saw no such write (the engine reports one to
+    :meth:`Plan.inputs_written`).
     """
 
     hooked: bool = True
     recompute: bool = False
     release_inputs: bool = False
     keep_all: bool = False
+    guard_inputs: bool = True
 
 
 class Plan:
@@ -111,6 +118,10 @@ class Plan:
 
     def committed(self, group: Group, saves: SavePlan) -> None:
         """``group`` was committed: ``saves`` is what moved and what stayed."""
+
+    def inputs_written(self, group: Group) -> None:
+        """An input recomputed ``group`` saved was written in place after its forward (its
+        recomputation read the copy, or failed where the plan kept the input unguarded)."""
 
     def reached(self, group: Group) -> None:
         """Backward unpacked something ``group`` saved, for the first time in this pass."""

@@ -91,7 +91,7 @@ class SavedBuffer:
     it as PyTorch would, a later ``.data`` replacement included.
     """
 
-    __slots__ = ("tensor", "is_parameter", "version", "guard", "view", "derived")
+    __slots__ = ("tensor", "is_parameter", "version", "guard", "view", "derived", "cloned")
 
     def __init__(self, t: torch.Tensor, is_parameter: bool):
         self.is_parameter = is_parameter
@@ -100,6 +100,7 @@ class SavedBuffer:
         self.version = t._version
         self.guard: torch.Tensor | None = None  # set when the tensor is let go (moved)
         self.view: MovedView | None = None
+        self.cloned = False  # ``tensor`` is a private clone (a recomputed group's input); ``guard`` the original
 
 
 class Group:
@@ -127,6 +128,7 @@ class Group:
         # its recomputed module lets go of its kept inputs once recomputed from; a second
         # backward through the module then needs the first to keep the graph
         self.release_inputs = False
+        self.guard_inputs = False  # its inputs are copied (or cloned) before later work may write them
         # it keeps all it saves: autograd holds them itself, counted only (storage key ->
         # bytes), with none of the per-save work a group that may move does
         self.kept_whole = False

@@ -49,7 +49,7 @@ class WarmUp(Plan):
             self.steps += 1
 
     def opening(self, name: str, recomputable: bool, parts: int) -> Opening:
-        return Opening(recompute=self.warming and recomputable)
+        return Opening(recompute=self.warming and recomputable)  # inputs guarded: the default
 
     def opened(self, group: Group) -> None:
         if group.recompute and self._sizing():

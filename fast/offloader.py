@@ -460,3 +460,13 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _stats(self) -> dict[str, Any]:
         return {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
                 "pack_below": self.pack_below, "copies": dict(self.counters)}
+
+    def _inputs_copied(self, group: FastGroup) -> None:
+        # later compute waits for these copies, so no later write reaches their sources first;
+        # the sources are then let go (backward reads the copies, not the sources)
+        copies = {id(m.copied): m.copied for m in group.moved if isinstance(m, FastMoved) and m.copied is not None}
+        with self._inflight_lock:
+            for entry in [e for e in self._inflight if id(e[0]) in copies]:
+                self._inflight.remove(entry)
+                self._streams.wait(entry[0].done)
+                self._release_sources(entry)

@@ -47,6 +47,9 @@ class BudgetPlan(Plan):
         super().__init__()
         self.controller = BudgetController(budget, device)
         self._opening: _Planned | None = None
+        # positions whose module's inputs were written in place after its forward: always
+        # guarded, and moved out where the plan would keep them (a kept input is the caller's)
+        self._written: set[int] = set()
 
     def step_begins(self) -> None:
         self.controller.step_begins()
@@ -67,8 +70,11 @@ class BudgetPlan(Plan):
         recompute = recomputable and action.recomputes
         self._opening = _Planned(position, decision,
                                  WouldSave(self.offloader.device) if self.offloader is not None and recompute and c.profiling else None)
+        # Inputs are guarded while profiling (its copies are synchronous anyway) and where a
+        # write after the forward was seen; elsewhere their copies overlap compute as modelled.
         return Opening(recompute=recompute, release_inputs=recompute,
-                       keep_all=action is Action.KEEP and not c.profiling)
+                       keep_all=action is Action.KEEP and not c.profiling,
+                       guard_inputs=c.profiling or position in self._written)
 
     def opened(self, group: Group) -> None:
         group.plan_state, self._opening = self._opening, None
@@ -78,7 +84,12 @@ class BudgetPlan(Plan):
 
     def move_at_most(self, group: Group) -> int | None:
         planned = group.plan_state
-        return None if planned is None else self.controller.move_at_most(planned.position, planned.decision)
+        if planned is None or (group.recompute and planned.position in self._written):
+            return None
+        return self.controller.move_at_most(planned.position, planned.decision)
+
+    def inputs_written(self, group: Group) -> None:
+        self._written.add(group.plan_state.position)
 
     def saved_under_checkpoint(self, group: Group, t: torch.Tensor) -> None:
         if group.plan_state.would_save is not None:

@@ -1,0 +1,126 @@
+"""R6 and recomputation: a module the library recomputes (the warm-up, a memory budget) saves
+its inputs for it; the caller may write them in place once the forward is over
+(``h += block(h)``, which autograd allows where nothing saved ``h``), and the recomputation
+still reads what the forward read: bitwise as without an offloader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import actoffload as ao
+from helpers import assert_bitwise
+
+STEPS = 5  # a budget profiles twice, then plans (and may explore)
+
+
+def _blocks():
+    torch.manual_seed(0)
+    # tanh saves its output, not its input: autograd saves no h, so h += ... is allowed
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(64, 64)) for _ in range(4))
+
+
+def _step(blocks, step: int) -> list[torch.Tensor]:
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).requires_grad_(True)
+    h = x * 1
+    for b in blocks:
+        h += b(h)
+    h.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return grads
+
+
+def _smallest_and_largest() -> tuple[int, int]:
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(3):
+            _step(blocks, step)
+        plan = off.stats()["plan"]
+    return plan["smallest_reachable_bytes"], plan["predicted_peak_bytes"]
+
+
+def _settings():
+    least, most = _smallest_and_largest()
+    return {
+        "warm-up": dict(warmup="recompute"),
+        "warm-up, small inputs kept": dict(warmup="recompute", min_offload_bytes=1 << 20),
+        "budget, everything fits": dict(memory_budget=1 << 40),
+        "budget, least memory": dict(memory_budget=least),
+        "budget, halfway": dict(memory_budget=(least + most) // 2),
+    }
+
+
+SETTINGS = _settings()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_R6_inputs_a_recomputed_module_saved_may_be_written_in_place_after_its_forward(name):
+    expected = [_step(_blocks(), step) for step in range(STEPS)]
+    settings = {"min_offload_bytes": 0, **SETTINGS[name]}
+    off = ao.Offloader(impl="fast", device="cpu", **settings)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(STEPS):
+            assert_bitwise(_step(blocks, step), expected[step])
+
+
+def test_R6_a_saved_tensor_written_in_place_still_raises_where_autograd_saved_it():
+    """The exception is for inputs only a plan saved: a tensor the module's own ops saved and
+    the caller then wrote raises as it does without an offloader."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])  # linear saves its input
+    off = ao.Offloader(impl="fast", device="cpu", warmup="recompute", min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        h = torch.randn(4, 8, requires_grad=True) * 1
+        h += blocks[0](h)
+        with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+            h.sum().backward()
+
+
+class _Decision:
+    def __init__(self, action):
+        self.action = action
+
+
+class _RecomputingController:
+    """Stands in for the budget's controller: one profiling step, then every group recomputed
+    with its inputs kept on the device (the plan a budget picks where that is cheapest)."""
+
+    def __init__(self):
+        self.profiling, self.next_position, self.steps = True, 0, 0
+
+    def step_begins(self):
+        self.steps += 1
+        self.profiling, self.next_position = self.steps == 1, 0
+
+    def unhooked_next(self):
+        return False
+
+    def action(self, recomputable, parts=0):
+        from actoffload.budget.actions import Action
+
+        self.next_position += 1
+        return _Decision(Action.RECOMPUTE_OFFLOAD if self.profiling else Action.RECOMPUTE)
+
+    def move_at_most(self, position, decision):
+        return None if self.profiling else 0  # kept on the device once planned
+
+    def __getattr__(self, name):  # every other point: nothing to do here
+        return lambda *args, **kwargs: None
+
+
+def test_R6_a_budget_that_saw_inputs_written_while_profiling_guards_them_in_its_plan():
+    from actoffload.budget.plan import BudgetPlan
+
+    expected = [_step(_blocks(), step) for step in range(3)]
+    plan = BudgetPlan(1 << 40, torch.device("cpu"))
+    plan.controller = _RecomputingController()
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, plan=plan)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(3):
+            assert_bitwise(_step(blocks, step), expected[step])
+            assert all(g["recomputed"] for g in off.stats()["groups"].values())
