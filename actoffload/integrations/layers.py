@@ -1,0 +1,291 @@
+"""Finding a model's layers, and a handle that wraps them (and takes them off) on demand.
+
+Shared by the framework integrations; imports no framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import torch
+
+from ..offloader import Offloader
+from ..wrapping import WrapHandle, wrap
+
+# Where the common architectures keep their decoder layers (transformers' names); tried in this
+# order when the model says nothing through ``_no_split_modules``.
+KNOWN_PATHS = (
+    "model.layers",                 # Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, OLMo, ...
+    "model.language_model.layers",  # vision-language models (Llava, Gemma 3, Qwen2-VL, ...)
+    "language_model.model.layers",
+    "transformer.h",                # GPT-2, GPT-J, GPT-Neo, Falcon, BLOOM, StarCoder
+    "gpt_neox.layers",              # GPT-NeoX, Pythia
+    "model.decoder.layers",         # OPT, BART's decoder
+    "transformer.blocks",           # MPT
+    "layers", "blocks", "h",        # the bare backbones, and models of one's own
+)
+
+# what ``layers=`` may be: the modules, a ``ModuleList``, an attribute path, or a function of the model
+LayersArg = Union[None, str, torch.nn.Module, Iterable[torch.nn.Module], Callable[[torch.nn.Module], Any]]
+
+
+def _class_names(module: torch.nn.Module) -> set[str]:
+    """Names of the module's classes: its own and its bases (so FSDP2's ``FSDPLlamaDecoderLayer``
+    and actoffload's ``OffloadLlamaDecoderLayer`` still count as ``LlamaDecoderLayer``)."""
+    return {k.__name__ for k in type(module).__mro__}
+
+
+def no_split_modules(model: torch.nn.Module) -> set[str]:
+    """The layer classes a model names in ``_no_split_modules`` (transformers' models do; a
+    wrapper such as PEFT's holds the model among its submodules)."""
+    names: set[str] = set()
+    for m in model.modules():
+        given = getattr(type(m), "_no_split_modules", None) or getattr(m, "_no_split_modules", None)
+        if isinstance(given, (list, tuple, set)):
+            names.update(n for n in given if isinstance(n, str))
+    return names
+
+
+def _stacks(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """Every ``ModuleList`` (or ``Sequential``) of one layer class, with its path."""
+    found = []
+    for path, m in model.named_modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 0:
+            if len({type(x) for x in m}) == 1:
+                found.append((path, m))
+    return found
+
+
+def _outermost(stacks: list[tuple[str, torch.nn.ModuleList]]) -> list[tuple[str, torch.nn.ModuleList]]:
+    """Those not inside another's layers (groups do not nest)."""
+    return [(p, m) for p, m in stacks
+            if not any(q != p and p.startswith(q + ".") for q, _ in stacks)]
+
+
+def _get_path(model: torch.nn.Module, path: str) -> Any:
+    obj: Any = model
+    for part in path.split("."):
+        if not part:
+            continue
+        obj = obj[int(part)] if part.isdigit() and isinstance(obj, (torch.nn.ModuleList, torch.nn.Sequential)) \
+            else getattr(obj, part)
+    return obj
+
+
+def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The stacks of layers to wrap in ``model``, each as ``(path, ModuleList)``.
+
+    1. The outermost ``ModuleList``s whose layers are all of one class the model lists in
+       ``_no_split_modules`` (transformers' models list their decoder layer there): every such
+       stack, so a vision-language model's vision tower is found too.
+    2. Otherwise the first of :data:`KNOWN_PATHS` that holds a ``ModuleList`` of one class.
+    3. Otherwise the ``ModuleList`` of one class with the most layers (at least two), if no
+       other has as many.
+
+    Raises ``ValueError`` naming ``layers=`` and the candidates where none of these finds one.
+    """
+    stacks = _stacks(model)
+    no_split = no_split_modules(model)
+    if no_split:
+        listed = _outermost([(p, m) for p, m in stacks if _class_names(m[0]) & no_split])
+        if listed:
+            return listed
+    by_path = dict(stacks)
+    # a wrapper (PEFT, DDP, a LightningModule) holds the model under a prefix: try each
+    for path in KNOWN_PATHS:
+        for p, m in by_path.items():
+            if p == path or p.endswith("." + path):
+                return [(p, m)]
+    several = [(p, m) for p, m in _outermost(stacks) if len(m) >= 2]
+    if several:
+        most = max(len(m) for _, m in several)
+        top = [(p, m) for p, m in several if len(m) == most]
+        if len(top) == 1:
+            return top
+    seen = ", ".join(f"{p or '<model>'} ({len(m)} x {type(m[0]).__name__})" for p, m in stacks) or "none"
+    raise ValueError(
+        f"could not tell which layers of {type(model).__name__} to offload: pass layers= (the ModuleList of "
+        f"its decoder layers, e.g. layers=model.model.layers, or its attribute path as a string, "
+        f"layers='model.layers'). ModuleLists of one layer class in the model: {seen}"
+    )
+
+
+def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torch.nn.Module], list[str]]:
+    """The modules to wrap and their group names, from ``layers=`` (see :data:`LayersArg`)."""
+    if layers is None:
+        mods: list[torch.nn.Module] = []
+        names: list[str] = []
+        for path, stack in find_layers(model):
+            mods += list(stack)
+            names += [f"{path}.{i}" if path else str(i) for i in range(len(stack))]
+        return mods, names
+    prefix = ""
+    given: Any = layers
+    if isinstance(layers, str):
+        try:
+            given = _get_path(model, layers)
+        except (AttributeError, IndexError, ValueError) as e:
+            raise ValueError(f"layers={layers!r}: {type(model).__name__} has no such submodule ({e})") from None
+        prefix = layers
+    elif callable(layers) and not isinstance(layers, torch.nn.Module):
+        given = layers(model)
+    if isinstance(given, torch.nn.Module) and not isinstance(given, (torch.nn.ModuleList, torch.nn.Sequential)):
+        given = [given]
+    try:
+        mods = list(given)
+    except TypeError:
+        raise TypeError(f"layers= must give nn.Modules (a ModuleList, a list, a path, a function of the model); "
+                        f"got {type(given).__name__}") from None
+    for m in mods:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"layers= must give nn.Modules; got a {type(m).__name__}")
+    if not mods:
+        raise ValueError("layers= gives no modules: nothing to offload")
+    if not prefix:
+        paths = {id(m): p for p, m in model.named_modules()}
+        return mods, [paths.get(id(m)) or str(i) for i, m in enumerate(mods)]
+    return mods, [f"{prefix}.{i}" for i in range(len(mods))]
+
+
+def model_device(modules: Sequence[torch.nn.Module]) -> torch.device:
+    """Where the modules compute: the device of their first parameter or buffer (the CPU if
+    they have none, or where they are on the meta device)."""
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            return t.device if t.device.type != "meta" else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def make_offloader(offloader: Offloader | None, settings: dict[str, Any],
+                   modules: Sequence[torch.nn.Module]) -> Offloader:
+    """``offloader``, or a new ``Offloader(**settings)`` for the modules' device (and with
+    ``impl="fast"`` where a ``memory_budget`` is given and no ``impl``)."""
+    if offloader is not None:
+        if settings:
+            raise TypeError(f"give either an offloader or its settings, not both (got offloader= and "
+                            f"{', '.join(sorted(settings))})")
+        if not isinstance(offloader, Offloader):
+            raise TypeError(f"offloader= must be an actoffload.Offloader, got {type(offloader).__name__}")
+        return offloader
+    settings = dict(settings)
+    settings.setdefault("device", model_device(modules))
+    if settings.get("memory_budget") is not None:
+        settings.setdefault("impl", "fast")  # the implementation that plans under a budget
+    return Offloader(**settings)
+
+
+class _GroupedCheckpoint:
+    """A checkpointed layer's checkpoint function, run inside the layer's offload group: what
+    checkpoint saves of the layer (its inputs) is in the group and moves; the layer's own
+    saves are checkpoint's, recomputed in backward (where no group opens)."""
+
+    def __init__(self, func: Callable[..., Any], offloader: Offloader, name: str):
+        self.func, self.offloader, self.name = func, offloader, name
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.offloader.group(self.name):
+            return self.func(function, *args, **kwargs)
+
+
+_CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # transformers' GradientCheckpointingLayer calls it
+
+
+def checkpointed(module: torch.nn.Module) -> bool:
+    """Whether transformers checkpoints the layer (``gradient_checkpointing`` enabled on it)."""
+    return bool(getattr(module, "gradient_checkpointing", False)) and callable(vars(module).get(_CHECKPOINT_FUNC))
+
+
+class OffloadHandle:
+    """A model's layers, the offloader their groups use, and whether they are wrapped now.
+
+    ``attach()`` makes each layer an offload group, named by its path, and ``remove()`` undoes
+    it; both may be called again and again (the integrations attach for each training step,
+    and remove around evaluation and checkpoint saving). Also a context manager: ``with
+    handle:`` attaches, and removes on leaving.
+
+    A layer is attached one of two ways, chosen at ``attach()``:
+
+    - ``ao.wrap``: its forward opens its group, everything it saves is a candidate;
+    - a layer transformers checkpoints (``model.gradient_checkpointing_enable()``, or
+      ``gradient_checkpointing=True`` in a ``Trainer``'s arguments, TRL's default): its
+      checkpoint function runs inside its group, so what checkpoint keeps of the layer, its
+      inputs, moves to host memory, and the rest is recomputed in backward as before.
+      (A group inside the checkpoint would hand its saves to checkpoint: nothing would move.)
+    """
+
+    def __init__(self, modules: list[torch.nn.Module], names: list[str], offloader: Offloader):
+        self.modules, self.names, self.offloader = modules, names, offloader
+        self._wrap: WrapHandle | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._attached = False
+
+    @property
+    def attached(self) -> bool:
+        """Whether the layers are wrapped now."""
+        return self._attached
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """Names of the layers attached through their checkpoint function (while attached)."""
+        return [n for m, n in zip(self.modules, self.names)
+                if isinstance(vars(m).get(_CHECKPOINT_FUNC), _GroupedCheckpoint)]
+
+    def attach(self) -> OffloadHandle:
+        if self._attached:
+            return self
+        plain, names = [], []
+        try:
+            for m, name in zip(self.modules, self.names):
+                if checkpointed(m):
+                    func = vars(m)[_CHECKPOINT_FUNC]
+                    vars(m)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, self.offloader, name)
+                    self._undo.append(lambda m=m, f=func: _restore_checkpoint_func(m, f))
+                else:
+                    plain.append(m)
+                    names.append(name)
+            if plain:
+                self._wrap = wrap(plain, self.offloader, names=names)
+        except BaseException:
+            self._attached = True
+            self.remove()
+            raise
+        self._attached = True
+        return self
+
+    def remove(self) -> None:
+        if not self._attached:
+            return
+        handle, self._wrap = self._wrap, None
+        undo, self._undo = self._undo, []
+        self._attached = False
+        if handle is not None:
+            handle.remove()
+        for u in reversed(undo):
+            u()
+
+    def stats(self) -> dict[str, Any]:
+        """The offloader's ``stats()``: what the latest forward's groups did."""
+        return self.offloader.stats()
+
+    def __enter__(self) -> OffloadHandle:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "detached"
+        first = f"{self.names[0]}..{self.names[-1]}" if self.names else "none"
+        return f"OffloadHandle({len(self.modules)} layers {first}, {type(self.offloader).__name__}, {state})"
+
+
+def _restore_checkpoint_func(module: torch.nn.Module, func: Callable[..., Any]) -> None:
+    if isinstance(vars(module).get(_CHECKPOINT_FUNC), _GroupedCheckpoint):  # not replaced since
+        vars(module)[_CHECKPOINT_FUNC] = func
+
+
+def handle_for(model: torch.nn.Module, layers: LayersArg = None, offloader: Offloader | None = None,
+               **settings: Any) -> OffloadHandle:
+    """A detached :class:`OffloadHandle` for ``model``'s layers (found, or as ``layers=`` says)."""
+    mods, names = resolve_layers(model, layers)
+    return OffloadHandle(mods, names, make_offloader(offloader, settings, mods))
