@@ -4,12 +4,11 @@ the budget planner's profile says (a diagnostic, not a test; CUDA).
 Each plan names, per block part (Q/K/V projection, attention core, MoE), what a step does:
 ``K`` keep, ``R`` recompute the part, ``rii`` recompute the whole block. Every plan runs
 twice: with ``torch.utils.checkpoint`` on those parts ("plain"), and under a fast
-offloader with a memory budget whose controller is made to run that plan ("off": the
-script replaces private methods of ``BudgetController`` for the whole process, to force
-the plan and read the host's clock; a diagnostic, not an API). After a warm-up, all of them run in
-interleaved rounds, so that the host's drift hits each alike; the medians and each plan's
-ratio to plain checkpointing of two blocks go to the JSON, with the host's time for each
-group's forward and recomputation while the offloader profiled.
+offloader with a memory budget whose controller is made to run that plan once profiled
+("off": ``BudgetController.force``). After a warm-up, all of them run in interleaved
+rounds, so that the host's drift hits each alike; the medians and each plan's ratio to
+plain checkpointing of two blocks go to the JSON, with the host's time for each group's
+forward and recomputation in each profiling step (``BudgetController.profiling_steps``).
 
     PYTHONPATH=. CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/recompute_costs.py OUT.json
 
@@ -24,19 +23,18 @@ import gc
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.utils.checkpoint as cp
 
 import actoffload as ao
-from actoffload.budget import controller as C
-from actoffload.budget.planner import GroupPlan, Plan, simulate
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.controller import BudgetController
 from actoffload.tools import budget_sweep as bs
 from actoffload.tools.provenance import describe
 
-CODES = {"keep": "K", "recompute": "R", "offload": "O", "recompute_offload": "Q", "recompute_whole": "r",
-         "recompute_whole_offload": "q", "inside": "i"}
+CODES = {Action.KEEP: "K", Action.RECOMPUTE: "R", Action.OFFLOAD: "O", Action.RECOMPUTE_OFFLOAD: "Q",
+         Action.RECOMPUTE_WHOLE: "r", Action.RECOMPUTE_WHOLE_OFFLOAD: "q", Action.INSIDE: "i"}
 ACTIONS = {v: k for k, v in CODES.items()}
 PLANS = {"keep": "K" * 24, "ckpt2": "riirii" + "K" * 18, "ckpt5": "rii" * 5 + "K" * 9,
          "chosen": "RKKRKKRRKRRKRKKRRKRRKRKK",  # what the device-time model chose at 7.86 GiB
@@ -45,58 +43,13 @@ PLANS = {"keep": "K" * 24, "ckpt2": "riirii" + "K" * 18, "ckpt5": "rii" * 5 + "K
 WARMUP, ROUNDS = 6, 25
 
 
-def code(groups) -> str:
-    return "".join(CODES[g.action] for g in groups)
+def code(actions) -> str:
+    return "".join(CODES[Action(a)] for a in actions)
 
 
-FORCED: dict[int, str] = {}  # controller -> the plan it must run
-HOST: dict[int, dict] = {}  # controller -> host times while profiling
-
-
-def _patch_controller() -> None:
-    fastest, begins, ends = C.BudgetController._fastest, C.BudgetController.recompute_begins, C.BudgetController.recompute_ends
-    action, closing = C.BudgetController.action, C.BudgetController.group_closing
-
-    def forced(self, fitting):
-        want = FORCED.get(id(self))
-        if want is None:
-            return fastest(self, fitting)
-        for p in self.plans:
-            if code(p.groups) == want and (p.max_inflight, p.prefetch) == (0, 0):
-                return p
-        groups = tuple(GroupPlan(ACTIONS[ch]) for ch in want)
-        p = Plan(groups, 0, 0, *simulate(self.profile, groups, 0, 0))
-        self.plans.append(p)
-        return p
-
-    def host(self, kind, pos, start):
-        if self._profiling is None:
-            return
-        d = HOST.setdefault(id(self), {})
-        if start:
-            d[("start", kind, pos)] = time.perf_counter()
-        else:
-            d.setdefault((kind, pos), []).append(time.perf_counter() - d[("start", kind, pos)])
-
-    def on_begins(self, pos):
-        host(self, "rec", pos, True)
-        return begins(self, pos)
-
-    def on_ends(self, pos):
-        host(self, "rec", pos, False)
-        return ends(self, pos)
-
-    def on_action(self, recomputable, parts=0):
-        host(self, "fwd", self._position, True)
-        return action(self, recomputable, parts)
-
-    def on_closing(self, pos):
-        host(self, "fwd", pos, False)
-        return closing(self, pos)
-
-    C.BudgetController._fastest = forced
-    C.BudgetController.recompute_begins, C.BudgetController.recompute_ends = on_begins, on_ends
-    C.BudgetController.action, C.BudgetController.group_closing = on_action, on_closing
+def _controller(off: ao.Offloader) -> BudgetController:
+    """The budget controller of a fast offloader made with a ``memory_budget``."""
+    return off.plan.controller
 
 
 def _checkpointing(pattern: str):
@@ -115,7 +68,6 @@ def _checkpointing(pattern: str):
 
 
 def main(out: str, dev: torch.device = torch.device("cuda"), small: bool = False) -> None:
-    _patch_controller()
     w = bs._gpt_moe(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, small=small)
     gc.freeze()
     runners = {}
@@ -126,7 +78,7 @@ def main(out: str, dev: torch.device = torch.device("cuda"), small: bool = False
     for name, pattern in PLANS.items():
         r = bs._Runner(w, bs.Method("off_" + name, parts=True, offloader=lambda: ao.Offloader(
             impl="fast", device=dev, memory_budget=1 << 50)), dev)
-        FORCED[id(r.off._budget)] = pattern
+        _controller(r.off).force([GroupDecision(ACTIONS[ch]) for ch in pattern])
         runners["off_" + name] = r
     step = 0
     for r in runners.values():
@@ -147,10 +99,12 @@ def main(out: str, dev: torch.device = torch.device("cuda"), small: bool = False
         if runners[name].off is not None:
             s = runners[name].off.stats()["plan"]
             doc[name]["plan"] = {k: v for k, v in s.items() if k != "groups"}
-            line += f"  model {s['predicted_step_s'] * 1e3:.1f}  {code([GroupPlan(g['action']) for g in s['groups']])}"
+            line += f"  model {s['predicted_step_s'] * 1e3:.1f}  {code(g['action'] for g in s['groups'])}"
         print(line, flush=True)
-    host = HOST[id(runners["off_keep"].off._budget)]
-    doc["host"] = {f"{k[0]}{k[1]}": v for k, v in host.items() if k[0] in ("fwd", "rec")}
+    steps = _controller(runners["off_keep"].off).profiling_steps  # the host's seconds, one per profiling step
+    n = len(steps[0].groups) if steps else 0
+    doc["host"] = {**{f"fwd{i}": [s.groups[i].host_s for s in steps] for i in range(n)},
+                   **{f"rec{i}": [s.groups[i].recompute_host_s for s in steps] for i in range(n)}}
     with open(out, "w") as f:
         json.dump(doc, f)
 

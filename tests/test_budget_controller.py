@@ -1,512 +1,459 @@
-"""The budget controller's judgement: measured peaks beat the model, and a base that grows
-(optimizer state made after the first step) moves every plan (CPU; the probe is faked)."""
+"""The budget controller's judgement, through its public interface: measured peaks beat the
+model, a base that grows (optimizer state made after the first step) profiles again, plans
+the model promises are measured, and a step whose backward failed is dropped (CPU; the probe
+is a fake the test drives, or the CPU's own)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from actoffload.budget.controller import TIMINGS, BudgetController, _key, _merged
-from actoffload.budget.planner import GroupPlan, GroupProfile, Plan, Profile, candidates, choose, simulate
+from actoffload import compat, policy
+from actoffload.budget import search
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, State
+from actoffload.budget.costmodel import GroupProfile, Profile, moves_bytes
+from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
+GiB = 1 << 30
+BASE = 100 * MiB
+CPU = torch.device("cpu")
 
 
-def _controller(budget: int, measured_least: int | None = None) -> tuple[BudgetController, Plan]:
-    """A controller planned over four equal groups; ``measured_least``: the profiling step's
-    measured peak above the base (the least-memory plan ran)."""
+class _Mark:
+    """A point in the fake device's time; ``done``: the device reached it."""
+
+    def __init__(self, t: float, done: bool):
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class FakeProbe:
+    """A device whose memory and time the test sets: ``cuda`` like a GPU (steps are timed and
+    their peaks read) or like the CPU; ``advance`` moves its clock, and ``host_s`` the host's
+    clock at each reading (``None``: the host is the device)."""
+
+    def __init__(self, cuda: bool = True, allocated: int = BASE, host_s: float | None = None):
+        self.cuda = cuda
+        self.now = 0.0
+        self.allocated_bytes = allocated
+        self.peak_bytes = 0
+        self.pending = False  # marks made now are not reached yet
+        self.marks: list[_Mark] = []
+        self.host_s, self.host_now = host_s, 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def mark(self) -> _Mark:
+        self.marks.append(_Mark(self.now, not self.pending))
+        return self.marks[-1]
+
+    def seconds(self, start: _Mark, end: _Mark) -> float:
+        return end.t - start.t
+
+    def allocated(self) -> int:
+        return self.allocated_bytes
+
+    def peak(self) -> int:
+        return self.peak_bytes
+
+    def reset_peak(self) -> None:
+        pass
+
+    def host_clock(self) -> float | None:
+        if self.host_s is None:
+            return None
+        self.host_now += self.host_s  # read as a group opens and as it closes: host_s apart
+        return self.host_now
+
+    def bandwidth(self) -> tuple[float, float]:
+        return 20e9, 20e9
+
+
+def _profile() -> Profile:
     g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3,
                      forward_extra=16 * MiB, backward_extra=16 * MiB)
-    profile = Profile((g,) * 4, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
-    c = BudgetController(budget, torch.device("cpu"))
-    c.profile, c.plans, c._reprofile = profile, candidates(profile), False  # as if profiled
-    least_groups = (GroupPlan("recompute_offload"),) * 4
-    least = Plan(least_groups, 0, 0, *simulate(profile, least_groups, 0, 0))
-    c.plans.append(least)
-    if measured_least is not None:
-        c._measured[_key(least)] = measured_least
-    c._choose()
-    return c, least
+    return Profile((g,) * 4, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+
+
+def _controller(budget: int, profiled_peak: int | None = None, probe: FakeProbe | None = None,
+                profile: Profile | None = None) -> BudgetController:
+    """A controller planned over ``profile`` (four equal groups); ``profiled_peak``: the
+    profiling step's measured peak (the least-memory plan ran)."""
+    c = BudgetController(budget, CPU, probe=probe or FakeProbe(cuda=False))
+    c.adopt_profile(profile or _profile(), profiled_peak)
+    return c
+
+
+def _run(c: BudgetController, steps: int, seconds_of) -> None:
+    """``steps`` steps as the offloader drives them, each ``seconds_of(plan)`` long (a step is
+    timed when the next begins)."""
+    for _ in range(steps):
+        c.step_begins()
+        c.probe.advance(seconds_of(c.plan))
+        c.backward_ends()
+
+
+def _measured(c: BudgetController) -> dict:
+    return {m.plan.key: m for m in c.measured_plans()}
 
 
 def test_controller_a_plan_that_ran_is_judged_by_its_measured_peak():
-    _, least = _controller(1 << 40)
+    least = _controller(1 << 40).plans[-1]  # the profiled plan
     below_every_model = least.peak - 4 * MiB  # the model was pessimistic; the step measured less
-    c, _ = _controller(below_every_model, measured_least=below_every_model - 100 * MiB)
-    assert _key(c.plan) == _key(least)
+    c = _controller(below_every_model, profiled_peak=below_every_model)
+    assert c.plan.key == least.key
 
 
 def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within_the_budget():
-    c, least = _controller(1 << 40, measured_least=0)
-    keep = max(c.plans, key=lambda p: p.peak)
-    c.budget = keep.peak + MiB  # the least margin: what the model never sees
-    c._choose()
-    assert _key(c.plan) == _key(keep)
-    c.margin = 1 << 40  # every model figure out of reach
-    c._choose()
-    assert _key(c.plan) == _key(least)  # measured: still fits
-
-
-class _Allocated:
-    """A probe whose allocated bytes the test sets (the rest as on the CPU)."""
-
-    def __init__(self, probe, allocated):
-        self._probe, self.bytes = probe, allocated
-
-    def allocated(self):
-        return self.bytes
-
-    def __getattr__(self, name):
-        return getattr(self._probe, name)
+    keep = max(_controller(1 << 40).plans, key=lambda p: p.peak)
+    probe = FakeProbe()
+    c = _controller(keep.peak + MiB, profiled_peak=BASE, probe=probe)  # (a MiB: the least margin)
+    assert c.plan.key == keep.key
+    c.step_begins()
+    probe.peak_bytes = c.budget + (1 << 40)  # every model figure out of reach
+    c.backward_ends()
+    assert c.plan.key == c.plans[-1].key  # the profiled plan, measured: still fits
 
 
 def test_controller_a_changed_base_profiles_again():
     """Gradients kept from the last step, or optimizer state made after the first, change what
     is allocated when a step begins: the profile no longer holds."""
-    c, _ = _controller(512 * MiB)
-    c.probe = _Allocated(c.probe, c.profile.base + 1024)  # noise: same workload
+    probe = FakeProbe(cuda=False, allocated=BASE + 1024)  # noise: same workload
+    c = _controller(512 * MiB, probe=probe)
     c.step_begins()
-    assert not c.profiling
-    c.probe.bytes = c.profile.base + 64 * MiB  # Adam's state appeared
+    assert not c.profiling and c.state is State.SETTLED
+    probe.allocated_bytes = BASE + 64 * MiB  # Adam's state appeared
     c.step_begins()
-    assert c.profiling
+    assert c.profiling and c.state is State.PROFILING and c.stats()["state"] == "profiling"
+
+
+def test_controller_a_step_with_more_groups_than_planned_replans_at_the_next_step():
+    c = _controller(1 << 40)
+    c.step_begins()
+    for _ in range(4):
+        assert c.action(True).action is Action.KEEP
+    assert c.state is State.SETTLED
+    assert c.action(True) == GroupDecision(Action.OFFLOAD)  # a fifth group: moved out, and a new workload
+    assert c.state is State.REPLANNING and c.stats()["state"] == "re-planning" and not c.settled
+    assert not c.profiling  # the plan runs to the end of this step
+    c.step_begins()
+    assert c.profiling and c.state is State.PROFILING
 
 
 def test_controller_measures_what_the_model_promises_and_keeps_the_fastest_measured():
-    c, _ = _controller(1 << 40)
-    keep = c.plan
-    assert all(p.action == "keep" for p in keep.groups)
-    c.budget = keep.peak - 1  # keeping everything no longer fits
-    c._choose()
+    keep = _controller(1 << 40).plan
+    assert all(d.action is Action.KEEP for d in keep.groups)
+    c = _controller(keep.peak - 1, probe=FakeProbe())  # keeping everything no longer fits
     first = c.plan
-    c._runs[_key(first)] = 2
-    c._times[_key(first)] = [10 * first.step_s] * (TIMINGS - 1)  # far slower than modelled
-    c._choose()
-    assert _key(c.plan) == _key(first)  # fewer than TIMINGS timed steps are not a measurement yet
-    c._runs[_key(first)] = 3
-    c._times[_key(first)].append(11 * first.step_s)
-    c._choose()
-    second = c.plan
-    assert _key(second) != _key(first) and second.step_s < 10 * first.step_s  # the model's next promise runs
-    c._runs[_key(second)] = 3
-    c._times[_key(second)] = [2 * first.step_s, 3 * first.step_s, 2 * first.step_s]
-    c._choose()
-    assert _key(c.plan) not in (_key(first),)  # never back to the slow one
-    for _ in range(10):  # a model that is always wrong: exploring stops after EXPLORE plans
-        k = _key(c.plan)
-        c._runs[k] = 3
-        c._times.setdefault(k, [20 * first.step_s] * TIMINGS)
-        c._choose()
-    from actoffload.budget.controller import EXPLORE
-    assert len(c._runs) <= EXPLORE + 1
-    assert _key(c.plan) == _key(second)  # the fastest measured
+    t0 = first.step_s
+    times = {first.key: 10 * t0}  # far slower than modelled
+
+    def seconds_of(plan):  # the next plan tried is the fastest; every later one is slow
+        return times.setdefault(plan.key, 2.5 * t0 if len(times) == 1 else 20 * t0)
+
+    _run(c, TIMINGS, seconds_of)
+    c.step_begins()  # its first step pins host memory: TIMINGS - 1 timed steps so far
+    assert c.plan.key == first.key and _measured(c)[first.key].step_s is None  # not a measurement yet
+    c.probe.advance(seconds_of(c.plan))
+    c.backward_ends()
+    _run(c, 40, seconds_of)
+    measured = _measured(c)
+    assert measured[first.key].steps == TIMINGS + 1  # measured, then never back to the slow one
+    assert len(measured) <= EXPLORE + 2  # the model's promises, and the best plan moving no bytes
+    second = next(k for k, t in times.items() if t == 2.5 * t0)
+    assert c.settled and c.plan.key == second  # the fastest measured
 
 
 def test_controller_a_measured_plan_the_model_cannot_beat_stays():
-    c, _ = _controller(1 << 40)
+    c = _controller(1 << 40, probe=FakeProbe())
     keep = c.plan
-    c._runs[_key(keep)] = 3
-    c._times[_key(keep)] = [keep.step_s] * TIMINGS  # as modelled: no plan promises to be faster
-    c._choose()
-    assert _key(c.plan) == _key(keep)
+    assert not c.settled and c.state is State.EXPLORING  # on a GPU: measured first
+    _run(c, TIMINGS + 3, lambda p: p.step_s)  # as modelled: no plan promises to be faster
+    assert c.plan.key == keep.key and c.settled and list(_measured(c)) == [keep.key]
 
 
 def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_modelled_bus():
-    c, least = _controller(1 << 40)
-    c._profiled = least.groups
-    mover = next(p for p in c.plans if any(g.action == "offload" for g in p.groups))
+    c = _controller(1 << 40, probe=FakeProbe())
+    mover = next(p for p in c.plans if any(d.action is Action.OFFLOAD for d in p.groups))
+    c.force(mover.groups, mover.max_inflight, mover.prefetch)
     bus = c.profile.d2h_bps
-    c._runs[_key(mover)] = 2
-    for _ in range(TIMINGS):  # measured: the median of its timed steps
-        c._untimed = (_key(mover), 0.0, 2 * mover.step_s + 1e-3)  # CPU marks: host seconds
-        c._time_last_step()
+    _run(c, TIMINGS + 1, lambda p: 2 * mover.step_s + 1e-3)
+    c.step_begins()  # times the last step: measured
     assert c.profile.d2h_bps < bus
-    again = next(p for p in c.plans if _key(p) == _key(mover))
+    again = next(p for p in c.plans if p.key == mover.key)
     assert abs(again.step_s - (2 * mover.step_s + 1e-3)) < 0.01 * again.step_s  # the model now agrees
-    keep = next(p for p in c.plans if all(g.action == "keep" for g in p.groups))
+    keep = next(p for p in c.plans if all(d.action is Action.KEEP for d in p.groups))
     assert keep.step_s == min(p.step_s for p in c.plans)  # moving nothing is unaffected
-
-
-def test_controller_two_profiling_steps_merge_to_the_faster_time_and_the_larger_memory():
-    """The first profiling step also pins host memory: its times run long, its peaks do not lie."""
-    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=3e-3, backward_s=2e-3,
-                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB, recompute_s=5e-4,
-                     host_s=6e-3)
-    h = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=4e-3,
-                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB, recompute_s=7e-4,
-                     host_s=2e-3)
-    first = Profile((g,), base=100 * MiB, outside_s=2e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
-    second = Profile((h,), base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=4 * MiB)
-    m = _merged(first, second).groups[0]
-    assert (m.forward_s, m.backward_s, m.recompute_s, m.host_s) == (1e-3, 2e-3, 5e-4, 2e-3)
-    assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
-    assert _merged(first, second).outside_s == 1e-3 and _merged(first, second).outside_extra == 8 * MiB
-
-
-class _Overshooting(_Allocated):
-    """A CUDA-like probe whose step peaks the test sets."""
-
-    cuda = True
-
-    def __init__(self, probe, peak):
-        super().__init__(probe, 0)
-        self.peak_bytes = peak
-
-    def peak(self):
-        return self.peak_bytes
-
-
-def test_controller_an_overshoot_widens_the_margin_of_every_plan_not_yet_run():
-    # the model's error follows the plan, not its copy window: the same groups under another
-    # window would overshoot again
-    c, _ = _controller(1 << 40)
-    keep = c.plan
-    c.budget = keep.peak - 1  # keeping everything no longer fits
-    c._choose()
-    ran = c.plan
-    assert c.stats()["margin"] == MiB  # before any overshoot: the least margin
-    c.probe = _Overshooting(c.probe, c.budget + 10 * MiB)
-    c._backward_ended()
-    c.probe = c.probe._probe
-    assert c.margin == 10 * MiB + max(MiB, c.budget // 400) and c.stats()["margin"] == c.margin + MiB
-    assert _key(c.plan) != _key(ran)  # measured over the budget: another plan runs
-    untried = [p for p in c.plans if _key(p) not in c._measured]
-    assert all(p.peak + c.margin > c.budget for p in untried if p.groups == ran.groups)
 
 
 def test_controller_a_step_faster_than_modelled_shrinks_the_modelled_compute():
     """In a step that waits on the host, profiling's own work inflates the compute times."""
-    c, least = _controller(1 << 40)
-    c._profiled = least.groups
+    c = _controller(1 << 40, probe=FakeProbe())
     keep = c.plan
-    keep_forward_s = c.profile.groups[0].forward_s
-    c._runs[_key(keep)] = 2
-    c._untimed = (_key(keep), 0.0, 0.5 * keep.step_s)  # CPU marks: host seconds
-    c._time_last_step()
-    assert c.profile.groups[0].forward_s == keep_forward_s  # one timed step corrects nothing yet
-    for _ in range(TIMINGS - 1):
-        c._untimed = (_key(keep), 0.0, 0.5 * keep.step_s)
-        c._time_last_step()
-    again = next(p for p in c.plans if _key(p) == _key(keep))
+    forward_s = c.profile.groups[0].forward_s
+    _run(c, 2, lambda p: 0.5 * keep.step_s)
+    c.step_begins()
+    assert c.profile.groups[0].forward_s == forward_s  # one timed step corrects nothing yet
+    c.probe.advance(0.5 * keep.step_s)
+    c.backward_ends()
+    _run(c, TIMINGS - 1, lambda p: 0.5 * keep.step_s)
+    c.step_begins()
+    again = next(p for p in c.plans if p.key == keep.key)
     assert abs(again.step_s - 0.5 * keep.step_s) < 0.01 * keep.step_s  # the model now agrees
     assert c.profile.d2h_bps == 20e9  # the bus is left alone
 
 
-def test_controller_shrinking_the_modelled_compute_shrinks_the_hosts_time_alike():
-    # a host-paced group stays host-paced, and its recomputation costs less by the same factor
-    c, least = _controller(1 << 40)
-    c._profiled = least.groups
-    c.profile = replace(c.profile, groups=tuple(replace(g, host_s=2 * g.forward_s) for g in c.profile.groups))
-    c._plan_all()
-    keep = next(p for p in c.plans if all(g.action == "keep" for g in p.groups))
-    before = c.profile.groups[0]
-    c._calibrate(keep, 0.5 * keep.step_s)
-    after = c.profile.groups[0]
-    factor = after.forward_s / before.forward_s
-    assert factor < 0.9
-    assert after.host_s == pytest.approx(before.host_s * factor)
-    assert after.recompute_time == pytest.approx(before.recompute_time * factor)
-
-
-def test_planner_plans_that_move_nothing_have_one_copy_window():
+def test_controller_plans_that_move_nothing_have_one_copy_window():
     """A window of copies matters only to a plan that moves bytes: the same groups under
     another window are the same plan (tried, measured and given a margin once)."""
-    c, _ = _controller(1 << 40)
+    c = _controller(1 << 40)
     for p in c.plans:
-        if not any(g.action in ("offload", "recompute_offload") for g in p.groups):
+        if not any(d.action.moves for d in p.groups):
             assert (p.max_inflight, p.prefetch) == (0, 0)
 
 
-def _run_steps(c: BudgetController, steps: int, slower: float) -> None:
-    """Steps as the offloader drives them: each plan's steps after its first are timed, the
-    measured time ``slower`` times what the model says."""
-    for _ in range(steps):
-        k = _key(c.plan)
-        c._runs[k] = c._runs.get(k, 0) + 1
-        if c._runs[k] >= 2:
-            c._untimed = (k, 0.0, slower * c.plan.step_s)  # CPU marks: host seconds
-            c._time_last_step()
-
-
 def test_controller_keeps_trying_what_the_model_promises_step_by_step():
-    c, least = _controller(1 << 40)
-    c._profiled = least.groups
-    c.budget = c.plan.peak - 1  # keeping everything no longer fits: plans to choose from
-    c._choose()
-    _run_steps(c, 4 * (TIMINGS + 1) * 2, slower=3.0)  # the model always promises too much
-    from actoffload.budget.controller import EXPLORE
-    assert 3 <= len(c._runs) <= EXPLORE + 1
-
-
-def test_controller_profiles_are_merged_only_for_one_workload_on_one_base():
-    from actoffload.budget.controller import _same_workload
-
-    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
-    a = Profile((g,) * 2, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9)
-    assert _same_workload(a, a, MiB)
-    slightly = replace(a, groups=(replace(g, spans=(66 * MiB,)),) * 2)  # a batch 3% larger
-    assert _same_workload(a, slightly, MiB)
-    assert not _same_workload(a, replace(a, groups=(replace(g, spans=(80 * MiB,)),) * 2), MiB)
-    # gradients kept from the first step: in its backward, and in the second's base
-    assert not _same_workload(a, replace(a, base=164 * MiB), MiB)
-
-
-def test_controller_does_not_shrink_compute_past_what_the_bus_allows():
-    """A bus-bound plan faster than modelled says nothing about compute: the model stays."""
-    g = GroupProfile("g", spans=(1 << 30,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
-    profile = Profile((g,) * 4, base=100 * MiB, outside_s=1e-3, d2h_bps=1e9, h2d_bps=1e9)
-    c = BudgetController(1 << 40, torch.device("cpu"))
-    c.profile, c._reprofile = profile, False
-    c._profiled = (GroupPlan("offload"),) * 4
-    c._plan_all()
-    mover = Plan((GroupPlan("offload"),) * 4, 0, 0, *simulate(profile, (GroupPlan("offload"),) * 4, 0, 0))
-    c._calibrate(mover, 0.9 * mover.step_s)  # bus time alone is more than that
-    assert c.profile == profile
-
-
-class _Done:
-    """A CUDA event already reached."""
-
-    def query(self):
-        return True
-
-
-class _DeviceSteps:
-    """A probe as on CUDA whose every step takes ``seconds`` and allocates nothing."""
-
-    cuda = True
-
-    def __init__(self, seconds):
-        self.step_s = seconds
-
-    def mark(self):
-        return _Done()
-
-    def seconds(self, start, end):
-        return self.step_s
-
-    def peak(self):
-        return 0
-
-    def allocated(self):
-        return 0
-
-    def reset_peak(self):
-        pass
-
-    def host_clock(self):
-        return None
+    c = _controller(1 << 40)
+    c = _controller(c.plan.peak - 1, probe=FakeProbe())  # keeping everything no longer fits: plans to choose from
+    modelled = {p.key: p.step_s for p in c.plans}
+    _run(c, 4 * (TIMINGS + 1) * 2, lambda p: 3.0 * modelled[p.key])  # the model always promises too much
+    assert 3 <= len(c.measured_plans()) <= EXPLORE + 2
 
 
 def test_controller_stops_choosing_once_the_running_plan_is_measured(monkeypatch):
     """Choosing again walks every candidate plan: host time in every step, for nothing once
     the plan that runs is measured and nothing promises to beat it."""
-    c, _ = _controller(1 << 40)
-    c.probe = _DeviceSteps(c.plan.step_s)  # as modelled: nothing promises better
-    chosen = []
-    choose = c._choose
-    monkeypatch.setattr(c, "_choose", lambda: (chosen.append(_key(c.plan)), choose()))
-    for _ in range(20):
-        c._time_last_step()  # as step_begins does
-        c._runs[_key(c.plan)] = c._runs.get(_key(c.plan), 0) + 1
-        c._backward_ended()
-    assert c._timed(c.plan) and len(c._times[_key(c.plan)]) == TIMINGS
-    assert len(chosen) == TIMINGS
+    calls = []
+    real = search.simplest_first
+    monkeypatch.setattr(search, "simplest_first", lambda *a: calls.append(1) or real(*a))
+    c = _controller(1 << 40, probe=FakeProbe())
+    _run(c, TIMINGS + 2, lambda p: p.step_s)  # as modelled: nothing promises better
+    assert c.settled and len(_measured(c)[c.plan.key].times) == TIMINGS
+    chosen = len(calls)
+    _run(c, 20, lambda p: p.step_s)
+    assert len(calls) == chosen and len(_measured(c)[c.plan.key].times) == TIMINGS
 
 
-def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too():
+@pytest.mark.parametrize("still_faster", [True, False])
+def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too(still_faster):
     """Where the model prefers moving bytes, the best plan without the bus (checkpointing by
     hand) is measured as well, and kept if it is faster."""
-    from actoffload.budget.planner import moves_bytes
-
-    c, _ = _controller(1 << 40)
-    slow = tuple(replace(g, forward_s=5e-3) for g in c.profile.groups)  # recomputing costs, the bus hides
-    c.profile = replace(c.profile, groups=slow, d2h_bps=50e9, h2d_bps=50e9)
-    c.plans = candidates(c.profile)
-    still_peaks = {p.peak for p in c.plans if not moves_bytes(c.profile, p.groups)}
+    profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
+                      d2h_bps=50e9, h2d_bps=50e9)  # recomputing costs, the bus hides
+    plans = search.candidates(profile)
     # a budget where the model's fastest plan moves bytes and one that moves none also fits
-    c.budget = MiB + next(b for b in sorted(still_peaks)  # (a MiB: the least margin)
-                          if moves_bytes(c.profile, choose(c.profile, b, c.plans).groups))
-    c._choose()
+    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
+                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
+    c = _controller(budget, probe=FakeProbe(), profile=profile)
     first = c.plan
-    assert moves_bytes(c.profile, first.groups)
-    c._runs[_key(first)] = TIMINGS + 1
-    c._times[_key(first)] = [first.step_s] * TIMINGS  # as modelled: nothing promises better
-    c._choose()
-    still = c.plan
-    assert not moves_bytes(c.profile, still.groups) and still.step_s > first.step_s
-    c._runs[_key(still)] = TIMINGS + 1
-    c._times[_key(still)] = [0.9 * first.step_s] * TIMINGS  # the model overrated its recomputation
-    c._choose()
-    assert _key(c.plan) == _key(still)
-    c._times[_key(still)] = [1.1 * first.step_s] * TIMINGS  # as the model said: slower
-    c._choose()
-    assert _key(c.plan) == _key(first)
+    assert moves_bytes(profile, first.groups)
+    factor = 0.9 if still_faster else 1.1  # the model overrated its recomputation, or it did not
+    modelled = {p.key: max(p.step_s, first.step_s) for p in c.plans}  # as first profiled
+
+    def seconds_of(plan):  # moving bytes as modelled, none faster than the first; recomputing, as the test says
+        if moves_bytes(profile, plan.groups):
+            return modelled.get(plan.key, first.step_s)
+        return factor * first.step_s
+
+    _run(c, 12 * (TIMINGS + 1), seconds_of)
+    measured = [m for m in c.measured_plans() if m.step_s is not None]
+    assert any(not moves_bytes(profile, m.plan.groups) for m in measured)
+    assert c.settled and c.plan.key == min(measured, key=lambda m: m.step_s).plan.key
+    assert moves_bytes(profile, c.plan.groups) != still_faster
 
 
-class _Event:
-    def __init__(self):
-        self.done = True
-
-    def query(self):
-        return self.done
-
-
-class _PendingSteps(_DeviceSteps):
-    """As :class:`_DeviceSteps`, with marks whose completion the test sets."""
-
-    def mark(self):
-        return _Event()
-
-    def bandwidth(self):
-        return 20e9, 20e9
-
-
-def _profiling_step(c, groups, recompute=False):
+def _profiling_step(c: BudgetController, groups: int, recompute: bool = False, forward_s: float = 1e-3) -> None:
     """One profiling step of ``groups`` recomputed groups, each saving 4 MiB of inputs (32 MiB
-    unrecomputed); ``recompute``: backward marks each one's recomputation too."""
-    from actoffload import policy
-
+    unrecomputed) and taking ``forward_s``; ``recompute``: backward marks each one's
+    recomputation too (as long as its forward)."""
     c.step_begins()
     for i in range(groups):
         c.action(True)
+        c.probe.advance(forward_s)
         c.group_closing(i)
-        c.committed(i, True, policy.GroupPlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
-                    policy.GroupPlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
+        c.committed(i, True, policy.SavePlan([None], [policy.Span(0, 0, 4 * MiB, [0])]),
+                    policy.SavePlan([None], [policy.Span(0, 0, 32 * MiB, [0])]))
     for i in reversed(range(groups)):
         c.backward_reaches(i)
         if recompute:
             c.recompute_begins(i)
+            c.probe.advance(forward_s)
             c.recompute_ends(i)
-    c._backward_ended()
+        c.probe.advance(2 * forward_s)
+    c.backward_ends()
 
 
-def test_controller_a_step_still_running_when_profiling_begins_is_not_timed_against_the_new_profile(monkeypatch):
-    from actoffload import compat
-
+@pytest.fixture
+def no_autograd(monkeypatch):
+    """Backward passes the test plays itself: it ends them with ``backward_ends``."""
     monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
-    c, _ = _controller(1 << 40)
-    c.probe = _PendingSteps(c.plan.step_s)
-    for _ in range(2):  # the second step is queued for timing
-        c.step_begins()
-        c._backward_ended()
-    pending = c._untimed[2]
-    pending.done = False  # its end not reached when the next step begins
-    c._reprofile = True  # a new workload: three groups now
-    for _ in range(2):  # the profiling steps
+
+
+def test_controller_a_step_still_running_when_profiling_begins_is_not_timed_against_the_new_profile(no_autograd):
+    probe = FakeProbe()
+    c = _controller(1 << 40, probe=probe)
+    _run(c, 1, lambda p: p.step_s)
+    c.step_begins()  # the second step is queued for timing: its end not reached when the next begins
+    for _ in range(5):
+        c.action(True)  # a new workload: more groups than planned (and three from the next step on)
+    probe.advance(c.plan.step_s)
+    probe.pending = True
+    c.backward_ends()
+    probe.pending = False
+    for _ in range(PROFILE_STEPS):
         _profiling_step(c, 3)
-    pending.done = True
+    for m in probe.marks:
+        m.done = True
     c.step_begins()  # profiling ends: a plan for three groups
-    c._backward_ended()
+    c.backward_ends()
     c.step_begins()  # once raised StopIteration: the old plan's step was timed against the new plans
-    assert all(len(k[0]) == 3 for k in c._times)
+    assert len(c.profile.groups) == 3 and all(len(m.plan.groups) == 3 for m in c.measured_plans())
 
 
 def test_controller_a_measured_best_that_moves_no_bytes_is_not_checked_against_another():
-    c, _ = _controller(1 << 40)
+    c = _controller(1 << 40, probe=FakeProbe())
     keep = c.plan
-    recompute = next(p for p in c.plans if any(g.action == "recompute" for g in p.groups)
-                     and not any(g.action.endswith("offload") for g in p.groups))
-    c._runs = {_key(recompute): TIMINGS + 1}
-    c._times = {_key(recompute): [0.5 * keep.step_s] * TIMINGS}  # faster than any model figure
-    c._choose()
-    assert _key(c.plan) == _key(recompute)
+    recompute = next(p for p in c.plans if any(d.action is Action.RECOMPUTE for d in p.groups)
+                     and not any(d.action.moves for d in p.groups))
+    c.force(recompute.groups)
+    _run(c, TIMINGS + 1, lambda p: 0.3 * keep.step_s)  # faster than any model figure
+    c.step_begins()
+    c.force(None)  # choose again
+    assert c.plan.key == recompute.key and c.settled
 
 
 def test_controller_judges_a_plan_by_the_median_of_its_timed_steps():
     # a plan that moves bytes runs at one of two paces: its one lucky step does not make it fastest
-    c, _ = _controller(1 << 40)
-    a, b = c.plans[0], c.plans[1]
-    c._runs = {_key(a): TIMINGS + 1, _key(b): TIMINGS + 1}
-    c._times = {_key(a): [1e-3] + [10e-3] * (TIMINGS - 1), _key(b): [5e-3] * TIMINGS}
-    assert c._time_of(a) == 10e-3
-    assert min((a, b), key=c._time_of) is b
-
-
-def test_controller_tries_the_plan_moving_fewer_bytes_among_those_the_model_rates_alike():
-    from actoffload.budget.controller import TIE, _simplest_first
-    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
-    profile = Profile((g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
-    mover = Plan((GroupPlan("offload"), GroupPlan("offload")), 1, 1, peak=10, step_s=1.0)
-    lighter = Plan((GroupPlan("offload"), GroupPlan()), 1, 1, peak=20, step_s=1.0 + TIE / 2)
-    slower = Plan((GroupPlan(), GroupPlan()), 0, 0, peak=30, step_s=1.0 + 2 * TIE)
-    assert list(_simplest_first([slower, mover, lighter], profile)) == [lighter, mover, slower]
-
-
-def test_controller_two_profiling_steps_judge_the_hosts_pace_within_one_step():
-    # the faster forward's step gives the host time too: the least of each, from two steps,
-    # would call a device-paced group host-paced
-    g = GroupProfile("g", spans=(MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3, host_s=0.5e-3)
-    h = replace(g, forward_s=3e-3, host_s=0.2e-3)
-    for a, b in ((g, h), (h, g)):
-        p = Profile((a,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
-        q = Profile((b,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
-        m = _merged(p, q).groups[0]
-        assert (m.forward_s, m.host_s) == (1e-3, 0.5e-3)
-
-
-def test_controller_among_plans_rated_alike_bus_bytes_come_before_groups_not_kept():
-    from actoffload.budget.controller import _simplest_first
-    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
-    profile = Profile((g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
-    moving = Plan((GroupPlan("offload"), GroupPlan()), 1, 1, peak=10, step_s=1.0)  # one group, 64 MiB moved
-    still = Plan((GroupPlan("recompute"), GroupPlan("recompute")), 0, 0, peak=20, step_s=1.0)  # two, none
-    assert list(_simplest_first([moving, still], profile)) == [still, moving]
-
-
-def test_controller_tries_the_plan_with_fewer_groups_not_kept_among_those_the_model_rates_alike():
-    # a recomputed part costs host time the model does not see (checkpointing, hooks): between
-    # two plans moving nothing that the model rates alike, the one recomputing fewer groups goes first
-    from actoffload.budget.controller import TIE, _simplest_first
-    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
-    profile = Profile((g, g, g), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
-    parts = Plan((GroupPlan("recompute"), GroupPlan("recompute"), GroupPlan()), 0, 0, peak=10, step_s=1.0)
-    one = Plan((GroupPlan("recompute"), GroupPlan(), GroupPlan()), 0, 0, peak=20, step_s=1.0 + TIE / 2)
-    assert list(_simplest_first([parts, one], profile)) == [one, parts]
-
-
-class _HostPaced(_DeviceSteps):
-    """A CUDA-like probe where each group's forward takes ``device_s`` on the device and the
-    host's clock advances ``host_s`` between a group's opening and its closing."""
-
-    def __init__(self, device_s, host_s):
-        super().__init__(device_s)
-        self.host_s, self.now = host_s, 0.0
-
-    def host_clock(self):
-        self.now += self.host_s  # read as a group opens and as it closes: host_s apart
-        return self.now
-
-    def bandwidth(self):
-        return 20e9, 20e9
+    c = _controller(1 << 40, probe=FakeProbe())
+    paces = iter([1.0, 1e-3, 10e-3, 10e-3])  # its first step pins host memory: not timed
+    _run(c, TIMINGS + 1, lambda p: next(paces))
+    c.step_begins()
+    m = _measured(c)[c.plan.key]
+    assert m.times == pytest.approx((1e-3, 10e-3, 10e-3)) and m.step_s == pytest.approx(10e-3)
 
 
 @pytest.mark.parametrize("host_s, paced", [(3e-3, True), (0.5e-3, False)])
-def test_controller_a_forward_at_the_hosts_pace_recomputes_at_that_pace(monkeypatch, host_s, paced):
+def test_controller_a_forward_at_the_hosts_pace_recomputes_at_that_pace(no_autograd, host_s, paced):
     # 1 ms of device time for its forward, and for its recomputation; where the host needs
     # 3 ms to run that forward, recomputing it costs 3 ms of the step
-    from actoffload import compat
-
-    monkeypatch.setattr(compat, "at_backward_end", lambda callback: None)
-    c = BudgetController(1 << 40, torch.device("cpu"))
-    c.probe = _HostPaced(1e-3, host_s)
-    for _ in range(2):  # the profiling steps
+    c = BudgetController(1 << 40, CPU, probe=FakeProbe(host_s=host_s))
+    assert c.profiling is False and c.state is State.PROFILING  # the first step will profile
+    for _ in range(PROFILE_STEPS):
         _profiling_step(c, 2, recompute=True)
     c.step_begins()
     g = c.profile.groups[0]
-    assert g.host_s == pytest.approx(host_s) and g.forward_s == g.recompute_s == 1e-3
-    assert g.recompute_time == (pytest.approx(host_s) if paced else 1e-3)
+    assert g.host_s == pytest.approx(host_s)
+    assert g.forward_s == pytest.approx(1e-3) and g.recompute_s == pytest.approx(1e-3)
+    assert g.recompute_time == (pytest.approx(host_s) if paced else pytest.approx(1e-3))
+    steps = c.profiling_steps  # what each profiling step measured
+    assert len(steps) == PROFILE_STEPS and steps[0].groups[0].host_s == pytest.approx(host_s)
+    assert steps[0].groups[0].recompute_host_s == pytest.approx(host_s)
 
 
 def test_controller_is_settled_once_its_plan_is_measured_and_nothing_is_left_to_try():
-    c, _ = _controller(1 << 40)
-    assert c.settled and c.stats()["settled"]  # on the CPU nothing is timed: planned is settled
-    c.probe = _DeviceSteps(c.plan.step_s)
-    assert not c.settled  # on CUDA: measured first
-    c._runs = {_key(c.plan): TIMINGS + 1}
-    c._times = {_key(c.plan): [c.plan.step_s] * TIMINGS}
-    c._choose()
+    c = _controller(GiB)
+    assert c.settled and c.stats()["settled"] and c.stats()["state"] == "settled"  # on the CPU nothing is timed
+    probe = FakeProbe()
+    c = _controller(GiB, probe=probe)
+    assert not c.settled and c.stats()["state"] == "exploring"  # on a GPU: measured first
+    _run(c, TIMINGS + 1, lambda p: p.step_s)
+    c.step_begins()
     assert c.settled
-    c._reprofile = True
+    probe.allocated_bytes = BASE + 64 * MiB
     c.step_begins()  # profiling again
     assert not c.settled and not c.stats()["settled"]
+
+
+def test_controller_a_step_whose_backward_failed_is_dropped(monkeypatch):
+    # a hook raised in backward: the end of that backward never comes. The next step closes it,
+    # drops what was measured of it, and the steps after it are measured as ever
+    callbacks = []
+    monkeypatch.setattr(compat, "at_backward_end", callbacks.append)
+    probe = FakeProbe()
+    c = _controller(1 << 40, probe=probe)
+    keep = c.plan
+    _run(c, 2, lambda p: p.step_s)  # the second is timed
+    c.step_begins()
+    probe.advance(100.0)
+    probe.peak_bytes = 1 << 50
+    c.backward_reaches(3)  # then backward raised
+    c.step_begins()  # closes it: neither its time nor its peak counts
+    late = callbacks[-1]
+    assert c.margin == 0 and c.measured_peak != probe.peak_bytes
+    probe.peak_bytes = 0
+    probe.advance(keep.step_s)
+    c.backward_ends()
+    late()  # that backward's end, were it to come now, belongs to no step
+    _run(c, TIMINGS, lambda p: p.step_s)
+    c.step_begins()
+    m = _measured(c)[keep.key]
+    assert m.times == pytest.approx((keep.step_s,) * TIMINGS) and c.settled and c.margin == 0
+
+
+def test_controller_a_profiling_step_whose_backward_failed_is_profiled_again(no_autograd):
+    c = BudgetController(1 << 40, CPU, probe=FakeProbe())
+    c.step_begins()
+    c.action(True)
+    c.group_closing(0)
+    c.backward_reaches(0)  # then backward raised
+    for _ in range(PROFILE_STEPS):
+        _profiling_step(c, 2)
+    c.step_begins()
+    assert not c.profiling and len(c.profile.groups) == 2 and len(c.profiling_steps) == PROFILE_STEPS
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_controller_a_real_backward_that_raises_leaves_the_next_steps_measured(error):
+    # autograd itself: a hook raising in backward, so the end-of-backward callback never runs
+    c = BudgetController(1 << 40, CPU)
+
+    def step(fail: bool) -> None:
+        c.step_begins()
+        c.action(False)
+        x = torch.ones(4, requires_grad=True)
+        y = x * 2
+        c.group_closing(0)
+        c.committed(0, False, policy.SavePlan([None], [policy.Span(0, 0, MiB, [0])]), None)
+
+        def reached(grad):
+            c.backward_reaches(0)
+            if fail:
+                raise error("a hook failed")
+            return grad
+
+        y.register_hook(reached)
+        y.sum().backward()
+
+    with pytest.raises(error):
+        step(fail=True)
+    for _ in range(PROFILE_STEPS):
+        step(fail=False)
+    c.step_begins()
+    assert not c.profiling and c.profile is not None and len(c.profiling_steps) == PROFILE_STEPS
+
+
+def test_controller_stats_keep_their_keys_and_name_actions_plainly():
+    probe = FakeProbe()
+    c = _controller(1 << 40, probe=probe)
+    _run(c, 2, lambda p: p.step_s)
+    c.step_begins()
+    s = c.stats()
+    assert set(s) == {"memory_budget", "margin", "state", "settled", "groups", "max_inflight", "prefetch",
+                      "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
+                      "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
+                      "measured_step_s"}
+    assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
+    assert all(type(g["action"]) is str for g in s["groups"])
+    assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
+    assert s["margin"] == least_margin(c.budget) and s["state"] == "exploring" and s["plans_tried"] == 1
+
+
+def test_controller_a_forced_plan_has_one_decision_per_group():
+    c = _controller(1 << 40)
+    with pytest.raises(ValueError, match="one decision per group"):
+        c.force((GroupDecision(Action.RECOMPUTE),) * 3)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
-class Action(enum.Enum):
+class Action(str, enum.Enum):
     """A group's action under a memory plan.
 
     ``KEEP``: everything it saves stays on the device. ``OFFLOAD``: its largest spans (up
@@ -15,6 +16,9 @@ class Action(enum.Enum):
     ``RECOMPUTE_WHOLE`` and ``RECOMPUTE_WHOLE_OFFLOAD``: on the first part of a module given
     to ``ao.wrap`` with ``parts``, that whole module is recomputed as one group; its other
     parts are ``INSIDE`` it and open no group.
+
+    A member is also its plain name (a ``str``): ``stats()`` and logs show the name, and
+    code that still compares names keeps working.
     """
 
     KEEP = "keep"
@@ -40,9 +44,35 @@ class Action(enum.Enum):
         """It recomputes and moves the inputs it saves to host memory."""
         return self in (Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_WHOLE_OFFLOAD)
 
+    @property
+    def moves(self) -> bool:
+        """It moves bytes to host memory (what it saves, or its inputs)."""
+        return self is Action.OFFLOAD or self.moves_inputs
+
+    @property
+    def as_group(self) -> Action:
+        """The action of a group of its own that does what this one does to a whole module
+        (run as one group): the module is recomputed, its inputs moved out or not."""
+        return {Action.RECOMPUTE_WHOLE: Action.RECOMPUTE,
+                Action.RECOMPUTE_WHOLE_OFFLOAD: Action.RECOMPUTE_OFFLOAD}.get(self, self)
+
     def __str__(self) -> str:  # stats() and logs show the plain name
         return self.value
 
 
 _RECOMPUTING = frozenset({Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_WHOLE,
                           Action.RECOMPUTE_WHOLE_OFFLOAD})
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """What a memory plan has one group do: its ``action``, and for ``Action.OFFLOAD`` the
+    ``fraction`` of its offloadable bytes that moves (largest spans first, see
+    :func:`actoffload.spans.largest_within`). A plain name is taken for its action."""
+
+    action: Action = Action.KEEP
+    fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):
+            object.__setattr__(self, "action", Action(self.action))
