@@ -131,8 +131,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     - ``max_inflight`` (default 1): groups whose copy out may still hold their device
       memory while compute runs on. Each costs up to one group's activations of device
-      memory at the peak; more lets compute run further ahead of a slower bus (on a
-      bus-bound d=2048 stack on an H100, 2 was 12% faster than 1) and lets backward use
+      memory at the peak; more lets compute run further ahead of a slower bus (where
+      copies take longer than compute) and lets backward use
       more of the last groups in place. 0 makes compute wait for every copy out.
     - ``prefetch`` (default 1): groups reloaded ahead of the one backward is in, each in
       part: the spans backward needs first, about half its bytes, and the rest when
