@@ -1,0 +1,208 @@
+"""actoffload.integrations.transformers with the real library on the CPU: tiny random-init
+models from configs, data in memory, bitwise against the same training without actoffload."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers integration needs transformers "
+                    "(pip install -e '.[integrations]')")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "integrations"))
+import tiny  # noqa: E402  (offline environment first)
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import actoffload as ao  # noqa: E402
+from actoffload.integrations.layers import find_layers  # noqa: E402
+from actoffload.integrations.transformers import ActivationOffloadCallback, offload  # noqa: E402
+
+SETTINGS = dict(min_offload_bytes=0)  # the tiny model's activations are far under the 1 MiB default
+
+
+def _train(out, callbacks=(), model=None, resume=None, **overrides):
+    model = model if model is not None else tiny.llama()
+    settings = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                    per_device_eval_batch_size=4)
+    settings.update(overrides)
+    args = TrainingArguments(output_dir=str(out), **tiny.trainer_args(**settings))
+    trainer = Trainer(model=model, args=args, train_dataset=tiny.TokenDataset(),
+                      eval_dataset=tiny.TokenDataset(n=8, seed=1), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("offload")
+    callback = ActivationOffloadCallback(**SETTINGS)
+    return _train(out, [callback]), callback, out
+
+
+def test_trainer_with_the_callback_is_bitwise_with_accumulation_evaluation_and_saving(plain_run, offload_run):
+    trainer, callback, out = offload_run
+    assert tiny.losses(trainer) == tiny.losses(plain_run) and len(tiny.losses(trainer)) == 4
+    assert tiny.same_weights(trainer.model, plain_run.model)
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert evals == [h["eval_loss"] for h in plain_run.state.log_history if "eval_loss" in h] and len(evals) == 2
+    assert callback.handle.names == ["model.layers.0", "model.layers.1"]
+    stats = callback.offloader.stats()
+    assert stats["groups"]["model.layers.0"]["offloaded_bytes"] > 0  # the last layer stays (keep_last=1)
+    # taken off after each step and at the end: the checkpoints and the model are plain
+    assert not callback.handle.attached and type(trainer.model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    assert (out / "checkpoint-2" / "model.safetensors").is_file()
+
+
+def test_resuming_from_its_own_checkpoint_is_bitwise_equal_to_the_uninterrupted_run(offload_run, tmp_path):
+    uninterrupted, _, out = offload_run
+    resumed = _train(out, [ActivationOffloadCallback(**SETTINGS)], resume=str(out / "checkpoint-2"))
+    assert tiny.same_weights(resumed.model, uninterrupted.model)
+    assert tiny.losses(resumed)[-2:] == tiny.losses(uninterrupted)[-2:]
+
+
+def test_gradient_checkpointing_composes_and_moves_the_checkpointed_inputs(tmp_path):
+    """A checkpointed layer's group opens around its checkpoint: its inputs move."""
+    over = dict(max_steps=2, gradient_checkpointing=True, eval_strategy="no", save_strategy="no")
+    plain = _train(tmp_path, **over)
+    callback = ActivationOffloadCallback(**SETTINGS)
+    offloaded = _train(tmp_path, [callback], **over)
+    assert tiny.losses(offloaded) == tiny.losses(plain) and tiny.same_weights(offloaded.model, plain.model)
+    group = callback.offloader.stats()["groups"]["model.layers.0"]
+    assert group["offloaded"] == 1 and group["offloaded_bytes"] == 4 * 16 * 32 * 4  # the layer's input
+
+
+def test_a_memory_budget_is_bitwise(tmp_path):
+    over = dict(max_steps=3, eval_strategy="no", save_strategy="no", gradient_accumulation_steps=1)
+    plain = _train(tmp_path, **over)
+    callback = ActivationOffloadCallback(memory_budget="1GiB", **SETTINGS)
+    offloaded = _train(tmp_path, [callback], **over)
+    assert tiny.losses(offloaded) == tiny.losses(plain) and tiny.same_weights(offloaded.model, plain.model)
+    assert callback.offloader.impl == "fast" and callback.offloader.stats()["plan"]["groups"]
+
+
+def _step(model, seed=0):
+    ids = torch.randint(3, tiny.VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_offload_finds_the_layers_and_remove_gives_the_model_back():
+    plain, model = tiny.llama(), tiny.llama()
+    handle = offload(model, **SETTINGS)
+    assert handle.attached and handle.names == ["model.layers.0", "model.layers.1"]
+    assert isinstance(model.model.layers[0], type(plain.model.layers[0]))
+    assert torch.equal(_step(model), _step(plain))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    assert handle.stats()["offloaded_bytes"] > 0
+    handle.remove()
+    assert type(model.model.layers[0]) is type(plain.model.layers[0])
+
+
+def test_save_pretrained_and_from_pretrained_of_a_wrapped_model(tmp_path):
+    from transformers import LlamaForCausalLM
+    model = tiny.llama()
+    handle = offload(model, **SETTINGS)
+    _step(model)
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert type(loaded.model.layers[0]).__name__ == "LlamaDecoderLayer"  # plain: not wrapped
+    assert tiny.same_weights(loaded, model)
+    handle.remove()
+    model.zero_grad()
+    assert torch.equal(_step(loaded), _step(model))
+
+
+def test_a_copy_of_a_wrapped_model_is_plain_and_equal():
+    """What a reference model made by deepcopy (TRL's create_reference_model) gets."""
+    model = tiny.llama()
+    with offload(model, **SETTINGS):
+        ref = copy.deepcopy(model)
+        assert type(ref.model.layers[0]).__name__ == "LlamaDecoderLayer" and tiny.same_weights(ref, model)
+        assert torch.equal(_step(ref), _step(model))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+def test_lora_adapters_added_after_wrapping_train_bitwise():
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model):
+        torch.manual_seed(1)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0, init_lora_weights="gaussian"))
+    plain = lora(tiny.llama())
+    model = tiny.llama()
+    handle = offload(model, **SETTINGS)
+    model = lora(model)
+    for seed in range(2):
+        assert torch.equal(_step(model, seed), _step(plain, seed))
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all("lora_" in n and g is not None for n, g in grads.items())
+    assert all(torch.equal(g, dict(plain.named_parameters())[n].grad) for n, g in grads.items())
+    assert handle.stats()["offloaded_bytes"] > 0
+    handle.remove()
+
+
+def _tiny(name, **extra):
+    import transformers
+    config = getattr(transformers, f"{name}Config")(**extra)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=64, head_dim=8)
+ARCHITECTURES = {
+    "Llama": (SMALL, "model.layers"),
+    "Mistral": (SMALL, "model.layers"),
+    "Qwen2": (SMALL, "model.layers"),
+    "Qwen3": (SMALL, "model.layers"),
+    "Gemma": (SMALL, "model.layers"),
+    "GPT2": (dict(n_embd=16, n_layer=2, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0), "transformer.h"),
+    "GPTNeoX": (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     vocab_size=64), "gpt_neox.layers"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_layers_of_common_architectures_are_found(name):
+    config, path = ARCHITECTURES[name]
+    model = _tiny(name, **config)
+    [(found, layers)] = find_layers(model)
+    assert found == path and len(layers) == 2
+
+
+def test_a_model_whose_layers_cannot_be_told_apart_asks_for_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ValueError, match="pass layers="):
+        offload(model)
+    handle = offload(model, layers=[model[0]], **SETTINGS)  # named: works
+    assert handle.names == ["0"]
+    handle.remove()
+    with pytest.raises(ValueError, match="no such submodule"):
+        offload(tiny.llama(), layers="model.blocks")
+    with pytest.raises(TypeError, match="either an offloader or its settings"):
+        offload(tiny.llama(), ao.Offloader(impl="ref"), min_offload_bytes=0)
+
+
+def test_layers_given_as_a_path_and_the_callback_fails_when_the_trainer_is_built(tmp_path):
+    handle = offload(tiny.llama(), layers="model.layers", **SETTINGS)
+    assert handle.names == ["model.layers.0", "model.layers.1"]
+    handle.remove()
+    with pytest.raises(ValueError, match="no such submodule"):
+        Trainer(model=tiny.llama(), args=TrainingArguments(output_dir=str(tmp_path), **tiny.trainer_args()),
+                train_dataset=tiny.TokenDataset(), callbacks=[ActivationOffloadCallback(layers="model.blocks")])
+
+
+def test_the_example_runs():
+    import transformers_trainer
+    transformers_trainer.main()
