@@ -50,7 +50,13 @@ def test_bench_writes_results_and_compares_with_a_previous_run(tmp_path, capsys)
     assert "hook_overhead.fast_kept_us_per_tensor" in capsys.readouterr().out
 
 
-def test_bench_budgets_section_runs_the_budget_sweep(tmp_path):
+def test_bench_budgets_section_runs_the_budget_sweep(tmp_path, monkeypatch):
+    # each cell's alternating steps: 3 rounds, no more. The sweep's own rounds fill seconds
+    # (up to PAIRED_MAX_S, 24 s a workload, where noisy CPU steps never reach a 1% interval);
+    # how many rounds it runs is tested below with timed fakes
+    monkeypatch.setattr(budget_sweep, "PAIRED_S", 0.0)
+    monkeypatch.setattr(budget_sweep, "PAIRED_ROUNDS", (3, 3))
+    monkeypatch.setattr(budget_sweep, "PAIRED_MAX_S", 0.0)
     assert cli.main(["bench", "--quick", "--only", "budgets", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*.json")
     sweep = json.loads(path.read_text())["budget_sweep"]
@@ -64,7 +70,7 @@ def test_bench_budgets_section_runs_the_budget_sweep(tmp_path):
             if b.get("under_checkpoint_all"):
                 assert b["paired"]["against"] == "checkpoint_all"
             elif c.get("fastest_fitting_alternative"):
-                assert c["vs_fastest_fitting_measured"] == "alternating"
+                assert c["vs_fastest_fitting_measured"] == "alternating" and b["paired"]["rounds"] == 3
                 judged += 1
     assert judged
 
