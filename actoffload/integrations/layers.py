@@ -5,6 +5,7 @@ Shared by the framework integrations; imports no framework.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
@@ -237,9 +238,11 @@ class OffloadHandle:
         try:
             for m, name in zip(self.modules, self.names):
                 if checkpointed(m):
-                    func = vars(m)[_CHECKPOINT_FUNC]
-                    vars(m)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, self.offloader, name)
-                    self._undo.append(lambda m=m, f=func: _restore_checkpoint_func(m, f))
+                    _group_checkpoint(self.offloader, name, m)
+                    # transformers sets a fresh checkpoint function whenever checkpointing is enabled
+                    # again (TRL's GRPO disables it around generation): group that one too
+                    hook = m.register_forward_pre_hook(functools.partial(_group_checkpoint, self.offloader, name))
+                    self._undo.append(functools.partial(_ungroup_checkpoint, m, hook))
                 else:
                     plain.append(m)
                     names.append(name)
@@ -279,9 +282,17 @@ class OffloadHandle:
         return f"OffloadHandle({len(self.modules)} layers {first}, {type(self.offloader).__name__}, {state})"
 
 
-def _restore_checkpoint_func(module: torch.nn.Module, func: Callable[..., Any]) -> None:
-    if isinstance(vars(module).get(_CHECKPOINT_FUNC), _GroupedCheckpoint):  # not replaced since
-        vars(module)[_CHECKPOINT_FUNC] = func
+def _group_checkpoint(offloader: Offloader, name: str, module: torch.nn.Module, *args: Any) -> None:
+    func = vars(module).get(_CHECKPOINT_FUNC)
+    if callable(func) and not isinstance(func, _GroupedCheckpoint):
+        vars(module)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, offloader, name)
+
+
+def _ungroup_checkpoint(module: torch.nn.Module, hook: Any) -> None:
+    hook.remove()
+    func = vars(module).get(_CHECKPOINT_FUNC)
+    if isinstance(func, _GroupedCheckpoint):
+        vars(module)[_CHECKPOINT_FUNC] = func.func
 
 
 def handle_for(model: torch.nn.Module, layers: LayersArg = None, offloader: Offloader | None = None,
