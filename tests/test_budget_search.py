@@ -192,3 +192,9 @@ def test_search_a_decision_takes_a_plain_action_name():
     # tools and older callers name actions: the decision holds the Action
     assert GroupDecision(Action.RECOMPUTE.value) == GroupDecision(Action.RECOMPUTE)
     assert GroupDecision(Action.RECOMPUTE.value).action is Action.RECOMPUTE
+
+
+def test_search_examples_in_its_docstrings_hold():
+    import doctest
+
+    assert doctest.testmod(search).failed == 0
