@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.budget.controller import PROFILE_STEPS, State
 from actoffload.budget.probe import Probe
 from helpers import assert_bitwise, residual_step
 
@@ -48,7 +48,7 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
     states = [p["state"] for p in plans]
-    assert states == ["profiling"] * PROFILE_STEPS + ["planned"] * 2  # profiled, then planned
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 2  # profiled, then planned (on the CPU nothing is left to measure)
     assert all(p["predicted_peak_bytes"] <= budget for p in plans[PROFILE_STEPS:])
     actions = [g["action"] for g in plans[-1]["groups"]]
     if budget >= 8 * GROUP_BYTES:
@@ -82,14 +82,10 @@ def test_budget_a_recomputed_group_lets_go_of_its_inputs_once_its_backward_is_do
     plan's peak counts it so (R9). With the collector off, a reference cycle shows."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from actoffload.budget.planner import GroupPlan, Plan
-
     blocks = _blocks()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
     _steps(blocks, off, steps=PROFILE_STEPS)
-    controller = off.plan.controller
-    controller.plan = Plan((GroupPlan("recompute"),) * len(blocks))
-    monkeypatch.setattr(controller, "_choose", lambda: None)
+    _forced(off, ["recompute"] * len(blocks))
     handle = ao.wrap(blocks, off)
     gc.collect()
     gc.disable()
@@ -281,7 +277,7 @@ def test_budget_profiles_again_when_the_workload_changes():
     first = [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]]
     _, plans = _steps(blocks, off, rows=128)  # another sequence length: twice the bytes
     # seen at commit, profiled from the next step
-    assert [p["state"] for p in plans] == ["planned"] + ["profiling"] * PROFILE_STEPS + ["planned"]
+    assert [p["state"] for p in plans] == ["re-planning"] + ["profiling"] * PROFILE_STEPS + ["settled"]
     assert [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]] == [2 * n for n in first]
     assert plans[-1]["predicted_peak_bytes"] <= 3 * GROUP_BYTES
 
@@ -353,7 +349,7 @@ def test_budget_groups_kept_whole_are_left_to_autograd_and_still_notice_a_new_wo
     s = off.stats()["groups"]["0"]
     assert s["offloaded"] == 0 and s["kept"] == {"budget": s["saved"]} and s["saved"] >= 3
     _, plans = _steps(blocks, off, rows=128)  # twice the bytes in every kept group
-    assert [p["state"] for p in plans] == ["planned"] + ["profiling"] * PROFILE_STEPS + ["planned"]
+    assert [p["state"] for p in plans] == ["re-planning"] + ["profiling"] * PROFILE_STEPS + ["settled"]
 
 
 def test_budget_profiling_ends_though_the_batch_varies_a_little():
@@ -369,7 +365,7 @@ def test_budget_profiling_ends_though_the_batch_varies_a_little():
             h.square().sum().backward()
             for p in blocks.parameters():
                 p.grad = None
-    assert off.stats()["plan"]["state"] == "planned"
+    assert off.stats()["plan"]["state"] == "settled"
 
 
 def test_budget_a_step_with_more_groups_than_profiled_runs_and_profiles_again():
@@ -384,7 +380,7 @@ def test_budget_a_step_with_more_groups_than_profiled_runs_and_profiles_again():
             for i in calls:
                 h = h + blocks[i](h)
             h.square().sum().backward()
-    assert off.plan.controller._reprofile
+    assert off.plan.controller.state is State.REPLANNING  # the next step profiles again
 
 
 def test_budget_a_graph_kept_for_a_second_backward_recomputes_again():
@@ -430,8 +426,9 @@ def _parts(m):
     return [m.a, m.b]
 
 
-def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise(monkeypatch):
-    from actoffload.budget.planner import GroupPlan, Plan
+def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise():
+    from actoffload.budget.actions import Action
+    from actoffload.budget.costmodel import GroupDecision
 
     def blocks():
         torch.manual_seed(0)
@@ -447,8 +444,7 @@ def test_budget_a_module_recomputed_whole_is_one_group_and_bitwise(monkeypatch):
     # each module's two parts, and what running it whole saves: its input
     assert [(w.first, w.parts, w.inputs) for w in controller.profile.wholes] == [(i, 2, 64 * D * 4) for i in (0, 2, 4, 6)]
     actions = ["recompute_whole", "inside", "recompute_whole_offload", "inside", "recompute", "keep", "keep", "keep"]
-    controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 1, 1)
-    monkeypatch.setattr(controller, "_choose", lambda: None)
+    controller.force([GroupDecision(Action(a)) for a in actions], max_inflight=1, prefetch=1)
     got = [_step(model, step) for step in range(3)]
     handle.remove()
     for a, b in zip(got, expected):
@@ -474,13 +470,13 @@ def test_wrap_parts_must_be_distinct_submodules_called_in_order():
     assert "forward" not in vars(m) and "forward" not in vars(m.a)  # nothing was wrapped
 
 
-def _forced(off, actions, monkeypatch):
+def _forced(off, actions, monkeypatch=None):
     """Run ``actions`` from the next step on, whatever the model would choose."""
-    from actoffload.budget.planner import GroupPlan, Plan
+    from actoffload.budget.actions import Action
+    from actoffload.budget.costmodel import GroupDecision
 
     controller = off.plan.controller
-    controller.plan = Plan(tuple(GroupPlan(a) for a in actions), 0, 0)
-    monkeypatch.setattr(controller, "_choose", lambda: None)
+    controller.force([GroupDecision(Action(a)) for a in actions])
     return controller
 
 
@@ -524,7 +520,7 @@ def test_budget_a_module_run_whole_saves_all_its_inputs_and_the_plan_knows_it(mo
     handle.remove()
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
-    assert not controller._reprofile and off.stats()["plan"]["state"] == "planned"  # no workload change seen
+    assert off.stats()["plan"]["state"] == "settled"  # no workload change seen
     assert off.stats()["groups"]["1"]["offloaded_bytes"] == 64 * 2 * D * 4
 
 
@@ -560,6 +556,6 @@ def test_budget_kept_groups_still_end_the_step_when_the_first_block_is_frozen():
                 h = h + b(h)
             h.square().sum().backward()
             states.append(off.stats()["plan"]["state"])
-    assert states == ["profiling"] * PROFILE_STEPS + ["planned"] * 6
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 6
     assert [g["action"] for g in off.stats()["plan"]["groups"]] == ["keep"] * 4
     assert list(off.stats()["groups"]) == ["1"]
