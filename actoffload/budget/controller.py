@@ -62,7 +62,11 @@ __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_S
 
 
 class State(enum.Enum):
-    """Where a :class:`BudgetController` is (see the module's docstring)."""
+    """Where a :class:`BudgetController` is (see the module's docstring): ``PROFILING``, a
+    step measures the profiling plan (or the next will); ``EXPLORING``, a plan runs and is
+    measured, or others may be tried (none is chosen while none fits the budget: each step
+    says so); ``SETTLED``, the plan is final; ``REPLANNING``, the plan runs to the end of a
+    step that found the workload changed, and the next step profiles."""
 
     PROFILING = "profiling"
     EXPLORING = "exploring"

@@ -19,7 +19,9 @@ _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes pe
 
 
 class Probe:
-    """Device memory and time for one device.
+    """Device memory and time for one device. The budget controller reads the device only
+    through these methods (and ``cuda``), so a test or a diagnostic may hand it an object of
+    its own with the same methods (``BudgetController(..., probe=...)``).
 
     Example::
 
