@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import torch
 
-from . import checkpointing, compat, marks, multibuffer, policy
+from . import checkpointing, compat, graph, marks, multibuffer, policy
 from .checkpointing import modified_error
 from .hostmem import HostMemory, HostMemoryError
 from .observe import Observer
@@ -100,6 +100,11 @@ class Engine(Generic[GroupT, MovedT]):
     def _backward_reaches(self, group: GroupT) -> None:
         """Backward unpacked something ``group`` saved for the first time: reloads may start."""
 
+    def _prefetch_depth(self) -> int:
+        """How many groups ahead this implementation asks :func:`actoffload.graph.upcoming`
+        for when backward reaches a group (0: never)."""
+        return 0
+
     def _host_bytes(self) -> tuple[int, int]:
         """``(in_use, pooled)`` host bytes."""
         raise NotImplementedError
@@ -169,6 +174,12 @@ class Engine(Generic[GroupT, MovedT]):
             prev = self._last_group() if self._last_group is not None else None
             group = self._new_group(unique, prev, compat.sequence_nr())
             group.position, group.recomputable, group.parts = position, recomputable, parts
+            if prev is not None:
+                # a node of the graph that tells whether backward reaches prev (graph.py), only
+                # where reloading ahead may go there: each costs a node its Python object
+                depth = self._prefetch_depth()
+                if depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or prev.moved)):
+                    group.link_tries = graph.LINK_TRIES
             self._last_group = weakref.ref(group)
         if outer is not None:
             hooks = self._delegating_hooks(group, outer)
@@ -378,6 +389,8 @@ class Engine(Generic[GroupT, MovedT]):
                 "cannot be captured. Capture outside any offload group (or capture only blocks that "
                 "run outside groups), or train this part without an offloader."
             )
+        if group.link_tries and not t.is_leaf:
+            graph.note_save(group, t)
         if multibuffer.is_multibuffer(t):
             return self._pack_multi(group, t)
         return Handle(group, self._add(group, t))
@@ -414,6 +427,8 @@ class Engine(Generic[GroupT, MovedT]):
     def _pack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         """A save of a group that keeps everything: autograd holds it; only its bytes are counted
         (each storage once), so that a memory plan notices when the workload changes."""
+        if group.link_tries and not t.is_leaf:
+            graph.note_save(group, t)
         try:
             group.kept_storages[compat.storage_key(t)] = t.untyped_storage().nbytes()
         except (NotImplementedError, RuntimeError):  # no storage of its own (a wrapper subclass)

@@ -1,58 +1,61 @@
-"""Which groups the running backward pass reaches next: a search of the autograd graph.
+"""Which groups the running backward pass reaches next, found through the autograd graph.
 
-Used by implementations that reload ahead (``fast``'s prefetch): from the node now
-unpacking a group, a search towards the forward's earlier nodes finds a node the previous
-group's forward created, by its autograd sequence number; the engine then says whether
-this pass executes it. The search never yields a group of another graph (another
-micro-batch).
+Used by implementations that reload ahead (``fast``'s prefetch). Each group remembers one
+node of the graph: the node that made one of its first saved tensors, where the previous
+group's forward created that node (by its autograd sequence number). Backward then
+reaches the previous group exactly when that node is part of the running pass, which the
+engine itself says (``compat.will_execute``). A group of another graph (another
+micro-batch) is never yielded: its nodes are not part of this pass.
+
+Why one node and no search: every autograd node Python has seen gets a Python object that
+lives as long as the node does, and PyTorch (2.13) frees such nodes by recursion, one C
+stack frame set per node, where it frees the others in a loop. A search that walked the
+graph gave most nodes of a deep graph a Python object, and freeing it (``del loss``)
+overflowed the stack. One node per group (and only with prefetch) keeps that recursion
+as deep as the number of groups, not of nodes.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, TypeVar
+from typing import TypeVar
+
+import torch
 
 from . import compat
 from .records import Group
 
 G = TypeVar("G", bound=Group)
 
+# How many saved tensors with autograd history, at the start of a group, are looked at for
+# a node of the previous group (a linear layer saves its input first, a norm its input; a
+# view of a weight or a tensor the group made itself is not one). Each look gives one node
+# a Python object for as long as the graph lives.
+LINK_TRIES = 2
+
+
+def note_save(group: Group, t: torch.Tensor) -> None:
+    """``group`` saved ``t``, which has an autograd history (not a leaf), while it still
+    looks for its link: the node that made ``t``, if the previous group's forward created it."""
+    group.link_tries -= 1
+    prev = group.previous()
+    if prev is None:
+        group.link_tries = 0
+        return
+    node = t.grad_fn
+    if node is not None and prev.first_seq <= compat.node_sequence_nr(node) < prev.end_seq:
+        group.link = node
+        group.link_tries = 0
+
 
 def upcoming(group: G, depth: int) -> list[G]:
     """Up to ``depth`` groups opened before ``group`` that the running backward pass will
-    reach next, nearest first (empty outside backward)."""
+    reach next, nearest first (call it during backward)."""
     out: list[G] = []
-    node = compat.current_node() if depth else None
-    if node is None:
-        return out
-    frontier = [node]
-    prev = group.previous()
-    while prev is not None and len(out) < depth:
-        found = nodes_created_in(frontier, prev.first_seq, prev.end_seq)
-        if not found or not compat.will_execute(found[0]):
+    g: Group = group
+    while len(out) < depth:
+        prev = g.previous()
+        if prev is None or g.link is None or not compat.will_execute(g.link):
             break
         out.append(prev)  # type: ignore[arg-type]  # groups link only to their own kind
-        frontier = found
-        prev = prev.previous()
+        g = prev
     return out
-
-
-def nodes_created_in(frontier: list[Any], first_seq: int, end_seq: int) -> list[Any]:
-    """Nodes reachable from ``frontier`` (towards inputs) whose sequence number lies in
-    ``[first_seq, end_seq)``, nearest first. Nodes older than ``first_seq`` cannot lead
-    into that range (a node's inputs are older than it), so the search stops there."""
-    seen: dict[int, Any] = {}  # id -> node: holding the node keeps its id from being reused
-    queue = deque(frontier)
-    found = []
-    while queue:
-        node = queue.popleft()
-        for nxt, _ in node.next_functions:
-            if nxt is None or id(nxt) in seen:
-                continue
-            seen[id(nxt)] = nxt
-            seq = compat.node_sequence_nr(nxt)
-            if first_seq <= seq < end_seq:
-                found.append(nxt)
-            elif seq >= first_seq and seq < 1 << 62:  # AccumulateGrad nodes have the largest number
-                queue.append(nxt)
-    return found

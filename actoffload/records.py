@@ -121,6 +121,10 @@ class Group:
         # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
         self.first_seq = first_seq
         self.end_seq = first_seq
+        # a node the previous group's forward created that this group's saves come from (graph.py:
+        # backward reaches the previous group when it runs that node), looked for in this many saves
+        self.link: Any = None
+        self.link_tries = 0
         self.position = 0  # its place among the groups of its step
         self.recomputable = False  # a wrapped module: it can run under activation checkpointing
         self.parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)

@@ -204,6 +204,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         planned = self.plan.copy_window()
         return planned if planned is not None else (self.max_inflight, self.prefetch)
 
+    def _prefetch_depth(self) -> int:
+        return self._copy_window()[1]
+
     def _group_opening(self) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
         # group that moves something (groups that keep everything may come in between).
