@@ -1,0 +1,54 @@
+"""actoffload.integrations.lightning with the real Lightning on the CPU: a fit with the callback
+is bitwise equal to the same fit without it, on one device in this process, and with the DDP
+and FSDP2 (ModelParallelStrategy) strategies on two processes (gloo)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the Lightning integration needs lightning (pip install -e '.[integrations]')")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "integrations"
+sys.path.insert(0, str(EXAMPLES))
+
+import lightning_fit  # noqa: E402
+
+from actoffload.integrations.lightning import ActivationOffload  # noqa: E402
+
+
+def test_a_fit_with_the_callback_is_bitwise_and_leaves_the_module_plain():
+    torch.use_deterministic_algorithms(True)
+    plain = lightning_fit.fit([], 1, "auto")
+    callback = ActivationOffload(min_offload_bytes=0)
+    offloaded = lightning_fit.fit([callback], 1, "auto")
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
+    assert callback.handle is not None and callback.handle.names == ["blocks.0", "blocks.1", "blocks.2"]
+    assert callback.offloader.stats()["groups"]["blocks.0"]["offloaded_bytes"] > 0
+    assert not callback.handle.attached and type(callback.handle.modules[0]) is lightning_fit.Block
+
+
+def test_layers_by_path_and_a_budget():
+    torch.use_deterministic_algorithms(True)
+    plain = lightning_fit.fit([], 1, "auto")
+    callback = ActivationOffload(layers="blocks", memory_budget="1GiB", min_offload_bytes=0)
+    offloaded = lightning_fit.fit([callback], 1, "auto")
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
+    assert callback.offloader.impl == "fast" and callback.offloader.stats()["plan"]["groups"]
+
+
+def test_ddp_and_fsdp2_on_two_processes_are_bitwise():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "lightning_fit.py"), "--devices", "2",
+                          "--strategy", "ddp,fsdp2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the two processes share stdout: their lines may run together
+    found = re.findall(r"rank (\d): (\w+) on 2 device\(s\).*?(\d+) bytes offloaded .*?bitwise equal: (True|False)", out.stdout)
+    assert sorted((rank, strategy) for rank, strategy, _, _ in found) == [
+        ("0", "ddp"), ("0", "fsdp2"), ("1", "ddp"), ("1", "fsdp2")], out.stdout
+    assert all(int(moved) > 0 and same == "True" for _, _, moved, same in found), out.stdout
