@@ -19,7 +19,7 @@ import torch
 from . import compat, marks
 
 # Reported when several apply: the first in this order.
-REASONS = ("device", "parameter", "vetoed", "not_marked", "small", "alias", "keep_last", "budget", "inert")
+REASONS = ("device", "parameter", "vetoed", "not_marked", "freed", "small", "alias", "keep_last", "budget", "inert")
 POLICIES = ("all", "marked")
 
 try:  # fake tensors carry a device but no data
@@ -136,7 +136,9 @@ class SavedFact:
     """What the policy needs to know of one saved buffer, taken while it is alive.
 
     ``key`` is its storage's identity, ``None`` when it cannot move at all (reason
-    ``device``); ``[start, end)`` the bytes of that storage it can touch.
+    ``device``); ``[start, end)`` the bytes of that storage it can touch; ``storage_bytes``
+    the storage's size when the fact was taken (``None``: not known), smaller than ``end``
+    where the caller freed it (``untyped_storage().resize_(0)``).
     """
 
     key: int | None
@@ -144,6 +146,7 @@ class SavedFact:
     end: int = 0
     element_size: int = 1
     parameter: bool = False
+    storage_bytes: int | None = None
 
 
 def fact_of(t: torch.Tensor | None, device: torch.device, parameter: bool | None = None) -> SavedFact:
@@ -152,8 +155,9 @@ def fact_of(t: torch.Tensor | None, device: torch.device, parameter: bool | None
     if t is None or not on_device(t, device):
         return SavedFact(None)
     start, end = byte_extent(t)
-    return SavedFact(compat.storage_key(t), start, end, t.element_size(),
-                     is_parameter(t) if parameter is None else parameter)
+    storage = t.untyped_storage()
+    return SavedFact(compat.storage_id(storage), start, end, t.element_size(),
+                     is_parameter(t) if parameter is None else parameter, storage.nbytes())
 
 
 def plan_group(
@@ -193,8 +197,10 @@ def plan_facts(
     """Decide, for one group's saved buffers, which move and why the others stay.
 
     Buffers are judged per storage (R5): a storage with any parameter alias stays
-    (``parameter``), then the marks (``vetoed``, ``not_marked``), then the size of the span
-    the aliases cover (``small``). ``committed=False`` plans a group whose backward began
+    (``parameter``), then the marks (``vetoed``, ``not_marked``), then a storage now smaller
+    than the span (``freed``: the caller resized it, to refill it before backward; copying
+    it would read bytes it no longer has, and ``set_`` would silently grow it back with
+    uninitialised memory), then the size of the span the aliases cover (``small``). ``committed=False`` plans a group whose backward began
     before its commit (or that is still waiting for it): whatever would move is kept with
     reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
     copy of that storage can serve these aliases; if so they come back from it and count
@@ -228,6 +234,8 @@ def plan_facts(
             reason = "vetoed"
         elif policy == "marked" and not flags & marks.OPT_IN:
             reason = "not_marked"
+        elif (size := facts[members[0]].storage_bytes) is not None and end > size:
+            reason = "freed"
         elif end - start < min_offload_bytes:
             reason = "small"
         elif not committed:

@@ -32,6 +32,12 @@ class GroupState(enum.Enum):
     INERT = "inert"  # saves go to hooks that must see them (allow_mutation_on_saved_tensors)
 
 
+def holds_span(dev: torch.Tensor, nbytes: int) -> bool:
+    """Whether the flat uint8 ``dev`` still has ``nbytes`` bytes in its storage from its offset
+    on (the caller may have resized a storage it shares)."""
+    return dev.untyped_storage().nbytes() >= dev.storage_offset() + nbytes
+
+
 class Moved:
     """A byte span moved off the device: one storage's ``[start, start + nbytes)``.
 
@@ -50,16 +56,37 @@ class Moved:
         self.version_at_copy = 0
         # its latest reload, while a restored tensor still uses it: every alias restored
         # meanwhile shares it (R5), and a second backward (retain_graph) after it was freed
-        # reloads again (R8)
+        # reloads again (R8); the span's first byte is at reloaded_at in that storage (a
+        # source used in place keeps its offset)
         self.reloaded: WeakStorage | None = None
+        self.reloaded_at = 0
+
+    def remember_reload(self, dev: torch.Tensor) -> None:
+        """``dev`` (the span's bytes on the device, restored tensors use it) is its latest reload."""
+        self.reloaded, self.reloaded_at = WeakStorage(dev), int(dev.storage_offset())
 
     def cached_reload(self) -> torch.Tensor | None:
-        """Its latest reload, if a restored tensor still uses it."""
-        return self.reloaded.get(self.device) if self.reloaded is not None else None
+        """Its latest reload, if a restored tensor still uses it and its storage still holds the
+        span (nothing resized it since)."""
+        whole = self.reloaded.get(self.device) if self.reloaded is not None else None
+        if whole is None or not holds_span(whole, self.reloaded_at + self.nbytes):
+            return None
+        return whole[self.reloaded_at : self.reloaded_at + self.nbytes]
+
+    def source_intact(self) -> bool:
+        """The device storage is still referenced and still holds the span: the caller may
+        have resized it (``untyped_storage().resize_(0)``) since the commit."""
+        return self.storage is not None and self.storage.nbytes() >= self.span.start + self.nbytes
 
     def source(self) -> torch.Tensor:
-        """The span's bytes on the device, as a flat uint8 tensor sharing the storage."""
+        """The span's bytes on the device, as a flat uint8 tensor sharing the storage. Refuses
+        a storage resized below the span: ``set_`` would grow it back (uninitialised bytes)."""
         assert self.storage is not None, "the source was already released"
+        if not self.source_intact():
+            raise RuntimeError(
+                f"a saved storage was resized to {self.storage.nbytes()} bytes after the commit that moves its "
+                f"bytes [{self.span.start}, {self.span.start + self.nbytes}): its bytes are gone"
+            )
         out = torch.empty(0, dtype=torch.uint8, device=self.device)
         return out.set_(self.storage, self.span.start, (self.nbytes,), (1,))
 

@@ -45,9 +45,8 @@ from actoffload.observe import wants_copies
 from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
 from actoffload.policy import Span
-from actoffload.records import Group, GroupState, Moved
+from actoffload.records import Group, GroupState, Moved, holds_span
 from actoffload.settings import check_choice, check_count, parse_bytes, resolve_device
-from actoffload.storageref import WeakStorage
 from actoffload.warmup import WarmUp
 
 from .packing import PACKERS, Packer
@@ -353,6 +352,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if group.state is not GroupState.COMMITTED or group.reloading:
                 return False
             group.reloading = True
+        for m in group.moved:
+            if m.storage is not None and not m.source_intact():
+                m.storage = None  # the caller resized it since the commit: back from the host copy
         in_place = [m for m in group.moved if m.storage is not None]
         if in_place:
             # Their copy out may not even have finished: the data is still on the device,
@@ -441,6 +443,10 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.counters["h2d_copies"] += len(large) + bool(packed)
 
     def _device_bytes(self, group: FastGroup, moved: FastMoved) -> torch.Tensor:
+        if moved.dev is not None and not holds_span(moved.dev, moved.nbytes):
+            # a source used in place that the caller resized since: back from the host copy
+            # (restoring from it would grow the caller's storage back, uninitialised)
+            moved.dev, moved.uses_left = None, 0
         dev = None
         if moved.dev is None:
             dev = moved.cached_reload()
@@ -450,7 +456,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             dev = moved.dev
             moved.uses_left -= 1
             if moved.uses_left <= 0:  # from now on only the restored tensors keep it alive
-                moved.reloaded = WeakStorage(dev)
+                moved.remember_reload(dev)
                 moved.dev = None
         self._streams.wait(moved.ready)  # never used before the reload completes
         assert dev is not None

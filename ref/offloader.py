@@ -27,7 +27,6 @@ from actoffload.hostmem import HostAllocator, allocate_all, cached_host_allocato
 from actoffload.offloader import Offloader
 from actoffload.policy import Span
 from actoffload.records import Group, Moved
-from actoffload.storageref import WeakStorage
 
 
 class RefOffloader(Offloader[Group, Moved]):
@@ -57,7 +56,7 @@ class RefOffloader(Offloader[Group, Moved]):
             assert moved.host is not None
             dev = torch.empty(moved.nbytes, dtype=torch.uint8, device=self.device)
             dev.copy_(moved.host)  # blocking
-            moved.reloaded = WeakStorage(dev)
+            moved.remember_reload(dev)
         return dev
 
     def _host_bytes(self) -> tuple[int, int]:

@@ -118,3 +118,136 @@ def test_a_graph_of_100000_nodes_with_offloading_frees_like_plain_pytorch():
                           timeout=600)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert proc.stdout.split("\n")[:3] == ["fast defaults freed", "fast moving freed", "ref freed"]
+
+
+# ---------------------------------------------------------------- storages freed and refilled
+class _Pending:
+    """An event that never completes by itself: every offload copy looks in flight, so fast
+    uses sources in place in backward (as on CUDA when backward comes soon after a commit)."""
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def _freed_and_refilled(off, keep_last: int, free_after_commit: bool, shrink_to: int = 0):
+    """Group a saves h (exp saves its output) and a view of it at a nonzero offset; the caller
+    frees h's storage after the forward and refills it before backward. Returns the gradients
+    of two backwards (the first keeps the graph), and what h's storage held meanwhile."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def group(name):
+        return off.group(name) if off is not None else _null()
+
+    with group("a"):
+        h = (x @ w).exp()  # saves h
+        tail = h[8:].sin()  # saves a view of h starting at byte 8 * 32 * 4
+    keep = h.detach().clone()
+    n = h.untyped_storage().nbytes()
+    if not free_after_commit:
+        h.untyped_storage().resize_(shrink_to)
+    with group("b"):  # a commits here with keep_last=1 (at its own exit with keep_last=0)
+        y = tail * 2
+    if free_after_commit:
+        h.untyped_storage().resize_(shrink_to)
+    meanwhile = h.untyped_storage().nbytes()  # nothing grew it back
+    h.untyped_storage().resize_(n)
+    h.untyped_storage().copy_(keep.untyped_storage())  # refilled (no version bump)
+    loss = (h * 3).sum() + y.sum()
+    first = torch.autograd.grad(loss, [x, w], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, w])
+    return [*first, *second], meanwhile
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shrink_to", [0, 1000])
+def test_a_storage_freed_before_the_commit_stays_with_autograd(impl, shrink_to):
+    expected, _ = _freed_and_refilled(None, 1, free_after_commit=False, shrink_to=shrink_to)
+    off = off_for(impl, "cpu", keep_last=1)
+    got, meanwhile = _freed_and_refilled(off, 1, free_after_commit=False, shrink_to=shrink_to)
+    assert meanwhile == shrink_to  # the commit neither read nor regrew it
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    a = off.stats()["groups"]["a"]
+    assert a["kept"].get("freed") == 2 and a["offloaded_bytes"] == 0  # h and its view: one storage
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_storage_freed_after_the_commit_comes_back_from_the_host_copy(impl, in_flight, monkeypatch):
+    """Freed once its bytes were copied out, refilled before backward: backward gets the bytes
+    (from the host copy, or in place where the refilled storage holds them again), and nothing
+    regrows the caller's storage meanwhile."""
+    if in_flight:
+        if impl != "fast":
+            pytest.skip("ref's copies are synchronous")
+        from actoffload.fast.streams import CopyStreams
+
+        monkeypatch.setattr(CopyStreams, "record", lambda self, stream=None: _Pending())
+    expected, _ = _freed_and_refilled(None, 0, free_after_commit=True)
+    off = off_for(impl, "cpu", keep_last=0, **({"max_inflight": 4} if impl == "fast" else {}))
+    got, meanwhile = _freed_and_refilled(off, 0, free_after_commit=True)
+    assert meanwhile == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert off.stats()["groups"]["a"]["offloaded_bytes"] > 0
+
+
+def test_fast_a_source_used_in_place_and_then_resized_reloads_from_the_host(monkeypatch):
+    """fast uses a span still copying out in place; the caller frees its storage between two
+    unpacks (a hook on h runs after sin's backward read h, before exp's): exp's comes back from
+    the host copy, with the bytes as saved, and the storage is not grown back."""
+    from actoffload.fast.streams import CopyStreams
+
+    monkeypatch.setattr(CopyStreams, "record", lambda self, stream=None: _Pending())
+    x = torch.randn(64, requires_grad=True)
+    expected = torch.autograd.grad(((x * 2).exp().sin() * 1).sum(), x)[0]
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=4, pack_below=0)
+    with off.group("a"):
+        h = (x * 2).exp()  # saves h
+        y = h.sin() * 1  # saves h again: one span, two unpacks
+
+    def free_h(grad):
+        h.untyped_storage().resize_(0)
+
+    h.register_hook(free_h)
+    got = torch.autograd.grad(y.sum(), x)[0]
+    assert off.stats()["copies"]["reused_in_flight_groups"] == 1
+    assert h.untyped_storage().nbytes() == 0  # never grown back
+    assert torch.equal(got, expected)
+
+
+def test_fast_a_view_used_in_place_comes_back_at_its_offset_in_a_second_backward(monkeypatch):
+    """A span at a nonzero offset of its storage, used in place (its copy out still in flight),
+    remembered as the reload for later uses: a second backward (retain_graph) must read it at
+    its offset (it read the storage's first bytes)."""
+    from actoffload.fast.streams import CopyStreams
+
+    monkeypatch.setattr(CopyStreams, "record", lambda self, stream=None: _Pending())
+
+    def run(off):
+        torch.manual_seed(0)
+        x = torch.randn(8, 64, requires_grad=True)
+        with off.group("a") if off is not None else _null():
+            base = x * 2
+            y = base[4:].sin()  # sin saves a view at byte 4 * 64 * 4 of base, which lives on
+        with off.group("b") if off is not None else _null():
+            z = y * 1
+        loss = z.sum()
+        return [torch.autograd.grad(loss, x, retain_graph=True)[0], torch.autograd.grad(loss, x)[0], base]
+
+    expected = run(None)
+    off = off_for("fast", "cpu", keep_last=1, max_inflight=2)
+    got = run(off)
+    assert off.stats()["copies"]["reused_in_flight_groups"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], expected[:2]))
