@@ -47,9 +47,12 @@ def no_split_modules(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def _stacks(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+Stack = Union[torch.nn.ModuleList, torch.nn.Sequential]
+
+
+def _stacks(model: torch.nn.Module) -> list[tuple[str, Stack]]:
     """Every ``ModuleList`` (or ``Sequential``) of one layer class, with its path."""
-    found = []
+    found: list[tuple[str, Stack]] = []
     for path, m in model.named_modules():
         if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 0:
             if len({type(x) for x in m}) == 1:
@@ -57,7 +60,7 @@ def _stacks(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
     return found
 
 
-def _outermost(stacks: list[tuple[str, torch.nn.ModuleList]]) -> list[tuple[str, torch.nn.ModuleList]]:
+def _outermost(stacks: list[tuple[str, Stack]]) -> list[tuple[str, Stack]]:
     """Those not inside another's layers (groups do not nest)."""
     return [(p, m) for p, m in stacks
             if not any(q != p and p.startswith(q + ".") for q, _ in stacks)]
@@ -73,7 +76,7 @@ def _get_path(model: torch.nn.Module, path: str) -> Any:
     return obj
 
 
-def find_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+def find_layers(model: torch.nn.Module) -> list[tuple[str, Stack]]:
     """The stacks of layers to wrap in ``model``, each as ``(path, ModuleList)``.
 
     1. The outermost ``ModuleList``s whose layers are all of one class the model lists in

@@ -65,7 +65,7 @@ def offload(trainer: Any, offloader: Offloader | None = None, *, layers: LayersA
         setattr(trainer, _CONTEXT, handle)
         return handle
     callback = ActivationOffloadCallback(offloader, layers=layers, **offloader_settings)
-    handle = callback._resolve(model)
-    assert handle is not None
+    found = callback._resolve(model)
+    assert found is not None
     trainer.add_callback(callback)
-    return handle
+    return found
