@@ -342,10 +342,19 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 _MISSING = object()
 
 
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
+
+
 def _immutable(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """``None``, a bool, int, float or str (or a subclass), or a tuple of such."""
+    if type(value) in _PLAIN_TYPES or value is None or isinstance(value, (bool, int, float, str)):
         return True
     return isinstance(value, tuple) and all(_immutable(v) for v in value)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same names for the very same objects."""
+    return a.keys() == b.keys() and all(a[k] is v for k, v in b.items())
 
 
 class _ForwardState:
@@ -355,14 +364,22 @@ class _ForwardState:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.tensors = self._tensors()
-        self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS and _immutable(v)})
-                      for m in module.modules()]
+        self.entries = [(m, {k: v for k, v in vars(m).items()
+                             if k not in _MODULE_INTERNALS and (type(v) in _PLAIN_TYPES or _immutable(v))},
+                         compat.own_tensors(m)) for m in module.modules()]
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = dict(self.module.named_parameters(remove_duplicate=False))
-        tensors.update(self.module.named_buffers(remove_duplicate=False))
-        return tensors
+    def _changed_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The forward's parameters and buffers by dotted name, if any of them is not the
+        module's now; else ``None``."""
+        if all(all(_same(now, then) for now, then in zip(compat.own_tensors(m), tensors))
+               for m, _, tensors in self.entries):
+            return None
+        own = {id(m): tensors for m, _, tensors in self.entries}
+        out: dict[str, torch.Tensor] = {}
+        for path, m in self.module.named_modules():
+            for registry in own.get(id(m), ()):
+                out.update((f"{path}.{k}" if path else k, t) for k, t in registry.items() if t is not None)
+        return out
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -370,16 +387,15 @@ class _ForwardState:
         then those of now again."""
         undo: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for m, attrs in self.attrs:
+            for m, attrs, _ in self.entries:
                 d = vars(m)
                 for k, v in attrs.items():
                     now = d.get(k, _MISSING)
                     if now is not v:
                         undo.append((d, k, now))
                         d[k] = v
-            now = self._tensors()
-            same = now.keys() == self.tensors.keys() and all(now[k] is t for k, t in self.tensors.items())
-            with contextlib.nullcontext() if same else compat.reparametrized(self.module, self.tensors):
+            tensors = self._changed_tensors()
+            with contextlib.nullcontext() if tensors is None else compat.reparametrized(self.module, tensors):
                 yield
         finally:
             for d, k, v in reversed(undo):

@@ -170,3 +170,17 @@ def test_reparametrized_swaps_parameters_and_buffers_in_and_back():
         m[0](torch.ones(1, 3)).sum().backward()
     assert other["0.weight"].grad is not None and m[0].weight.grad is None  # the grads went to the tensors given
     assert all(t is own[name] for name, t in m.named_parameters()) and m[1].running_mean is own["1.running_mean"]
+
+
+def test_own_tensors_are_the_modules_own_parameters_and_buffers():
+    m = torch.nn.Sequential(torch.nn.BatchNorm1d(3))
+    m.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
+    m.register_buffer("b", None)
+    params, buffers = compat.own_tensors(m)
+    assert params == {"w": m.w} and params["w"] is m.w and buffers == {"b": None}
+    params, buffers = compat.own_tensors(m[0])
+    assert params["weight"] is m[0].weight and buffers["running_mean"] is m[0].running_mean
+    assert set(params) == {n for n, _ in m[0].named_parameters(recurse=False)}
+    assert set(buffers) == {n for n, _ in m[0].named_buffers(recurse=False)}
+    params["weight"] = None
+    assert m[0].weight is not None  # a copy
