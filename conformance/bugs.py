@@ -136,11 +136,18 @@ def wrap_fails_inside_except():
 
 @contextlib.contextmanager
 def move_shared_storage_twice():
-    """(i) Copy out a storage that an earlier group already moved."""
-    def no_copy(self: SharedStorages, key: int, aliases: object) -> None:
-        return None
+    """(i) Copy out a storage that an earlier group already moved. ref and fast share the
+    registry of moved storages (``actoffload.sharing``): only fast's instance forgets."""
+    copy_of, init = SharedStorages.copy_of, FastOffloader.__init__
 
-    with mock.patch.object(SharedStorages, "copy_of", no_copy):
+    def forgetting(self: SharedStorages, key: int, aliases: object):
+        return None if getattr(self, "_planted_in_fast", False) else copy_of(self, key, aliases)
+
+    def fast_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._shared._planted_in_fast = True
+
+    with mock.patch.object(SharedStorages, "copy_of", forgetting), mock.patch.object(FastOffloader, "__init__", fast_init):
         yield
 
 

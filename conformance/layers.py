@@ -316,7 +316,79 @@ class Compiled(Layer):
         return self.compiled(x)
 
 
-def build(kind: str, d: int) -> Layer:
+class Dropout(Layer):
+    """Reads the training flag: a recomputation must draw the forward's mask (the flag as it
+    was, the RNG state checkpointing restores) even after ``model.eval()``."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc(F.dropout(x.tanh(), 0.25, self.training))
+
+
+class Attribute(Layer):
+    """Reads plain attributes in forward (a float, a str, a tuple): the runner changes them
+    between the loss and backward, where a recomputation must still see the forward's."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+        self.scale, self.act, self.bounds = 1.5, "tanh", (-0.75, 0.75)
+
+    def forward(self, x):
+        h = self.fc(x) * self.scale
+        h = h.tanh() if self.act == "tanh" else h.sigmoid()
+        return h.clamp(*self.bounds)
+
+    def change(self) -> None:
+        self.scale, self.act, self.bounds = 0.5, "sigmoid", (-0.25, 0.25)
+
+    def restore(self) -> None:
+        self.scale, self.act, self.bounds = 1.5, "tanh", (-0.75, 0.75)
+
+
+class Resizable(Layer):
+    """Saves a tensor (``fc``'s input) the runner frees with ``untyped_storage().resize_(0)``
+    after forward and refills, same bytes, before backward (as FSDP does with what it
+    gathered): ``saved`` lists those tensors, forward by forward."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.fc = nn.Linear(d, d)
+        self.saved: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = x * 2  # nothing saves x; fc saves h
+        y = self.fc(h)
+        self.saved.append(h)
+        return y
+
+
+class Chain(Layer):
+    """A long chain of small ops in one group: ``n`` saves, consecutive ones sharing storages
+    (tanh saves its output, which sin then saves as its input)."""
+
+    def __init__(self, d, n):
+        super().__init__(d)
+        self.n = n
+
+    def forward(self, x):
+        h = x
+        for k in range(self.n):
+            h = h.sin() if k % 2 else h.tanh()
+        return x + h
+
+
+class Tiny(nn.Module):
+    """One of many tiny groups: a residual tanh (saves its output)."""
+
+    def forward(self, x, fail=False):
+        return x + 0.5 * x.tanh()
+
+
+def build(kind: str, d: int, chain: int = 0) -> Layer:
     if kind == "linear":
         return Linear(d)
     if kind in ("layernorm", "rmsnorm"):
@@ -337,8 +409,11 @@ def build(kind: str, d: int) -> Layer:
         return Experts(d)
     if kind == "grouped_mlp_selected":
         return Experts(d, selected={"moe_act"})
+    if kind == "chain":
+        return Chain(d, chain)
     simple = {"complex": Complex, "wrapper_subclass": Wrapper, "forward_ad": ForwardAD, "nested": Nested,
-              "parameter_swap": ParameterSwap, "detached_weight": DetachedWeight, "compiled": Compiled}
+              "parameter_swap": ParameterSwap, "detached_weight": DetachedWeight, "compiled": Compiled,
+              "dropout": Dropout, "attribute": Attribute, "resizable": Resizable}
     if kind in simple:
         return simple[kind](d)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -6,7 +6,8 @@ import atexit
 import contextlib
 import gc
 import time
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.utils.checkpoint
@@ -14,7 +15,7 @@ import torch.utils.checkpoint
 import actoffload as ao
 from actoffload import Offloader
 
-from .layers import Hooks, build
+from .layers import Attribute, Hooks, Resizable, Tiny, build
 from .scenario import Scenario
 
 SLEEP_CYCLES = 20_000_000  # a lagging stream: ~10 ms, far longer than the work between copies
@@ -26,77 +27,174 @@ class Boom(Exception):
 
 @dataclass
 class Outcome:
-    error: str | None = None  # class name of the error backward raised
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
-    stats: dict | None = None
+    error: str | None = None  # class name of the error backward raised (the steps stop there)
+    error_detail: str | None = None  # its message, and where it was raised
+    outputs: list[torch.Tensor] = field(default_factory=list)  # every step's
+    grads: list[torch.Tensor] = field(default_factory=list)  # every step's
+    stats: dict | None = None  # stats()["groups"] once the graph is freed
+    step_stats: list[dict] = field(default_factory=list)  # stats()["groups"] after each step's forwards
+    plans: list[dict | None] = field(default_factory=list)  # stats()["plan"] after each step (a budget's)
     host_bytes_after_free: int = 0
-    resident_bytes: int | None = None  # CUDA: allocated after all forwards (copies finished)
+    resident_bytes: list[int] = field(default_factory=list)  # CUDA: allocated after each step's forwards (copies finished)
     offloaded_bytes: int = 0
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: keep the matmuls' outputs, recompute the rest."""
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def checkpointed(kind: str, fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` under activation checkpointing of ``kind`` (scenario.CHECKPOINT_KINDS)."""
+    if kind == "reentrant":
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=True)
+    if kind == "selective":
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=_selective)
+    return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+
+
+class Block(torch.nn.ModuleList):
+    """One group's layers, run in order: the module ``ao.wrap`` wraps (a memory plan or the
+    warm-up may recompute it)."""
+
+    checkpoint_kind = "nonreentrant"
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        for i, layer in enumerate(self):
+            x = checkpointed(self.checkpoint_kind, layer, x) if layer.checkpointed else layer(x)
+            if fail and i == len(self) - 1:
+                raise Boom("raised inside a group")
+        return x
+
+
 class Model(torch.nn.Module):
+    """The scenario's blocks at their positions, then its tiny groups; ``forward`` opens the
+    groups (by hand, or through the wrapped blocks) as the runner configured it."""
+
     def __init__(self, s: Scenario):
         super().__init__()
         self.groups = torch.nn.ModuleList()
         for g, kinds in enumerate(s.groups):
             layers = []
             for i, kind in enumerate(kinds):
-                layer = build(kind, s.width)
+                layer = build(kind, s.width, s.chain)
                 layer.hooks = Hooks(s.marks.get(f"{g}.{i}"), s.inplace_after_save == f"{g}.{i}")
                 layer.checkpointed = f"{g}.{i}" in s.checkpoint
                 layers.append(layer)
-            self.groups.append(torch.nn.ModuleList(layers))
+            block = Block(layers)
+            block.checkpoint_kind = s.checkpoint_kind
+            self.groups.append(block)
+        self.tiny = torch.nn.ModuleList(Tiny() for _ in range(s.deep))
+        self.scenario = s
+        self.order = s.positions()
+        self.names = _group_names(s)
+        self.off: Offloader | None = None  # groups opened by hand
+        self.resized: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (storage, its bytes) freed
 
-    def run_group(self, g: int, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
-        for i, layer in enumerate(self.groups[g]):
-            if layer.checkpointed:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-            if fail and i == len(self.groups[g]) - 1:
-                raise Boom(f"raised inside group {g}")
+    def blocks(self) -> list[torch.nn.Module]:
+        """The module at each position, the tiny groups last."""
+        return [self.groups[g] for g in self.order] + list(self.tiny)
+
+    def forward(self, x: torch.Tensor, fail_in: int | None = None) -> torch.Tensor:
+        s = self.scenario
+        regions = {r["first"]: r for r in s.regions if 0 <= r["first"] <= r["last"] < len(self.order)}
+        p = 0
+        while p < len(self.order):
+            r = regions.get(p)
+            if r is None:
+                y = self._position(p, x, fail_in == p, resize=True)
+                if "inplace_residual" in s.twists:
+                    x += y  # the residual stream written in place: h += block(h)
+                else:
+                    x = y
+                p += 1
+                continue
+
+            def region(t, first=r["first"], last=r["last"], outside=r["outside"]):
+                for q in range(first, last + 1):
+                    if outside:
+                        t = t + t.sin() * 0.5  # saved inside the checkpointed region, outside any group
+                    t = self._position(q, t, fail_in == q, resize=False)
+                return t
+
+            x = checkpointed(r["kind"], region, x)
+            p = r["last"] + 1
+        for j, tiny in enumerate(self.tiny):
+            x = self._call(tiny, self.names[len(self.order) + j], x, False)
         return x
 
+    def _position(self, p: int, x: torch.Tensor, fail: bool, resize: bool) -> torch.Tensor:
+        block = self.groups[self.order[p]]
+        y = self._call(block, self.names[p], x, fail)
+        if resize and self.scenario.resize == "after_group":
+            self.free_saved(block)  # the group is closed: its commit may still be pending (keep_last)
+        return y
 
-class _GroupModules(torch.nn.Module):
-    """One group's layers as a module, for ``ao.wrap``."""
+    def _call(self, block: torch.nn.Module, name: str, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        if self.off is not None:
+            with self.off.group(name):
+                return block(x, fail)
+        return block(x, fail)  # plain, or wrapped (the block opens its group)
 
-    def __init__(self, model: Model, g: int):
-        super().__init__()
-        self.model, self.g = [model], g
+    def free_saved(self, *blocks: torch.nn.Module) -> None:
+        """Free the storages ``Resizable`` layers saved (``resize_(0)``), keeping their bytes aside."""
+        for block in blocks or list(self.groups):
+            for layer in block.modules():
+                if isinstance(layer, Resizable):
+                    for h in layer.saved:
+                        storage = h.untyped_storage()
+                        if storage.nbytes():
+                            keep = torch.empty(storage.nbytes(), dtype=torch.uint8, device=h.device)
+                            keep.untyped_storage().copy_(storage)
+                            storage.resize_(0)
+                            self.resized.append((storage, keep))
+                    layer.saved.clear()
 
-    def forward(self, x, fail=False):
-        return self.model[0].run_group(self.g, x, fail)
+    def refill(self) -> None:
+        """Give the freed storages their bytes back (their version counters untouched)."""
+        for storage, keep in self.resized:
+            storage.resize_(keep.numel())
+            storage.copy_(keep.untyped_storage())
+        self.resized.clear()
+
+    def set_twist(self, on: bool) -> None:
+        """Between the loss and backward (``on``), and back after backward."""
+        if "eval" in self.scenario.twists:
+            self.train(not on)
+        if "attribute" in self.scenario.twists:
+            for m in self.modules():
+                if isinstance(m, Attribute):
+                    m.change() if on else m.restore()
 
 
 def _group_names(s: Scenario) -> list[str]:
-    return ["block" if s.same_names else str(g) for g in range(len(s.groups))]
+    n = len(s.positions())
+    if s.same_names:
+        return ["block"] * (n + s.deep)
+    return [str(p) for p in range(n)] + [f"t{j}" for j in range(s.deep)]
 
 
-def _forward(model: Model, s: Scenario, x: torch.Tensor, off: Offloader | None, wrapped, fail_in=None):
-    for g, name in enumerate(_group_names(s)):
-        fail = fail_in == g
-        if wrapped is not None:
-            x = wrapped[g](x, fail)
-        elif off is not None:
-            with off.group(name):
-                x = model.run_group(g, x, fail)
-        else:
-            x = model.run_group(g, x, fail)
-    return x
+def _forward(model: Model, s: Scenario, x: torch.Tensor, params: dict | None, fail_in=None) -> torch.Tensor:
+    if params is not None:  # parameters other than the module's own (a hypernetwork, an EMA copy)
+        return torch.func.functional_call(model, params, (x,), {"fail_in": fail_in})
+    return model(x, fail_in)
 
 
-def _forwards(model: Model, s: Scenario, leaves: list[torch.Tensor], off: Offloader | None, wrapped):
+def _forwards(model: Model, s: Scenario, leaves: list[torch.Tensor], params: dict | None):
     """One forward per micro-batch; with ``in_except``, from inside an ``except`` block (a
     retry loop, a fallback path), where ``sys.exc_info()`` names an unrelated exception."""
     if s.in_except:
         try:
             raise LookupError("unrelated, being handled")
         except LookupError:
-            return [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
+            return [_forward(model, s, leaf * 1, params).float().square().mean() for leaf in leaves]
     # leaf * 1: the first group sees an activation, as after an embedding
-    return [_forward(model, s, leaf * 1, off, wrapped).float().square().mean() for leaf in leaves]
+    return [_forward(model, s, leaf * 1, params).float().square().mean() for leaf in leaves]
 
 
 @contextlib.contextmanager
@@ -135,55 +233,60 @@ def _delayed(off, s: Scenario):
         delattr(streams, name)
 
 
+def _offloader(s: Scenario, impl: str, device: torch.device, budget: int | None) -> Offloader:
+    fast_settings: dict = {"prefetch": s.prefetch, "max_inflight": s.max_inflight, "warmup": s.warmup}
+    if s.pack_below is not None:
+        fast_settings["pack_below"] = s.pack_below
+    if budget is not None:
+        fast_settings["memory_budget"] = budget
+    return ao.Offloader(impl=impl, device=device, policy=s.policy, keep_last=s.keep_last,
+                        min_offload_bytes=s.min_offload_bytes, **(fast_settings if impl == "fast" else {}))
+
+
+def _inputs(s: Scenario, step: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    if step == 0:  # from the seed's generator, right after the model (as before steps existed)
+        return [torch.randn(s.batch, s.seq, s.width, device=device, dtype=dtype) for _ in range(s.microbatches)]
+    gen = torch.Generator().manual_seed(s.seed * 1000 + step)
+    return [torch.randn(s.batch, s.seq, s.width, generator=gen).to(device=device, dtype=dtype)
+            for _ in range(s.microbatches)]
+
+
 def run(s: Scenario, impl: str | None) -> Outcome:
-    """Train the scenario once; ``impl=None`` runs without an offloader."""
+    """Train the scenario (``s.steps`` steps); ``impl=None`` runs without an offloader."""
     device = torch.device(s.device)
     dtype = getattr(torch, s.dtype)
+    # (sized first: sizing runs the scenario, which seeds and draws from the global generator)
+    budget = budget_bytes(s) if impl == "fast" and s.memory_budget is not None else None
     torch.manual_seed(s.seed)
     model = Model(s).to(device=device, dtype=dtype)
-    inputs = [torch.randn(s.batch, s.seq, s.width, device=device, dtype=dtype) for _ in range(s.microbatches)]
-    off = None
-    if impl is not None:
-        fast_settings = {"prefetch": s.prefetch, "max_inflight": s.max_inflight, "warmup": s.warmup}
-        if s.pack_below is not None:
-            fast_settings["pack_below"] = s.pack_below
-        off = ao.Offloader(impl=impl, device=device, policy=s.policy, keep_last=s.keep_last,
-                           min_offload_bytes=s.min_offload_bytes, **(fast_settings if impl == "fast" else {}))
-    handles, wrapped = [], None
+    inputs = _inputs(s, 0, device, dtype)
+    off = _offloader(s, impl, device, budget) if impl is not None else None
+    handles = []
     if off is not None and s.use_wrap:
-        wrapped = [_GroupModules(model, g) for g in range(len(s.groups))]
-        handles.append(ao.wrap(wrapped, off, names=_group_names(s)))
+        blocks = model.blocks()
+        if s.wrap_dict:
+            handles.append(ao.wrap(torch.nn.ModuleDict({f"b{p}": b for p, b in enumerate(blocks)}), off))
+        else:  # one block at several positions: nn.ModuleList([block] * k), wrapped once
+            handles.append(ao.wrap(torch.nn.ModuleList(blocks), off, names=_group_names(s)))
+    elif off is not None:
+        model.off = off
     out = Outcome()
     try:
         with _delayed(off, s):
             if s.raise_in_group is not None:
                 try:
-                    _forward(model, s, inputs[0].clone().requires_grad_(True), off, wrapped, fail_in=s.raise_in_group)
+                    _forward(model, s, inputs[0].clone().requires_grad_(True), None, fail_in=s.raise_in_group)
                 except Boom:
                     pass
-            gc.collect()
-            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            leaves = [x.clone().requires_grad_(True) for x in inputs]
-            losses = _forwards(model, s, leaves, off, wrapped)
-            out.outputs = [loss.detach().clone() for loss in losses]
-            if device.type == "cuda":
-                if off is not None:
-                    off.synchronize()  # resident once the copies out have finished
-                torch.cuda.synchronize()
-                gc.collect()
-                out.resident_bytes = torch.cuda.memory_allocated(device) - base
-            if off is not None:
-                out.offloaded_bytes = off.stats()["offloaded_bytes"]
-            try:
-                for i in s.backward_order:
-                    losses[i].backward(retain_graph=s.retain_graph and i == 0)
-                if s.retain_graph:
-                    losses[0].backward()
-            except Exception as e:  # any error is observable: compared by class with no offloader
-                out.error = type(e).__name__
-            out.grads = [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
-            out.grads += [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
-            del losses, leaves
+                for block in model.groups:
+                    for layer in block.modules():
+                        if isinstance(layer, Resizable):
+                            layer.saved.clear()
+            for step in range(s.steps):
+                if step:
+                    inputs = _inputs(s, step, device, dtype)
+                if not _step(model, s, off, inputs, device, dtype, out):
+                    break  # backward raised: compared by class, no further step
     finally:
         for h in handles:
             h.remove()
@@ -193,6 +296,85 @@ def run(s: Scenario, impl: str | None) -> Outcome:
         off.synchronize()
         out.host_bytes_after_free = _host_bytes_once_released(off)
     return out
+
+
+def _step(model: Model, s: Scenario, off: Offloader | None, inputs: list[torch.Tensor], device: torch.device,
+          dtype: torch.dtype, out: Outcome) -> bool:
+    """One training step (every micro-batch's forward, then their backwards); what it observes
+    goes into ``out``; ``False`` if backward raised."""
+    gc.collect()
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    params, scale = None, None
+    if "functional_call" in s.twists:
+        scale = torch.tensor(0.75, device=device, dtype=dtype, requires_grad=True)
+        params = {n: p * scale for n, p in model.named_parameters()}
+    losses = _forwards(model, s, leaves, params)
+    del params
+    out.outputs += [loss.detach().clone() for loss in losses]
+    if s.resize == "after_forward":
+        model.free_saved()
+    if device.type == "cuda":
+        if off is not None:
+            off.synchronize()  # resident once the copies out have finished
+        torch.cuda.synchronize()
+        gc.collect()
+        out.resident_bytes.append(torch.cuda.memory_allocated(device) - base)
+    if off is not None:
+        stats = off.stats()
+        out.offloaded_bytes = stats["offloaded_bytes"]
+        out.step_stats.append(stats["groups"])
+        out.plans.append(stats.get("plan"))
+    model.refill()
+    model.set_twist(True)
+    try:
+        for i in s.backward_order:
+            losses[i].backward(retain_graph=s.retain_graph and i == 0)
+        if s.retain_graph:
+            losses[0].backward()
+    except Exception as e:  # any error is observable: compared by class with no offloader
+        out.error = type(e).__name__
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        out.error_detail = f"{type(e).__name__}: {str(e)[:300]} (at {tb.filename.split('/')[-1]}:{tb.lineno} {tb.name})"
+    finally:
+        model.set_twist(False)
+    out.grads += [leaf.grad.clone() if leaf.grad is not None else None for leaf in leaves]
+    if scale is not None:
+        out.grads.append(scale.grad.clone() if scale.grad is not None else None)
+    out.grads += [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    if off is not None and s.memory_budget is not None:
+        out.plans[-1] = off.stats().get("plan")  # as this step's backward left it
+    return out.error is None
+
+
+_BUDGETS: dict[str, int] = {}
+
+
+def budget_bytes(s: Scenario) -> int:
+    """The memory budget ``s.memory_budget`` names: ``huge`` keeps everything (1 << 40); ``small``
+    and ``mid`` are read off a run with the huge one (the plan's figures, which on the CPU
+    are the bytes the groups save): ``small`` the smallest reachable peak, a little more (every
+    plan misses by the margin: the least-memory plan runs, recomputing or offloading), ``mid``
+    halfway to what keeping everything needs, beyond the margin (docs/budgets.md: at least
+    1 MiB, a thousandth of the budget)."""
+    if s.memory_budget == "huge" or s.memory_budget is None:
+        return 1 << 40
+    key = replace(s, memory_budget="huge", steps=3).to_json()
+    if key not in _BUDGETS:
+        sizing = run(Scenario.from_json(key), "fast")
+        if sizing.error is not None:  # backward raised (as it will without an offloader: compared there)
+            return 1 << 40
+        plan = (sizing.plans or [None])[-1] or {}
+        least = plan.get("smallest_reachable_bytes")
+        top = plan.get("predicted_peak_bytes")
+        if least is None or top is None:
+            raise RuntimeError(f"a run with memory_budget=1 << 40 made no plan to size {s.memory_budget!r} from: {plan}")
+        _BUDGETS.clear()  # one scenario at a time
+        _BUDGETS[key] = least + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
+            least + max(1 << 20, least // 1000) + max(top - least, 0) // 2
+    return _BUDGETS[key]
 
 
 def _host_bytes_once_released(off, patience_s: float = 2.0) -> int:
@@ -239,38 +421,74 @@ def compare(s: Scenario, impl: str = "fast") -> list[str]:
     if impl != "ref":
         runs[impl] = run(s, impl)
     base = runs["none"]
-    # fast warming up recomputes wrapped groups: what they save differs from ref by design
-    recomputing = impl == "fast" and s.warmup == "recompute" and s.use_wrap
+    fast = runs.get("fast")
+    budget = fast is not None and s.memory_budget is not None
+    # fast recomputing (warming up, or a budget's plan) saves other tensors than ref by design
+    warming = fast is not None and s.warmup == "recompute" and s.use_wrap
+
+    def recomputing(step: int) -> bool:
+        return budget or (warming and (step >= len(fast.step_stats)
+                                       or any(g.get("recomputed") for g in fast.step_stats[step].values())))
+
     problems = []
     for name, r in runs.items():
         if name == "none":
             continue
         if r.error != base.error:
-            problems.append(f"{name}: error {r.error} where none raised {base.error} (R6/R10)")
+            problems.append(f"{name}: error {r.error} where none raised {base.error} (R6/R10): "
+                            f"{r.error_detail or base.error_detail}")
             continue
-        if not all(_same(a, b) for a, b in zip(r.outputs, base.outputs)):
+        if len(r.outputs) != len(base.outputs) or not all(_same(a, b) for a, b in zip(r.outputs, base.outputs)):
             problems.append(f"{name}: outputs differ from none (R1)")
         if base.error is None and (len(r.grads) != len(base.grads) or not all(_same(a, b) for a, b in zip(r.grads, base.grads))):
             bad = [i for i, (a, b) in enumerate(zip(r.grads, base.grads)) if not _same(a, b)]
-            problems.append(f"{name}: gradients {bad[:5]} differ from none (R1)")
+            problems.append(f"{name}: gradients {bad[:5]} of {len(base.grads)} differ from none (R1)")
         if r.host_bytes_after_free != 0:
             problems.append(f"{name}: {r.host_bytes_after_free} host bytes still in use after the graph was freed (R8)")
-        if r.resident_bytes is not None and base.error is None:
-            expected = runs["ref"].resident_bytes
-            slack = 0.01 * max(expected, 1) + 4096
-            if name != "ref" and recomputing:  # recomputed groups hold their inputs at most
-                if r.resident_bytes > expected + slack:
-                    problems.append(f"{name}: {r.resident_bytes} bytes resident after forward while recomputing, "
-                                    f"more than ref's {expected} (R9)")
-            elif abs(r.resident_bytes - expected) > slack:
-                problems.append(f"{name}: {r.resident_bytes} bytes resident after forward, ref {expected} (R9)")
-    if impl != "ref" and not recomputing and runs[impl].stats != runs["ref"].stats:
-        problems.append(f"{impl}: stats differ from ref: {runs[impl].stats} vs {runs['ref'].stats}")
+        if base.error is None:
+            for step, resident in enumerate(r.resident_bytes):
+                expected = (base if name != "ref" and budget else runs["ref"]).resident_bytes[step]
+                slack = 0.01 * max(expected, 1) + 4096
+                if name != "ref" and recomputing(step):  # recomputed groups hold their inputs at most
+                    if resident > expected + slack:
+                        problems.append(f"{name}: {resident} bytes resident after step {step}'s forward while "
+                                        f"recomputing, more than {'none' if budget else 'ref'}'s {expected} (R9)")
+                elif abs(resident - expected) > slack:
+                    problems.append(f"{name}: {resident} bytes resident after step {step}'s forward, ref {expected} (R9)")
+    if fast is not None and not budget:
+        ref = runs["ref"]
+        for step, (a, b) in enumerate(zip(fast.step_stats, ref.step_stats)):
+            if not recomputing(step) and a != b:
+                problems.append(f"fast: stats after step {step}'s forward differ from ref: {a} vs {b}")
+                break
+        if not warming and fast.stats != ref.stats:
+            problems.append(f"fast: stats differ from ref: {fast.stats} vs {ref.stats}")
     # (a first forward that raised is a step of its own: the warm-up may be over after it)
-    if (recomputing and base.error is None and s.raise_in_group is None
-            and not any(g.get("recomputed") for g in (runs[impl].stats or {}).values())):
-        problems.append(f"{impl}: warmup='recompute' recomputed no wrapped group")
+    outside_regions = set(range(len(s.positions()) + s.deep)) - {
+        p for r in s.regions for p in range(r["first"], r["last"] + 1)}
+    if ((warming or (budget and s.use_wrap)) and base.error is None and s.raise_in_group is None
+            and outside_regions and fast.step_stats
+            and not any(g.get("recomputed") for g in fast.step_stats[0].values())):
+        problems.append("fast: " + ("a budget's profiling step" if budget else "warmup='recompute'")
+                        + " recomputed no wrapped group")
+    if budget and base.error is None:
+        problems += _budget_problems(s, fast)
     return problems
+
+
+def _budget_problems(s: Scenario, fast: Outcome) -> list[str]:
+    """After its two profiling steps, a budget runs a plan: keep everything for ``huge``, not for
+    ``small`` (the least-memory plan)."""
+    plan = fast.plans[-1] if fast.plans else None
+    if not plan or not plan.get("groups") or plan.get("state") in ("profiling", "re-planning"):
+        state = plan.get("state") if plan else None
+        return [f"fast: memory_budget={s.memory_budget}: no plan after {s.steps} steps (state {state})"]
+    actions = [g["action"] for g in plan["groups"]]
+    if s.memory_budget == "huge" and set(actions) != {"keep"}:
+        return [f"fast: memory_budget=1 << 40 planned {actions}, not keeping everything"]
+    if s.memory_budget == "small" and set(actions) == {"keep"}:
+        return [f"fast: memory_budget={budget_bytes(s)} (the smallest reachable) kept everything"]
+    return []
 
 
 def minimize(s: Scenario, impl: str, budget: int = 40) -> Scenario:

@@ -8,9 +8,9 @@ shared engine and policy); the tests named after that rule must then fail.
 import shutil, subprocess, sys, os
 MUTATIONS = [
     ("R1", "ref/offloader.py", "            host.copy_(m.source())  # blocking", "            host.copy_(m.source()); host[:1] ^= 1"),
-    ("R2", "actoffload/engine.py", '''        if open_name is not None:
-            raise RuntimeError(''', '''        if False:
-            raise RuntimeError('''),
+    ("R2", "actoffload/engine.py", '''            raise RuntimeError(
+                f"cannot open group {name!r} inside group''', '''            if False: raise RuntimeError(
+                f"cannot open group {name!r} inside group'''),
     ("R3", "actoffload/policy.py", '''        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:''', '''        if False:'''),
     ("R4", "actoffload/policy.py", '''        elif flags & marks.VETO:''', '''        elif False:'''),
     ("R5", "actoffload/policy.py", '''        for i in span.members[1:]:
@@ -18,18 +18,23 @@ MUTATIONS = [
             reasons[i] = None'''),
     ("R6", "actoffload/engine.py", '''        if held._version != s.version:''', '''        if False:'''),
     ("R7", "actoffload/engine.py", '''        return handle.rebuild(parts)''', '''        return parts[0]'''),
-    ("R8", "actoffload/records.py", '''        self.tensor: torch.Tensor | None = t if t.grad_fn is None else t.detach()''',
+    ("R8", "actoffload/records.py", '''        self.tensor: torch.Tensor | None = t.detach() if self.derived else t''',
      '''        self.tensor: torch.Tensor | None = t'''),
     ("R9", "ref/offloader.py", '''            m.storage = None''', '''            m.keep = m.storage'''),
     ("R10", "actoffload/settings.py", '''    if impl not in IMPLS:''', '''    if impl not in IMPLS and False:'''),
 ]
+failed = False
 root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for rule, path, old, new in MUTATIONS:
     work = f"/tmp/mut_{rule}"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(root, work, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
     src = open(os.path.join(work, path)).read()
-    assert old in src, (rule, old)
+    if src.count(old) != 1:  # the code moved: this rule's mutation must follow it (edit MUTATIONS)
+        print(rule, f"NOT APPLIED: {path} has {src.count(old)} copies of the code to break, not 1:", repr(old[:80]))
+        failed = True
+        shutil.rmtree(work, ignore_errors=True)
+        continue
     open(os.path.join(work, path), "w").write(src.replace(old, new, 1))
     env = dict(os.environ, TRITON_INTERPRET="1")
     # load the scratch copy's packages by path: an installed actoffload would shadow them
@@ -49,5 +54,7 @@ sys.exit(pytest.main(["-q", "-x", "-p", "no:cacheprovider", {work + '/tests'!r},
 """
     r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, cwd=work, env=env)
     last = [l for l in r.stdout.splitlines() if "passed" in l or "failed" in l or "error" in l.lower()][-1:]
-    print(rule, "CAUGHT" if r.returncode == 1 else f"NOT CAUGHT rc={r.returncode}", last)
+    print(rule, "CAUGHT" if r.returncode == 1 else f"NOT CAUGHT rc={r.returncode}", last, flush=True)
+    failed |= r.returncode != 1
     shutil.rmtree(work, ignore_errors=True)
+sys.exit(1 if failed else 0)
