@@ -6,6 +6,7 @@ Each is a context manager that patches ``FastOffloader`` for its duration.
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import sys
@@ -143,6 +144,7 @@ def move_shared_storage_twice():
     def forgetting(self: SharedStorages, key: int, aliases: object):
         return None if getattr(self, "_planted_in_fast", False) else copy_of(self, key, aliases)
 
+    @functools.wraps(init)  # the offloader checks settings against the signature
     def fast_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self._shared._planted_in_fast = True
