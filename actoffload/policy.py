@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import compat, marks
+from .spans import largest_within
 
 # Reported when several apply: the first in this order.
 REASONS = ("device", "parameter", "vetoed", "not_marked", "freed", "small", "alias", "keep_last", "budget", "inert")
@@ -252,14 +253,18 @@ def plan_facts(
 
     spans: list[Span] = []
     roles: dict[int, str] = {}
-    room = float("inf") if move_at_most is None else move_at_most
-    for span in sorted(eligible, key=lambda sp: -sp.nbytes) if move_at_most is not None else eligible:
-        if span.nbytes > room:
+    order = list(range(len(eligible)))
+    taken = set(order)
+    if move_at_most is not None:  # the plan's share: the largest spans that fit (one rule: spans.py)
+        order = sorted(order, key=lambda k: -eligible[k].nbytes)
+        taken = set(largest_within([sp.nbytes for sp in eligible], move_at_most))
+    for k in order:
+        span = eligible[k]
+        if k not in taken:
             for i in span.members:
                 reasons[i] = "budget"
             stayed.append(("budget", span.nbytes))
             continue
-        room -= span.nbytes
         if (role := marks.role_of(span.storage_key)) is not None:
             roles[len(spans)] = role
         spans.append(span)
