@@ -46,8 +46,19 @@ class Packer:
             self.name = "triton" if device.type == "cuda" else "triton-interpreter"
 
     def layout(self, sizes: list[int]) -> tuple[list[int], int]:
-        """16-byte aligned offsets of each span in the packed buffer, and its size."""
-        return packed_layout(sizes, align=16)
+        """Offsets of each span in the packed buffer, and its size: back to back, no padding.
+
+        Each offset is aligned to the widest power of two up to 16 that divides every size, so
+        the offsets add no padding (host memory stays within R9's bound however small the
+        spans: 16-byte alignment held four times the bytes of one-float tensors), and the
+        kernels' word (the widest dividing every pointer, offset and size of a launch) is as
+        wide as the sizes alone allow it to be anyway.
+        """
+        align = 16
+        for n in sizes:
+            while n % align:
+                align //= 2
+        return packed_layout(sizes, align=align)
 
     def prepare(self, spans: list[torch.Tensor], offsets: list[int], total: int) -> Any:
         """Host-side work of a pack or unpack of the flat uint8 ``spans``, done before entering

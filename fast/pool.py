@@ -1,9 +1,8 @@
 """A pinned host memory pool, reused across steps and sized by bytes.
 
-Blocks come in size classes a little larger than asked (at most 1/32 more from 2 KiB
-up, 64-byte granules below, so host memory in use stays within R9's 5% of what was
-offloaded at any realistic size) and go back to a free list
-when the data in them dies. The same model asks for the same sizes every step, so
+Blocks come in size classes a little larger than asked (less than 1/32 more at any size,
+exact below 64 bytes, so host memory in use stays within R9's 5% of what was offloaded
+however small the tensors) and go back to a free list when the data in them dies. The same model asks for the same sizes every step, so
 after the first step no host memory is allocated at all.
 
 A block's ``fence`` is the event after which the last copy *reading* it (a reload)
@@ -22,14 +21,14 @@ import torch
 
 
 def size_class(nbytes: int) -> int:
-    """Round up to a multiple of 1/32 of the size's power of two (at least 64 bytes).
+    """Round up to a multiple of 1/32 of the size's power of two (exact below 64 bytes): less
+    than 1/32 more than asked at any size. (A 64-byte minimum held 16 times the bytes of a
+    4-byte tensor, breaking R9's bound where ``min_offload_bytes`` lets tiny tensors move.)
 
-    >>> size_class(1000), size_class(1 << 20), size_class((1 << 20) + 1)
-    (1024, 1048576, 1081344)
+    >>> size_class(4), size_class(1000), size_class(1 << 20), size_class((1 << 20) + 1)
+    (4, 1008, 1048576, 1081344)
     """
-    if nbytes <= 64:
-        return 64
-    granule = max(64, 1 << (nbytes.bit_length() - 6))
+    granule = 1 << max(0, nbytes.bit_length() - 6)
     return (nbytes + granule - 1) // granule * granule
 
 
