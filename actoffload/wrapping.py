@@ -63,8 +63,9 @@ def wrap(
     module its class and instance ``forward`` back, nothing left over; a class swap made after
     wrapping (``fully_shard``) stays, without the wrapper. A copy of a wrapped module
     (``copy.deepcopy``, ``copy.copy``, ``pickle``, ``torch.save`` then ``torch.load``) is a
-    plain module of its original class, not wrapped, computing with its own weights; the
-    original stays wrapped. A ``forward`` assigned on the instance after wrapping takes
+    plain module of its original class, not wrapped, computing with its own weights
+    (``copy.copy`` shares the original's submodules, wrapped where those are); the original
+    stays wrapped. A ``forward`` assigned on the instance after wrapping takes
     precedence over the wrapper: no group opens.
 
     ``names`` must be strings (``TypeError`` otherwise), and ``parts(module)`` must return a
