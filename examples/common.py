@@ -356,8 +356,8 @@ def _sync(device: torch.device) -> None:
 
 
 def checkpoint_each(modules: Sequence[torch.nn.Module]) -> Callable[[], None]:
-    """Activation checkpointing of each module (non-reentrant), by patching its forward the
-    way ``ao.wrap`` does, so it sits inside FSDP's and DDP's hooks; returns the undo."""
+    """Activation checkpointing of each module (non-reentrant), by patching its forward, so it
+    sits inside FSDP's and DDP's hooks; returns the undo."""
     patched: list[tuple[torch.nn.Module, Callable[..., Any], bool]] = []
     for m in modules:
         inner = m.forward
