@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,13 +43,32 @@ def test_layers_by_path_and_a_budget():
     assert callback.offloader.impl == "fast" and callback.offloader.stats()["plan"]["groups"]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_ddp_and_fsdp2_on_two_processes_are_bitwise():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(EXAMPLES / "lightning_fit.py"), "--devices", "2",
-                          "--strategy", "ddp,fsdp2"], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    # the two processes share stdout: their lines may run together
-    found = re.findall(r"rank (\d): (\w+) on 2 device\(s\).*?(\d+) bytes offloaded .*?bitwise equal: (True|False)", out.stdout)
+    """Both ranks start at once (Lightning's environment variables, as a launcher sets them),
+    so that their imports overlap."""
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent), os.environ.get("PYTHONPATH", "")]),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0"}
+    command = [sys.executable, str(EXAMPLES / "lightning_fit.py"), "--devices", "2", "--strategy", "ddp,fsdp2"]
+    ranks = [subprocess.Popen(command, env={**base, "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = []
+    try:
+        for p in ranks:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(ranks, outs):
+        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    found = re.findall(r"rank (\d): (\w+) on 2 device\(s\).*?(\d+) bytes offloaded .*?bitwise equal: (True|False)",
+                       "".join(stdout for stdout, _ in outs))
     assert sorted((rank, strategy) for rank, strategy, _, _ in found) == [
-        ("0", "ddp"), ("0", "fsdp2"), ("1", "ddp"), ("1", "fsdp2")], out.stdout
-    assert all(int(moved) > 0 and same == "True" for _, _, moved, same in found), out.stdout
+        ("0", "ddp"), ("0", "fsdp2"), ("1", "ddp"), ("1", "fsdp2")], outs
+    assert all(int(moved) > 0 and same == "True" for _, _, moved, same in found), outs
