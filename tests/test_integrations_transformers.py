@@ -206,3 +206,12 @@ def test_layers_given_as_a_path_and_the_callback_fails_when_the_trainer_is_built
 def test_the_example_runs():
     import transformers_trainer
     transformers_trainer.main()
+
+
+def test_layers_given_as_a_moduledict_are_named_by_their_keys():
+    """torchtitan keeps its layers in a ModuleDict."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4), "1": torch.nn.Linear(4, 4)})
+    handle = offload(model, layers="layers", **SETTINGS)
+    assert handle.names == ["layers.0", "layers.1"] and handle.attached
+    handle.remove()

@@ -133,7 +133,10 @@ def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torc
         prefix = layers
     elif callable(layers) and not isinstance(layers, torch.nn.Module):
         given = layers(model)
-    if isinstance(given, torch.nn.Module) and not isinstance(given, (torch.nn.ModuleList, torch.nn.Sequential)):
+    keys: list[str] | None = None
+    if isinstance(given, torch.nn.ModuleDict):  # torchtitan's layers: named by their keys
+        keys, given = list(given.keys()), list(given.values())
+    elif isinstance(given, torch.nn.Module) and not isinstance(given, (torch.nn.ModuleList, torch.nn.Sequential)):
         given = [given]
     try:
         mods = list(given)
@@ -148,7 +151,7 @@ def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torc
     if not prefix:
         paths = {id(m): p for p, m in model.named_modules()}
         return mods, [paths.get(id(m)) or str(i) for i, m in enumerate(mods)]
-    return mods, [f"{prefix}.{i}" for i in range(len(mods))]
+    return mods, [f"{prefix}.{k}" for k in (keys if keys is not None else range(len(mods)))]
 
 
 def model_device(modules: Sequence[torch.nn.Module]) -> torch.device:
