@@ -35,6 +35,28 @@ def _setting_names(cls: type) -> set[str]:
     return names
 
 
+# Settings that pick their implementation where none is named (``impl`` left out and no
+# $OFFLOAD_IMPL): a memory budget is fast's plan, and fast runs on the CPU too.
+PICKS = {"memory_budget": "fast"}
+
+
+def _picked(settings: dict[str, Any]) -> str | None:
+    """The implementation the given settings pick (:data:`PICKS`), if any."""
+    return next((PICKS[name] for name in settings if name in PICKS), None)
+
+
+def _of_another(name: str, other: str, impl: str, named: str | None) -> str:
+    """The error for a setting ``name`` of implementation ``other`` given to ``impl`` (``named``:
+    the ``impl`` argument; ``None``: it came from $OFFLOAD_IMPL or the default): whose it is,
+    and what to do."""
+    said = f"{name} is a setting of the {other!r} implementation; impl {impl!r} does not take it: "
+    if named is None and PICKS.get(name) == other:  # only $OFFLOAD_IMPL can have overruled it
+        return said + f"$OFFLOAD_IMPL is {impl!r}; pass impl={other!r} or unset OFFLOAD_IMPL"
+    if PICKS.get(name) == other:
+        return said + f"pass impl={other!r} or leave impl out"
+    return said + f"pass impl={other!r}"
+
+
 class ObserverHandle:
     """Returned by :meth:`Offloader.add_observer`; ``remove()`` stops the events (also as a
     context manager)."""
@@ -112,7 +134,8 @@ class Offloader(Engine[GroupT, MovedT]):
 
     - ``impl``: ``"ref"`` (plain, synchronous: the reference) or ``"fast"`` (copy streams,
       pinned pool, packed copies, prefetch); ``None`` reads ``$OFFLOAD_IMPL``, else picks
-      ``"fast"`` with CUDA and ``"ref"`` without.
+      ``"fast"`` where a ``memory_budget`` is given (a setting of ``fast`` only; it runs on
+      the CPU too), else ``"fast"`` with CUDA and ``"ref"`` without.
     - ``device``: the compute device whose saved tensors move (default: the current CUDA
       device, else the CPU, where host memory stands in for device memory).
     - ``min_offload_bytes`` (default 1 MiB): smaller saved tensors stay; moving them costs
@@ -153,15 +176,15 @@ class Offloader(Engine[GroupT, MovedT]):
 
     def __new__(cls, impl: str | None = None, **settings: Any):
         if cls is Offloader:
-            cls = implementation(impl or resolve_impl(None))
+            chosen = impl or resolve_impl(None, picks=_picked(settings))
+            cls = implementation(chosen)
             known = _setting_names(cls)
             for name in settings:
                 if name in known:
                     continue
                 others = [i for i in IMPLS if i != cls.impl and name in _setting_names(implementation(i))]
                 if others:
-                    raise TypeError(f"{name} is a setting of the {others[0]!r} implementation; "
-                                    f"impl {cls.impl!r} does not take it")
+                    raise TypeError(_of_another(name, others[0], cls.impl, impl))
                 raise TypeError(f"unknown setting {name!r}; valid ones for impl {cls.impl!r} are: "
                                 f"{', '.join(sorted(known))}")
         return super().__new__(cls)

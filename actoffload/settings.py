@@ -15,17 +15,21 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def resolve_impl(impl: str | None = None) -> str:
-    """``impl``, else ``$OFFLOAD_IMPL``, else ``"fast"`` with CUDA and ``"ref"`` without.
+def resolve_impl(impl: str | None = None, picks: str | None = None) -> str:
+    """``impl``, else ``$OFFLOAD_IMPL``, else ``picks`` (the implementation a setting given
+    picks, such as ``memory_budget``: ``"fast"``), else ``"fast"`` with CUDA and ``"ref"``
+    without.
 
     >>> resolve_impl("ref")
     'ref'
+    >>> resolve_impl(None, picks="fast") if not os.environ.get("OFFLOAD_IMPL") else "fast"
+    'fast'
     """
     source = "impl"
     if impl is None:
         impl, source = os.environ.get("OFFLOAD_IMPL") or None, "OFFLOAD_IMPL"
     if impl is None:
-        return "fast" if torch.cuda.is_available() else "ref"
+        return picks or ("fast" if torch.cuda.is_available() else "ref")
     if impl not in IMPLS:
         raise ValueError(f"unknown {source} {impl!r}; valid implementations are: {', '.join(IMPLS)}")
     return impl

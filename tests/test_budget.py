@@ -310,9 +310,30 @@ def test_budget_bad_values_name_the_setting(bad):
         ao.Offloader(impl="fast", device="cpu", memory_budget=bad)
 
 
-def test_budget_is_a_setting_of_fast():
-    with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation"):
+def test_budget_is_a_setting_of_fast(monkeypatch):
+    with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation; impl 'ref' "
+                                        "does not take it: pass impl='fast' or leave impl out"):
         ao.Offloader(impl="ref", device="cpu", memory_budget="1GiB")
+    monkeypatch.setenv("OFFLOAD_IMPL", "ref")
+    with pytest.raises(TypeError, match=r"\$OFFLOAD_IMPL is 'ref'; pass impl='fast' or unset OFFLOAD_IMPL"):
+        ao.Offloader(device="cpu", memory_budget="1GiB")
+
+
+def test_budget_picks_fast_where_impl_is_left_out(monkeypatch):
+    """A memory budget is fast's plan, and fast runs on the CPU too: no impl, no $OFFLOAD_IMPL
+    gives fast; a setting of fast that picks nothing still says whose it is."""
+    from actoffload.budget.plan import BudgetPlan
+
+    monkeypatch.delenv("OFFLOAD_IMPL", raising=False)
+    off = ao.Offloader(device="cpu", memory_budget="1GiB")
+    assert off.impl == "fast" and isinstance(off.plan, BudgetPlan)
+    monkeypatch.setenv("OFFLOAD_IMPL", "fast")
+    assert ao.Offloader(device="cpu", memory_budget="1GiB").impl == "fast"
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("OFFLOAD_IMPL")
+        with pytest.raises(TypeError, match="max_inflight is a setting of the 'fast' implementation; impl 'ref' "
+                                            "does not take it: pass impl='fast'$"):
+            ao.Offloader(device="cpu", max_inflight=2)
 
 
 def test_budget_profile_counts_what_a_recomputed_group_would_save_even_where_addresses_are_reused():
