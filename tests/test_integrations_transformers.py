@@ -72,7 +72,7 @@ def test_resuming_from_its_own_checkpoint_is_bitwise_equal_to_the_uninterrupted_
 
 def test_gradient_checkpointing_composes_and_moves_the_checkpointed_inputs(tmp_path):
     """A checkpointed layer's group opens around its checkpoint: its inputs move."""
-    over = dict(max_steps=2, gradient_checkpointing=True, eval_strategy="no", save_strategy="no")
+    over = dict(max_steps=2, activation_checkpointing=True, eval_strategy="no", save_strategy="no")
     plain = _train(tmp_path, **over)
     callback = ActivationOffloadCallback(**SETTINGS)
     offloaded = _train(tmp_path, [callback], **over)

@@ -59,7 +59,8 @@ class ActivationOffloadCallback(TrainerCallback):
 
         Trainer(model, args, train_dataset=ds, callbacks=[ActivationOffloadCallback(memory_budget="20GiB")])
 
-    ``gradient_checkpointing=True`` composes, bitwise: a checkpointed layer's group is opened
+    Activation checkpointing (``activation_checkpointing=True``, formerly ``gradient_checkpointing``)
+    composes, bitwise: a checkpointed layer's group is opened
     around its checkpoint, so what checkpoint keeps of it (its inputs) moves to host memory
     and the rest is recomputed as before; the layers it skips
     (``activation_checkpointing_kwargs={"every_n_layers": k}``) offload all they save. A
