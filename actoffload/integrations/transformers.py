@@ -39,7 +39,7 @@ def offload(model: torch.nn.Module, offloader: Offloader | None = None, *, layer
     ``memory_budget`` is given). ``handle.offloader.stats()`` tells what the latest forward
     moved, ``handle.remove()`` takes the wrap off (``handle.attach()`` puts it back).
 
-    Call it after ``model.gradient_checkpointing_enable()``, if at all: a checkpointed layer's
+    Call it after ``model.activation_checkpointing_enable()``, if at all: a checkpointed layer's
     group then opens around its checkpoint and its inputs move (:class:`OffloadHandle`).
 
     A wrapped model saves (``save_pretrained``, ``torch.save``, ``state_dict``), copies and
