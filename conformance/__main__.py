@@ -20,7 +20,7 @@ from actoffload.tools.progress import Progress  # noqa: E402
 from actoffload.tools.provenance import git_commit  # noqa: E402
 
 from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
-from .scenario import Scenario, generate  # noqa: E402
+from .scenario import Scenario, generate, themes  # noqa: E402
 
 
 def _ranges(seeds: list[int]) -> list[list[int]]:
@@ -106,11 +106,23 @@ def main(argv=None) -> int:
         print(f"FAILED seed {s.seed}: {s}")
         for line in problems:
             print(f"    {line}")
+        print(f"    themes: {', '.join(themes(s)) or '(none)'}")
         if not args.no_shrink:
             small = minimize(s, args.impl)
             print(f"    minimal reproduction: python -m conformance --impl {args.impl} --scenario '{small.to_json()}'")
     elapsed = time.time() - start
     ran.sort()
+    by_theme: dict[str, list[int]] = {}  # theme -> [scenarios, failed]
+    failed_seeds = {s.seed for s, _ in failures}
+    for seed in ran:
+        for theme in themes(generate(seed, args.device)) or ["(none)"]:
+            counts = by_theme.setdefault(theme, [0, 0])
+            counts[0] += 1
+            counts[1] += seed in failed_seeds
+    if by_theme:
+        print(f"{'theme':<36} scenarios  failed")
+        for theme, (n, bad) in sorted(by_theme.items()):
+            print(f"{theme:<36} {n:>9}  {bad:>6}")
     rows = [("impl", args.impl), ("device", args.device), ("scenarios", len(ran)),
             ("passed", len(ran) - len(failures)), ("failed", len(failures)), ("seconds", f"{elapsed:.1f}")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))
@@ -124,7 +136,8 @@ def main(argv=None) -> int:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "scenarios": len(ran), "passed": len(ran) - len(failures), "failed": len(failures),
             "seeds": _ranges(ran), "seconds": round(elapsed, 1),
-            "failures": [{"seed": s.seed, "scenario": s.to_json(), "problems": pr} for s, pr in failures],
+            "failures": [{"seed": s.seed, "scenario": s.to_json(), "themes": themes(s), "problems": pr} for s, pr in failures],
+            "themes": {theme: {"scenarios": n, "failed": bad} for theme, (n, bad) in sorted(by_theme.items())},
         }
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         stem = "-".join([gpu.replace(" ", "-"), result["date"][:10]] + ([result["commit"]] if result["commit"] else []))

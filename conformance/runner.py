@@ -103,12 +103,15 @@ class Model(torch.nn.Module):
     def forward(self, x: torch.Tensor, fail_in: int | None = None) -> torch.Tensor:
         s = self.scenario
         regions = {r["first"]: r for r in s.regions if 0 <= r["first"] <= r["last"] < len(self.order)}
+        inplace = "inplace_residual" in s.twists
+        if inplace and x.is_leaf:
+            x = x * 1  # (a first forward that raises gets the leaf itself)
         p = 0
         while p < len(self.order):
             r = regions.get(p)
             if r is None:
                 y = self._position(p, x, fail_in == p, resize=True)
-                if "inplace_residual" in s.twists:
+                if inplace:
                     x += y  # the residual stream written in place: h += block(h)
                 else:
                     x = y
@@ -123,6 +126,8 @@ class Model(torch.nn.Module):
                 return t
 
             x = checkpointed(r["kind"], region, x)
+            if inplace:
+                x = x * 1  # reentrant checkpoint's output may be a view, which cannot be written in place
             p = r["last"] + 1
         for j, tiny in enumerate(self.tiny):
             x = self._call(tiny, self.names[len(self.order) + j], x, False)
@@ -349,7 +354,7 @@ def _step(model: Model, s: Scenario, off: Offloader | None, inputs: list[torch.T
     return out.error is None
 
 
-_BUDGETS: dict[str, int] = {}
+_BUDGETS: dict[str, tuple[int, int, int]] = {}  # scenario -> (budget, smallest reachable peak, keeping everything's)
 
 
 def budget_bytes(s: Scenario) -> int:
@@ -359,21 +364,28 @@ def budget_bytes(s: Scenario) -> int:
     plan misses by the margin: the least-memory plan runs, recomputing or offloading), ``mid``
     halfway to what keeping everything needs, beyond the margin (docs/budgets.md: at least
     1 MiB, a thousandth of the budget)."""
+    return _sized(s)[0]
+
+
+def _sized(s: Scenario) -> tuple[int, int, int]:
+    """``(budget, smallest reachable peak, keeping everything's peak)`` (the peaks ``0`` where
+    not read off a plan)."""
     if s.memory_budget == "huge" or s.memory_budget is None:
-        return 1 << 40
+        return 1 << 40, 0, 0
     key = replace(s, memory_budget="huge", steps=3).to_json()
     if key not in _BUDGETS:
         sizing = run(Scenario.from_json(key), "fast")
         if sizing.error is not None:  # backward raised (as it will without an offloader: compared there)
-            return 1 << 40
+            return 1 << 40, 0, 0
         plan = (sizing.plans or [None])[-1] or {}
         least = plan.get("smallest_reachable_bytes")
         top = plan.get("predicted_peak_bytes")
         if least is None or top is None:
             raise RuntimeError(f"a run with memory_budget=1 << 40 made no plan to size {s.memory_budget!r} from: {plan}")
         _BUDGETS.clear()  # one scenario at a time
-        _BUDGETS[key] = least + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
+        budget = least + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
             least + max(1 << 20, least // 1000) + max(top - least, 0) // 2
+        _BUDGETS[key] = budget, least, top
     return _BUDGETS[key]
 
 
@@ -478,7 +490,7 @@ def compare(s: Scenario, impl: str = "fast") -> list[str]:
 
 def _budget_problems(s: Scenario, fast: Outcome) -> list[str]:
     """After its two profiling steps, a budget runs a plan: keep everything for ``huge``, not for
-    ``small`` (the least-memory plan)."""
+    ``small`` (the least-memory plan) where that peaks lower."""
     plan = fast.plans[-1] if fast.plans else None
     if not plan or not plan.get("groups") or plan.get("state") in ("profiling", "re-planning"):
         state = plan.get("state") if plan else None
@@ -486,8 +498,10 @@ def _budget_problems(s: Scenario, fast: Outcome) -> list[str]:
     actions = [g["action"] for g in plan["groups"]]
     if s.memory_budget == "huge" and set(actions) != {"keep"}:
         return [f"fast: memory_budget=1 << 40 planned {actions}, not keeping everything"]
-    if s.memory_budget == "small" and set(actions) == {"keep"}:
-        return [f"fast: memory_budget={budget_bytes(s)} (the smallest reachable) kept everything"]
+    budget, least, top = _sized(s)
+    if s.memory_budget == "small" and least < top and set(actions) == {"keep"}:
+        return [f"fast: memory_budget={budget} (about the smallest reachable peak, {least}; keeping everything "
+                f"peaks at {top}) kept everything"]
     return []
 
 

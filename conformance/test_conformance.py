@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -28,11 +29,40 @@ def _settle():
     settle()
 
 
+# Failures of seeds that are understood and reported but not fixed yet: (reason, the scenarios it
+# concerns, a pattern every problem of such a seed matches). A seed whose every problem is known is
+# xfail with the reason; a seed with any other problem fails as usual. Remove an entry once fixed.
+KNOWN = [
+    ("ops.GroupedMLP saves GroupedTensor(tokens.detach()), a buffer over the block's input: an in-place "
+     "residual (h += block(h)) writes that buffer after the save; PyTorch checks only the wrapper's version "
+     "and raises nothing (its gradient uses the written bytes), ref and fast check the buffer's and raise R6",
+     lambda s: "inplace_residual" in s.twists and any(k.startswith("grouped_mlp") for g in s.groups for k in g),
+     r"(ref|fast): error RuntimeError where none raised None .*modified by an in-place operation"),
+    ("memory_budget: a block [.., GroupedMLP with select_modules] planned to offload, with 2 micro-batches, "
+     "profiles again every few steps and never settles",
+     lambda s: s.memory_budget is not None and any("grouped_mlp_selected" in g for g in s.groups),
+     r"fast: memory_budget=\w+: no plan after \d+ steps"),
+]
+
+
+def _known(s: Scenario, problems: list[str]) -> str | None:
+    """The reason every one of ``problems`` is known, if it is."""
+    reasons = []
+    for problem in problems:
+        reason = next((why for why, concerns, pattern in KNOWN if concerns(s) and re.match(pattern, problem)), None)
+        if reason is None:
+            return None
+        reasons.append(reason)
+    return "; ".join(sorted(set(reasons)))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(N_SEEDS))
 def test_fast_matches_ref_and_no_offloader(seed, device):
     s = generate(seed, device)
     problems = compare(s, "fast")
+    if problems and (known := _known(s, problems)):
+        pytest.xfail(f"known, reported: {known}")
     if problems:
         small = minimize(s, "fast", budget=15)
         pytest.fail(
