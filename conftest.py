@@ -3,6 +3,8 @@
 import gc
 import os
 
+import pytest
+
 # One CPU thread per process unless the caller chose otherwise: the tests' tensors are tiny,
 # and on a 2-core machine two OpenMP threads per process (and per spawned rank or worker, which
 # inherit this) spin against each other and whatever else runs; under load a step of a tiny
@@ -36,6 +38,14 @@ use_deterministic(True)
 def _freeze() -> None:
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (scripts/test runs with --dist loadgroup) the planted-bug tests share
+    # one worker: each process checks the bugs' scenarios with the unpatched fast once.
+    for item in items:
+        if getattr(item, "originalname", None) == "test_planted_bug_is_caught":
+            item.add_marker(pytest.mark.xdist_group("planted_bugs"))
 
 
 def pytest_collection_finish(session):

@@ -10,6 +10,9 @@ import torch
 from actoffload.tools.determinism import use_deterministic
 
 CUDA = torch.cuda.is_available()
+# Timed rounds of each benchmark, after one warm-up round: on a CPU the suites check that every
+# case runs and give rough figures (the GPU's are the ones reported), so fewer rounds there
+ROUNDS = 5 if CUDA else 3
 
 
 @pytest.fixture

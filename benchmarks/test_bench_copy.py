@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actoffload.tools.workloads import copy_per_tensor, group_offloader, group_round_trip, random_bytes, sync
-from conftest import CUDA
+from conftest import CUDA, ROUNDS
 
 KiB = 1 << 10
 MIXES = {
@@ -32,7 +32,7 @@ def test_bench_per_tensor_copies(benchmark, mix, device):
         copy_per_tensor(tensors, hosts, "h2d")
         sync(device)
 
-    benchmark.pedantic(out_and_back, rounds=5, warmup_rounds=1)
+    benchmark.pedantic(out_and_back, rounds=ROUNDS, warmup_rounds=1)
     _record(benchmark, sum(t.numel() for t in tensors))
 
 
@@ -43,7 +43,7 @@ def test_bench_fast_group(benchmark, mix, pack_below, device):
     off = group_offloader(device, pack_below=pack_below)
     x = torch.zeros(1, device=device, requires_grad=True)
 
-    benchmark.pedantic(group_round_trip, args=(off, x, tensors), rounds=5, warmup_rounds=1)
+    benchmark.pedantic(group_round_trip, args=(off, x, tensors), rounds=ROUNDS, warmup_rounds=1)
     total = sum(t.numel() for t in tensors)
     _record(benchmark, total)
     assert off.stats()["groups"]["g"]["offloaded_bytes"] == total

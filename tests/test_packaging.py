@@ -13,6 +13,10 @@ PROBE = ("import actoffload as ao, torch; from actoffload.ref import RefOffloade
          "off = ao.Offloader(impl='fast', device='cpu'); print(type(off).__module__, ao.__file__)")
 
 
+# one install for both tests: under pytest-xdist (scripts/test), both on one worker
+pytestmark = pytest.mark.xdist_group("packaging")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site")
