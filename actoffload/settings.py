@@ -108,3 +108,69 @@ def parse_bytes(name: str, value: Any) -> int:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise ValueError(f"{name} {shown} is too large: a size is at most 2**63 bytes")
     return n
+
+
+# memory_budget="auto": this share of the device's memory. The budget bounds the bytes PyTorch's
+# caching allocator hands out (torch.cuda.max_memory_allocated); what it reserves runs higher by
+# its fragmentation (blocks rounded up, split blocks too small to reuse), commonly a few percent
+# and up to about a tenth in a training step whose sizes vary: the tenth left over keeps a step
+# that meets its budget from running out of memory.
+AUTO_FRACTION = 0.9
+
+
+def parse_memory_budget(name: str, value: Any) -> int | str:
+    """A memory budget: bytes (:func:`parse_bytes`), or a share of the device's memory, as
+    ``"auto"`` (:data:`AUTO_FRACTION`) or a percentage such as ``"90%"`` (more than 0, at most
+    100), returned as the string, normalized, for :func:`memory_fraction` and
+    :func:`budget_of` once the device's memory is known (at the first step).
+
+    >>> parse_memory_budget("memory_budget", "1GiB"), parse_memory_budget("memory_budget", " 85.5 % ")
+    (1073741824, '85.5%')
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.endswith("%"):
+            number = text[:-1].strip()
+            try:
+                share = float(number)
+            except ValueError:
+                share = math.nan
+            if not math.isfinite(share) or not 0 < share <= 100:
+                raise ValueError(f"{name} {value!r} is not a share of the device's memory: write a percentage "
+                                 "above 0 and at most 100, such as '90%', or 'auto'")
+            return f"{number}%"
+    try:
+        return parse_bytes(name, value)
+    except ValueError as e:
+        if isinstance(value, str):
+            raise ValueError(f"{e}; or a share of the device's memory: 'auto' or a percentage such as '90%'") from None
+        raise
+
+
+def memory_fraction(spec: int | str) -> float | None:
+    """The share of the device's memory a parsed budget asks for (``None``: it is bytes)."""
+    if isinstance(spec, int):
+        return None
+    return AUTO_FRACTION if spec == "auto" else float(spec[:-1]) / 100
+
+
+def budget_of(name: str, spec: int | str, total: int, outside: int) -> int:
+    """Bytes a parsed budget means on a device of ``total`` bytes where ``outside`` bytes are
+    held outside this process's PyTorch allocator (other processes, CUDA contexts, NCCL's
+    buffers): ``fraction * total - outside``; a number of bytes stands as given.
+
+    >>> budget_of("memory_budget", "auto", total=80 << 30, outside=2 << 30) / 2**30
+    70.0
+    """
+    fraction = memory_fraction(spec)
+    if fraction is None:
+        assert isinstance(spec, int)
+        return spec
+    n = int(fraction * total) - outside
+    if n <= 0:
+        raise ValueError(f"{name}={spec!r} leaves nothing: {fraction:.0%} of the device's {total:,} bytes is "
+                         f"{int(fraction * total):,}, and {outside:,} are held outside this process's allocator "
+                         "(other processes, CUDA contexts); give a size in bytes, or free the device")
+    return n

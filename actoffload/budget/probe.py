@@ -8,6 +8,7 @@ controller testable without a GPU.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -45,6 +46,19 @@ class Probe:
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_totals(self) -> tuple[int, int]:
+        """``(total, outside)``: the device's memory, and what is held on it outside this
+        process's PyTorch allocator (other processes, this process's CUDA context, NCCL's
+        buffers): on CUDA ``total - free - reserved`` from ``torch.cuda.mem_get_info`` and the
+        allocator's reserved bytes (its cache is this process's to reuse, so it is not outside).
+        On the CPU: the machine's RAM, and nothing outside (the budget there counts only what
+        the groups save). What a share of the device's memory as a budget rests on
+        (:func:`actoffload.settings.budget_of`), read at the first step."""
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            return total, max(0, total - free - torch.cuda.memory_reserved(self.device))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 0
 
     def mark(self) -> Any:
         """A point in time on the compute stream (an event on CUDA)."""
