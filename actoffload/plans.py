@@ -72,6 +72,7 @@ class Plan:
     """
 
     keep_last: int | None = None  # overrides the offloader's keep_last (R4) where set
+    wants_inputs: bool = False  # ao.wrap calls step_inputs while this is set (a plan sets it when it needs them)
 
     def __init__(self) -> None:
         self.offloader: Engine | None = None
@@ -84,6 +85,12 @@ class Plan:
 
     def step_begins(self) -> None:
         """A step's first group is opening (the first after a backward pass began)."""
+
+    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A module given to ``ao.wrap`` is called with ``args`` and ``kwargs`` (outside backward),
+        before its group opens; called only while :attr:`wants_inputs` is set, so that a plan
+        may read the shapes of a step's first inputs before its first group opens (and before
+        :meth:`step_begins`, where that group begins the step)."""
 
     def runs_whole(self, parts: int, inputs: int) -> bool:
         """Whether the module opening now, whose ``parts`` are groups of their own, instead runs
@@ -138,7 +145,7 @@ class Plan:
 WARMUPS = ("auto", "offload", "recompute")
 
 
-def for_fast(*, warmup: str, memory_budget: int | None, device: torch.device, plan: Plan | None) -> Plan:
+def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.device, plan: Plan | None) -> Plan:
     """The plan ``fast``'s settings ask for: a memory budget's, else the warm-up
     (``warmup="auto"``: recompute on CUDA, where host memory is pinned, else offload), unless
     the caller gives a ``plan`` of its own."""

@@ -46,7 +46,7 @@ from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
 from actoffload.policy import Span
 from actoffload.records import Group, GroupState, Moved, holds_span
-from actoffload.settings import check_choice, check_count, parse_bytes, resolve_device
+from actoffload.settings import check_choice, check_count, parse_memory_budget, resolve_device
 from actoffload.warmup import WarmUp
 
 from .packing import PACKERS, Packer
@@ -154,7 +154,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       under activation checkpointing; no step waits for pinning. Modules that update
       batch-norm statistics and modules under ``torch.compile`` are not recomputed; groups
       opened by hand offload from the start.
-    - ``memory_budget`` (bytes, or a size such as ``"60GiB"``; default none): the most device
+    - ``memory_budget`` (bytes, a size such as ``"60GiB"``, or a share of the device's memory:
+      ``"auto"``, ``"90%"``, resolved at the first step; default none): the most device
       memory a training step may allocate, everything included; each group then keeps,
       offloads or recomputes as the fastest plan that fits says, and ``max_inflight``,
       ``prefetch`` and ``keep_last`` are the plan's (:class:`actoffload.budget.plan.BudgetPlan`;
@@ -177,7 +178,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
         self.warmup = check_choice("warmup", warmup, WARMUPS)
-        self.memory_budget = None if memory_budget is None else parse_bytes("memory_budget", memory_budget)
+        self.memory_budget = None if memory_budget is None else parse_memory_budget("memory_budget", memory_budget)
         device = resolve_device(settings.pop("device", None))
         super().__init__(impl, device=device, plan=plans.for_fast(warmup=self.warmup, memory_budget=self.memory_budget,
                                                                   device=device, plan=plan), **settings)
