@@ -270,16 +270,20 @@ def test_budget_no_plan_fits_raises_naming_the_smallest_reachable_peak():
         _steps(_blocks(), off, steps=PROFILE_STEPS + 1)
 
 
-def test_budget_profiles_again_when_the_workload_changes():
+def test_budget_a_new_workload_gets_its_own_plan_and_the_old_one_keeps_its_own():
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
     blocks = _blocks()
     _, plans = _steps(blocks, off, rows=64)
     first = [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]]
-    _, plans = _steps(blocks, off, rows=128)  # another sequence length: twice the bytes
-    # seen at commit, profiled from the next step
-    assert [p["state"] for p in plans] == ["re-planning"] + ["profiling"] * PROFILE_STEPS + ["settled"]
+    # another sequence length, twice the bytes: told by its inputs' shapes when its first group
+    # opens; no predicted plan fits (the bound takes 4x the bytes), so it profiles at once
+    _, plans = _steps(blocks, off, rows=128)
+    assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"] * 2
     assert [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]] == [2 * n for n in first]
     assert plans[-1]["predicted_peak_bytes"] <= 3 * GROUP_BYTES
+    _, plans = _steps(blocks, off, rows=64, steps=2)  # back: its own plan, from its first group
+    assert [p["state"] for p in plans] == ["settled"] * 2
+    assert [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]] == first
 
 
 def test_budget_works_with_groups_opened_by_hand():
@@ -369,16 +373,27 @@ def test_budget_groups_kept_whole_are_left_to_autograd_and_still_notice_a_new_wo
     assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
     s = off.stats()["groups"]["0"]
     assert s["offloaded"] == 0 and s["kept"] == {"budget": s["saved"]} and s["saved"] >= 3
-    _, plans = _steps(blocks, off, rows=128)  # twice the bytes in every kept group
-    assert [p["state"] for p in plans] == ["re-planning"] + ["profiling"] * PROFILE_STEPS + ["settled"]
+    # another length: its plan predicted from this one's (everything still fits), never profiled:
+    # keeping everything is the fastest plan there is
+    _, plans = _steps(blocks, off, rows=128)
+    assert [p["state"] for p in plans] == ["settled"] * (PROFILE_STEPS + 2)
+    assert plans[-1]["workload"]["predicted_from"] == "[64, 256] torch.float32 cpu"
+    assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
+    # the same inputs saving other bytes (more activations in each block): the hooked first
+    # group sees it at its commit, and the next step profiles
+    for b in blocks:
+        b[1] = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Tanh(), torch.nn.Tanh(), torch.nn.Tanh())
+    _, plans = _steps(blocks, off, steps=2)
+    assert [p["state"] for p in plans] == ["re-planning", "profiling"]
 
 
 def test_budget_profiling_ends_though_the_batch_varies_a_little():
-    """Batches a few percent apart are one workload: profiling takes its steps and plans."""
+    """Batches a few rows apart are two workloads (a step never runs a plan made for other
+    shapes): each is profiled once, then each runs its own plan."""
     blocks = _blocks()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
     with ao.wrap(blocks, off):
-        for step in range(PROFILE_STEPS + 2):
+        for step in range(2 * PROFILE_STEPS + 2):
             x = torch.randn(64 + 2 * (step % 2), D, requires_grad=True)  # 64, 66, 64, ...
             h = x * 1
             for b in blocks:
@@ -424,11 +439,24 @@ def test_budget_a_graph_kept_for_a_second_backward_recomputes_again():
     assert_bitwise(second, expected[0])
 
 
-def test_budget_too_small_says_so_at_every_step():
+def test_budget_too_small_says_so_once_where_the_plan_is_first_chosen():
+    """Raised when the step after profiling begins, before its first group saves anything;
+    once per workload: a caller that goes on gets the plan that needs the least memory."""
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=1024, min_offload_bytes=0)
-    for _ in range(2):
-        with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes"):
-            _steps(_blocks(), off, steps=PROFILE_STEPS + 1)
+    blocks = _blocks()
+    saved = []
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS):
+            _step(blocks, step)
+        with pytest.raises(ValueError, match=r"no plan fits a memory budget of 1,024 bytes: the smallest") as e:
+            _step(blocks, PROFILE_STEPS)
+        saved.append(off.stats()["groups"])
+        for step in range(2):
+            _step(blocks, step)
+    assert saved == [{}]  # raised before the step's first group opened: nothing saved in it
+    plan = off.stats()["plan"]
+    assert plan["budget_too_small"] == str(e.value)
+    assert plan["predicted_peak_bytes"] == plan["smallest_reachable_bytes"] > 1024
 
 
 class _TwoParts(torch.nn.Module):

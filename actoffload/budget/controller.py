@@ -166,6 +166,12 @@ class BudgetController:
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
         self._hooked = 0  # the kept group that keeps its hooks: the first whose saves backward unpacks
+        # BudgetTooSmall is raised once, where a step begins (the first choice under a profile, or
+        # the step after a choice made in backward found no plan fits); then the least memory runs
+        self.too_small: str | None = None  # its message, once raised
+        self._raise_next: str | None = None  # found outside a step's beginning: raised at the next
+        self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
+        self.predicted = False  # the profile was predicted from another workload's, not measured
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -247,17 +253,40 @@ class BudgetController:
         """Plan from ``profile`` as if profiling steps had just measured it (``profiled_peak``:
         the peak they measured, bytes, by which the profiled plan is then judged). What the
         end of profiling does; a driver with a profile of its own (a test) calls it."""
+        self.predicted = False
+        self._adopt(profile, profiled_peak)
+        beginning, self._beginning = self._beginning, True  # where it is chosen: say so if nothing fits
+        try:
+            self._choose()
+        finally:
+            self._beginning = beginning
+
+    def adopt_prediction(self, profile: Profile) -> bool:
+        """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
+        where a plan's modelled peak, with the least margin, fits the budget (else ``False``,
+        and nothing changes: the step profiles, running the plan that needs the least memory).
+        The plan chosen is the fastest that fits, as for a profile measured."""
+        if self._profile is not None or self._step is not None:
+            raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
+        plans = search.candidates(profile)
+        if not any(p.peak + least_margin(self._budget) <= self._budget for p in plans):
+            return False
+        self._adopt(profile, None, plans)
+        self.predicted = True
+        self._choose()
+        return True
+
+    def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None) -> None:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._kept_first = {}
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = None  # a step of the old profile's plans, maybe not over when profiling began
-        self._plan_all()
+        self._plan_all(plans)
         if profiled_peak is not None:  # it ran: its peak is known
             self._peaks[self._plans[-1].key] = profiled_peak - profile.base
         self._plan, self._state = None, State.EXPLORING
-        self._choose()
 
     def force(self, groups: Sequence[GroupDecision] | None, max_inflight: int = 0, prefetch: int = 0) -> None:
         """Run this plan from now on (after profiling, once a profile is known), whatever the
@@ -265,7 +294,11 @@ class BudgetController:
         measure one plan."""
         self._forced = None if groups is None else (tuple(groups), max_inflight, prefetch)
         if self._profile is not None and self._step is None:
-            self._choose()
+            self._beginning = True  # the caller's: it may hear that no plan fits
+            try:
+                self._choose()
+            finally:
+                self._beginning = False
 
     def backward_ends(self) -> None:
         """The step's backward pass is over. The controller asks autograd to call this at the
@@ -275,7 +308,15 @@ class BudgetController:
 
     # ------------------------------------------------------------------ a step
     def step_begins(self) -> None:
-        """The first group of a step is opening: close the last step, set up this one."""
+        """The first group of a step is opening: close the last step, set up this one. Raises
+        :class:`~.search.BudgetTooSmall` (once) where no plan fits the budget."""
+        self._beginning = True
+        try:
+            self._step_begins()
+        finally:
+            self._beginning = False
+
+    def _step_begins(self) -> None:
         now = self._probe.mark()
         unfinished, self._awaiting_end = self._awaiting_end, False  # its backward raised
         self._step_number += 1
@@ -297,7 +338,10 @@ class BudgetController:
             self._state = State.PROFILING
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
-            self._choose()  # no plan fitted the budget: say so again, as clearly
+            self._choose()  # no plan was chosen (no plan fitted the budget where it was raised)
+        if self._raise_next is not None:  # found in backward, where raising would break the pass
+            message, self._raise_next = self._raise_next, None
+            raise BudgetTooSmall(message)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -540,10 +584,11 @@ class BudgetController:
             outside = seconds(step.last_exit, touches[-1])
         return MeasuredStep(step.base, tuple(groups), outside, step.outside_peak, d2h, h2d, tuple(step.wholes))
 
-    def _plan_all(self) -> None:
-        """Every candidate plan under the current profile; the profiled plan last."""
+    def _plan_all(self, plans: list[MemoryPlan] | None = None) -> None:
+        """Every candidate plan under the current profile (``plans``: the search's, made
+        already); the profiled plan last."""
         assert self._profile is not None
-        self._plans = search.candidates(self._profile)
+        self._plans = search.candidates(self._profile) if plans is None else list(plans)
         profiled = costmodel.profiled_plan(self._profile)
         self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
 
@@ -566,8 +611,14 @@ class BudgetController:
                     else replace(p, peak=p.peak + (margin if with_margins else 0)) for p in self._plans]
 
         plain = judged(False)
-        if all(p.peak > self._budget for p in plain):
-            search.choose(self._profile, self._budget, plain)  # raises, naming the smallest reachable peak
+        if all(p.peak > self._budget for p in plain) and self.too_small is None:
+            try:
+                search.choose(self._profile, self._budget, plain)  # raises, naming the smallest reachable peak
+            except BudgetTooSmall as e:
+                self.too_small = str(e)
+                if self._beginning:
+                    raise
+                self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
         with_margins = judged(True)
         fitting = [p for p in with_margins if p.peak <= self._budget]
         if not fitting:
@@ -576,6 +627,17 @@ class BudgetController:
             chosen = self._fastest(fitting)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._settle()
+
+    def undo_replan(self, state: State) -> None:
+        """The step that found a new workload was another workload's (:mod:`~.workloads` knows it
+        by its signature, and plans it apart): back to ``state``, the plan running as before."""
+        if self._state is State.REPLANNING and state in (State.EXPLORING, State.SETTLED):
+            self._state = state
+
+    @property
+    def step_groups(self) -> int:
+        """Places in the plan the latest step opened so far (a module run whole counts its parts)."""
+        return self._position
 
     def _settle(self) -> None:
         """Exploring or settled, as the plan chosen is measured or not (only while a plan runs
@@ -678,6 +740,8 @@ class BudgetController:
         cuda = self._probe.cuda
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "state": self._state.value, "settled": self.settled}
+        if self.too_small is not None:
+            out["budget_too_small"] = self.too_small
         if self._plan is not None and self._profile is not None:
             plan, profile = self._plan, self._profile
             out.update(groups=plan.describe(profile), max_inflight=plan.max_inflight,

@@ -14,8 +14,11 @@ from .. import policy
 from ..checkpointing import WouldSave
 from ..plans import Opening, Plan
 from ..records import Group
+from ..settings import budget_of
 from .actions import Action
 from .controller import BudgetController
+from .probe import Probe
+from .workloads import UNKNOWN, Signature, Workloads, signature_of
 
 
 @dataclass
@@ -24,6 +27,7 @@ class _Planned:
 
     position: int
     decision: Any  # the controller's decision for it (its action and share)
+    controller: BudgetController  # its step's (each workload has its own)
     would_save: WouldSave | None  # while profiling a recomputed group: what it would save
 
 
@@ -43,24 +47,81 @@ class BudgetPlan(Plan):
 
     keep_last = 0  # the plan decides what stays
 
-    def __init__(self, budget: int, device: torch.device):
+    def __init__(self, budget: int | str, device: torch.device):
         super().__init__()
-        self.controller = BudgetController(budget, device)
+        self.memory_budget = budget  # bytes, or a share of the device's memory ("auto", "90%")
+        self.device = device
+        # each workload's controller (workloads.py); made at the first step where the budget
+        # is a share of the device's memory, once the model is there
+        self.workloads: Workloads | None = Workloads(budget, device) if isinstance(budget, int) else None
+        self.wants_inputs = True  # the next step's first inputs are to be read (ao.wrap hands them)
+        self._inputs: Signature | None = None
+        self._pending = False  # the engine began a step whose workload is not chosen yet
         self._opening: _Planned | None = None
         # positions whose module's inputs were written in place after its forward: always
         # guarded, and moved out where the plan would keep them (a kept input is the caller's)
         self._written: set[int] = set()
+        self._fixed: Any = None  # a controller set by hand runs every step (no workloads)
+
+    @property
+    def controller(self) -> BudgetController:
+        """The controller of the latest step's workload. Set, it runs every step in place of the
+        workloads' (a test or a diagnostic driving a controller of its own)."""
+        return self._fixed if self._fixed is not None else self._workloads().controller
+
+    @controller.setter
+    def controller(self, controller: Any) -> None:
+        self._fixed = controller
+
+    def _workloads(self) -> Workloads:
+        if self.workloads is None:  # a share of the device's memory: read it now
+            probe = Probe(self.device)
+            total, outside = probe.memory_totals()
+            self.workloads = Workloads(budget_of("memory_budget", self.memory_budget, total, outside),
+                                       self.device, probe)
+        return self.workloads
+
+    # ------------------------------------------------------------------ a step and its workload
+    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.is_grad_enabled():  # an evaluation forward (no_grad) is no step's
+            self._inputs = signature_of(args, kwargs)
+            self.wants_inputs = False
 
     def step_begins(self) -> None:
-        self.controller.step_begins()
+        self._pending = True
+        if torch.is_grad_enabled():
+            self._begin()
+
+    def _begin(self) -> None:
+        """Choose the step's workload (its plan) and begin its step: where a step begins with
+        gradients enabled, before its first group saves anything."""
+        self.wants_inputs = False
+        if self._fixed is not None:
+            self._fixed.step_begins()
+        else:
+            self._workloads().begin(self._inputs or UNKNOWN)  # may raise: begun again at the next group
+        self._pending, self._inputs = False, None
+
+    def _planned(self) -> bool:
+        """Whether the group opening now is a step's: not under ``no_grad`` (an evaluation
+        forward saves nothing, and is no part of any step); the step's workload is chosen here
+        where its first group came under ``no_grad``."""
+        if not torch.is_grad_enabled():
+            return False
+        if self._pending:
+            self._begin()
+        return True
 
     def runs_whole(self, parts: int, inputs: int) -> bool:
-        return self.controller.whole_next(parts, inputs)
+        return self._planned() and self.controller.whole_next(parts, inputs)
 
     def whole_closed(self, parts: int) -> None:
-        self.controller.whole_closed(parts)
+        if torch.is_grad_enabled() and not self._pending:
+            self.controller.whole_closed(parts)
 
     def opening(self, name: str, recomputable: bool, parts: int) -> Opening:
+        if not self._planned():
+            return Opening(hooked=False)  # autograd saves nothing here
         c = self.controller
         if c.unhooked_next():
             return Opening(hooked=False)
@@ -68,7 +129,7 @@ class BudgetPlan(Plan):
         decision = c.action(recomputable, parts)
         action = Action(decision.action)
         recompute = recomputable and action.recomputes
-        self._opening = _Planned(position, decision,
+        self._opening = _Planned(position, decision, c,
                                  WouldSave(self.offloader.device) if self.offloader is not None and recompute and c.profiling else None)
         # Inputs are guarded while profiling (its copies are synchronous anyway) and where a
         # write after the forward was seen; elsewhere their copies overlap compute as modelled.
@@ -80,13 +141,13 @@ class BudgetPlan(Plan):
         group.plan_state, self._opening = self._opening, None
 
     def closing(self, group: Group) -> None:
-        self.controller.group_closing(group.plan_state.position)
+        group.plan_state.controller.group_closing(group.plan_state.position)
 
     def move_at_most(self, group: Group) -> int | None:
         planned = group.plan_state
         if planned is None or (group.recompute and planned.position in self._written):
             return None
-        return self.controller.move_at_most(planned.position, planned.decision)
+        return planned.controller.move_at_most(planned.position, planned.decision)
 
     def inputs_written(self, group: Group) -> None:
         self._written.add(group.plan_state.position)
@@ -97,12 +158,12 @@ class BudgetPlan(Plan):
 
     @contextlib.contextmanager
     def recomputation(self, group: Group) -> Iterator[None]:
-        position = group.plan_state.position
-        self.controller.recompute_begins(position)
+        position, controller = group.plan_state.position, group.plan_state.controller
+        controller.recompute_begins(position)
         try:
             yield
         finally:
-            self.controller.recompute_ends(position)
+            controller.recompute_ends(position)
 
     def committed(self, group: Group, saves: policy.SavePlan) -> None:
         planned: _Planned = group.plan_state
@@ -113,13 +174,24 @@ class BudgetPlan(Plan):
             inner = policy.plan_facts(planned.would_save.facts, min_offload_bytes=off.min_offload_bytes,
                                       policy=off.policy, committed=True)
             planned.would_save = None
-        self.controller.committed(planned.position, group.recompute, saves, inner)
+        planned.controller.committed(planned.position, group.recompute, saves, inner)
 
     def reached(self, group: Group) -> None:
-        self.controller.backward_reaches(group.plan_state.position)
+        self.wants_inputs = True  # the next group opened outside backward begins a step
+        group.plan_state.controller.backward_reaches(group.plan_state.position)
 
     def copy_window(self) -> tuple[int, int] | None:
-        return self.controller.window()
+        return self.controller.window() if self.workloads is not None or self._fixed is not None else None
 
     def stats(self) -> dict[str, Any]:
-        return {"plan": self.controller.stats()}
+        if self._fixed is not None:
+            return {"plan": self._fixed.stats()}
+        if self.workloads is None:  # a share of the device's memory, not read yet (no step began)
+            return {"plan": {"memory_budget": None, "memory_budget_setting": self.memory_budget, "margin": None,
+                             "state": "profiling", "settled": False, "measured_peak_bytes": None,
+                             "measured_step_s": None}}
+        out = self.controller.stats()
+        if not isinstance(self.memory_budget, int):
+            out["memory_budget_setting"] = self.memory_budget
+        out["workload"] = self.workloads.describe()
+        return {"plan": out}

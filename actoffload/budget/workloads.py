@@ -1,0 +1,243 @@
+"""A plan per workload: each step runs the plan made for its own signature, chosen when its
+first group opens, before it saves anything (docs/budgets.md, "A plan per workload").
+
+A step's **signature** is the shapes, dtypes and devices of the tensors the first wrapped
+module is called with (``ao.wrap`` hands them to the plan: :meth:`~actoffload.plans.Plan.step_inputs`),
+the number of places its groups take in the plan (``k`` micro-batches' forwards before one
+backward open ``k`` times one forward's groups; the count a signature's recent steps opened
+most is expected) and what is allocated when it begins (within the base tolerance,
+:func:`~.tolerances.base_tolerance`). Each workload has its own controller
+(:class:`~.controller.BudgetController`: its profile, plans, measurements and state), kept
+for the :data:`CAPACITY` workloads used last.
+
+A signature seen before runs its controller's plan from its first group. One never seen gets a
+new controller: its plan is predicted from a profiled workload of the same model
+(:mod:`~.predict`) where a predicted plan fits the budget, else it profiles at once, running the
+plan that needs the least memory. A predicted workload is profiled when it comes again (a
+signature seen once, the short last batch of an epoch, is never profiled).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from . import predict
+from .actions import Action
+from .controller import BudgetController, State
+from .probe import Probe
+from .tolerances import base_tolerance
+
+CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
+RECENT = 8  # steps of a signature whose group counts say how many groups its next step opens
+
+
+class Signature(NamedTuple):
+    """What a step's first wrapped module is called with: ``inputs``, per tensor argument (in
+    order, then keyword arguments by name) its ``(name, shape, dtype, device)``, ``None`` where
+    no wrapped module began the step (groups opened by hand); ``tokens``: the product of the
+    first tensor's dimensions but the last (:func:`~.predict.tokens`)."""
+
+    inputs: tuple[tuple[str, tuple[int, ...], str, str], ...] | None
+    tokens: int | None
+
+    def __str__(self) -> str:
+        if self.inputs is None:
+            return "unknown"
+        return ", ".join(f"{name + '=' if name else ''}{list(shape)} {dtype} {device}"
+                         for name, shape, dtype, device in self.inputs)
+
+
+UNKNOWN = Signature(None, None)
+
+
+def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """The :class:`Signature` of a call with ``args`` and ``kwargs``.
+
+    >>> s = signature_of((torch.zeros(2, 8, 4),), {"mask": torch.ones(8, 8, dtype=torch.bool)})
+    >>> s.tokens, str(s)
+    (16, '[2, 8, 4] torch.float32 cpu, mask=[8, 8] torch.bool cpu')
+    """
+    named = [("", a) for a in args] + sorted(kwargs.items())
+    inputs = tuple((name, tuple(t.shape), str(t.dtype), str(t.device))
+                   for name, t in named if isinstance(t, torch.Tensor))
+    return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]))
+
+
+def _same_model(a: Signature, b: Signature) -> bool:
+    """Two signatures one could be predicted from the other: the same tensors (names, dtypes,
+    devices, dimensions and features), other tokens."""
+    if a.inputs is None or b.inputs is None or len(a.inputs) != len(b.inputs) or not a.tokens or not b.tokens:
+        return False
+    return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1]) and x[1][-1:] == y[1][-1:]
+               for x, y in zip(a.inputs, b.inputs))
+
+
+def _keeps_all(c: BudgetController) -> bool:
+    return c.plan is not None and all(g.action is Action.KEEP for g in c.plan.groups)
+
+
+@dataclass
+class Workload:
+    """One workload: its signature, its controller, the groups its steps open (``None`` before
+    its first), the base it was made on, and the workload its plan was predicted from."""
+
+    signature: Signature
+    controller: BudgetController
+    groups: int | None
+    base: int
+    predicted_from: Signature | None = None
+    steps: int = 0
+
+    def base_matches(self, base: int, tolerance: int) -> bool:
+        c = self.controller
+        if c.profile is None:
+            return True  # profiling: a base that moves meanwhile is the latest step's (as one controller did)
+        return abs(base - (self.base if c.predicted else c.profile.base)) <= tolerance
+
+
+class Workloads:
+    """The controllers of the workloads seen, one a step: :meth:`begin` picks (or makes) the
+    step's, by its signature; :attr:`controller` is the one the latest step ran."""
+
+    def __init__(self, budget: int, device: torch.device, probe: Probe | None = None, capacity: int = CAPACITY):
+        self.budget, self.device = budget, device
+        self.probe = Probe(device) if probe is None else probe
+        self.capacity = capacity
+        self._first: BudgetController | None = BudgetController(budget, device, self.probe)
+        self._entries: list[Workload] = []  # least recently used first
+        self.current: Workload | None = None
+        self._recent: dict[Signature, collections.deque[int]] = {}  # groups its latest steps opened
+        self._open = False  # the current workload's step began and was not closed
+        self._state_before = State.PROFILING
+
+    @property
+    def controller(self) -> BudgetController:
+        """The controller of the latest step (before the first: the one it will get)."""
+        if self.current is not None:
+            return self.current.controller
+        assert self._first is not None
+        return self._first
+
+    @property
+    def workloads(self) -> tuple[Workload, ...]:
+        """The workloads kept, least recently used first."""
+        return tuple(self._entries)
+
+    def begin(self, signature: Signature) -> BudgetController:
+        """A step of ``signature`` begins: its workload's controller, whose step has begun (may
+        raise :class:`~.search.BudgetTooSmall`, once per workload)."""
+        self._close()
+        base = self.probe.allocated()
+        entry = self._find(signature, base)
+        if entry is None:
+            entry = self._new(signature, base)
+        elif entry.predicted_from is not None and entry.steps and not _keeps_all(entry.controller):
+            # a predicted workload come again: profile it (from this step on), once (a plan
+            # keeping everything is the fastest there is: nothing to gain)
+            entry.controller, entry.predicted_from, entry.groups, entry.base = self._controller(), None, None, base
+        self._entries.remove(entry)
+        self._entries.append(entry)
+        self._evict(entry)
+        self._forget()
+        self.current = entry
+        self._state_before = entry.controller.state
+        entry.controller.step_begins()  # may raise: the step is begun again at its next group
+        entry.steps += 1
+        self._open = True
+        return entry.controller
+
+    def _close(self) -> None:
+        """The latest step is over (a new one begins): the groups it opened."""
+        e = self.current
+        if e is None or not self._open:
+            return
+        self._open = False
+        n, c = e.controller.step_groups, e.controller
+        recent = self._recent.setdefault(e.signature, collections.deque(maxlen=RECENT))
+        recent.append(n)
+        if c.profile is None:  # profiling: the latest step's groups are the profile's
+            e.groups = n
+            return
+        e.groups = len(c.profile.groups)
+        if n != e.groups:
+            # more (or fewer) groups than its plan: another workload (an evaluation forward with
+            # gradients before the backward, a micro-batch more), planned apart by its signature
+            c.undo_replan(self._state_before)
+
+    def _forget(self) -> None:
+        while len(self._recent) > 4 * self.capacity:
+            del self._recent[next(iter(self._recent))]
+
+    def _expected(self, signature: Signature) -> int | None:
+        """The groups the next step of ``signature`` will open: the count its recent steps opened
+        most (the latest among equals); ``None`` for a signature not seen."""
+        recent = self._recent.get(signature)
+        if not recent:
+            return None
+        counts = collections.Counter(recent)
+        return max(reversed(recent), key=lambda n: counts[n])
+
+    def _find(self, signature: Signature, base: int) -> Workload | None:
+        groups = self._expected(signature)
+        tolerance = base_tolerance(self.budget)
+        for e in reversed(self._entries):
+            if (e.signature == signature and (groups is None or e.groups is None or e.groups == groups)
+                    and e.base_matches(base, tolerance)):
+                return e
+        return None
+
+    def _controller(self) -> BudgetController:
+        first, self._first = self._first, None
+        return first if first is not None else BudgetController(self.budget, self.device, self.probe)
+
+    def _new(self, signature: Signature, base: int) -> Workload:
+        entry = Workload(signature, self._controller(), None, base)
+        self._entries.append(entry)
+        guess = self._prediction(signature, base)
+        if guess is not None:
+            profile, source = guess
+            if entry.controller.adopt_prediction(profile):
+                entry.predicted_from, entry.groups = source, len(profile.groups)
+        return entry
+
+    def _prediction(self, signature: Signature, base: int) -> tuple[Any, Signature] | None:
+        """A profile predicted for ``signature`` from the profiled workloads of the same model
+        (the nearest with more tokens, else the nearest with fewer; a second one to fit each
+        group's bytes), and the signature it came from."""
+        groups = self._expected(signature)
+        t = signature.tokens
+        refs = [e for e in self._entries if e.controller.profile is not None and not e.controller.predicted
+                and _same_model(e.signature, signature) and e.signature.tokens != t
+                and (groups is None or e.groups == groups)]
+        if not refs or t is None:
+            return None
+        larger = [e for e in refs if (e.signature.tokens or 0) > t]
+        ref = (min(larger, key=lambda e: e.signature.tokens or 0) if larger
+               else max(refs, key=lambda e: e.signature.tokens or 0))
+        assert ref.controller.profile is not None and ref.signature.tokens is not None
+        others = [e for e in refs if e is not ref and e.signature.tokens != ref.signature.tokens
+                  and predict.same_groups(ref.controller.profile, e.controller.profile)]  # type: ignore[arg-type]
+        other = None
+        if others:
+            o = min(others, key=lambda e: abs((e.signature.tokens or 0) - t))
+            assert o.controller.profile is not None and o.signature.tokens is not None
+            other = (o.controller.profile, o.signature.tokens)
+        return predict.predicted(ref.controller.profile, ref.signature.tokens, t, base, other), ref.signature
+
+    def _evict(self, keep: Workload) -> None:
+        while len(self._entries) > self.capacity:
+            old = next(e for e in self._entries if e is not keep)
+            self._entries.remove(old)
+
+    def describe(self) -> dict[str, Any]:
+        """The latest step's workload, for ``stats()["plan"]["workload"]``."""
+        e = self.current
+        if e is None:
+            return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries)}
+        return {"signature": str(e.signature), "tokens": e.signature.tokens, "groups": e.groups,
+                "predicted_from": None if e.predicted_from is None else str(e.predicted_from),
+                "kept": len(self._entries)}
