@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     seeds = list(range(args.start, args.start + args.seeds))
     failures = []
     start = time.time()
-    chunks = [seeds[i : i + 10] for i in range(0, len(seeds), 10)]
+    # a worker runs seeds in chunks; with a time limit, one at a time, so that none starts after it
+    size = 1 if args.max_seconds is not None else 10
+    chunks = [seeds[i : i + size] for i in range(0, len(seeds), size)]
     ran: list[int] = []
     bar = Progress(len(seeds), f"{args.impl} on {args.device}", unit="scenarios", width=30, failures=True, rate=True,
                    log_lines=10)

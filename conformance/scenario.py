@@ -214,8 +214,8 @@ def _draw_what_users_do(s: Scenario, rng: random.Random) -> None:
             if twist in ("eval", "attribute"):  # a layer that reads what changes
                 s.groups[rng.randrange(n)].append("dropout" if twist == "eval" else "attribute")
     # deep graphs
-    if rng.random() < P["deep"]:
-        s.deep = rng.choice([500, 1000, 2000])
+    if rng.random() < P["deep"]:  # (at most 2000 tiny groups a step: seconds each)
+        s.deep = rng.choice([d for d in (500, 1000, 2000) if d * s.microbatches * s.steps <= 2000] or [500])
     if rng.random() < P["chain"]:
         s.chain = rng.choice([200, 1000])
         s.groups[rng.randrange(n)].append("chain")
