@@ -113,8 +113,8 @@ def test_search_simulates_a_deep_model_far_fewer_times_than_an_exhaustive_search
     # 96 groups (48 layers, two groups each): an exhaustive greedy step simulates every move
     # of every group, about a million simulations in all; scored lazily, a few thousand
     calls = []
-    real = search.simulate
-    monkeypatch.setattr(search, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = search.evaluate
+    monkeypatch.setattr(search, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
     layer = _profile(random.Random(0)).groups
     groups = tuple(replace(layer[i % len(layer)], name=str(i)) for i in range(96))
     plans = candidates(Profile(groups, base=0, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9))

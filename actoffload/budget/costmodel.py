@@ -82,6 +82,10 @@ class GroupProfile:
     def _moved_at(self) -> dict[float, int]:
         return {}
 
+    @cached_property  # what a simulation reads of it under a decision: see _rows
+    def _rows(self) -> dict[int, tuple[GroupDecision, _Row]]:
+        return {}
+
     def moved(self, fraction: float) -> int:
         """Bytes moved when offloading up to ``fraction`` of the offloadable bytes: the largest
         spans that fit (:func:`~actoffload.spans.largest_within`, a span moves whole), and at
@@ -136,6 +140,14 @@ class Profile:
     h2d_bps: float
     outside_extra: int = 0  # the most the head and loss allocate between forward and backward
     wholes: tuple[Whole, ...] = ()  # modules whose parts the groups are, in forward order
+
+    @cached_property  # read in every simulation: each group's figures, as lists
+    def columns(self) -> tuple[list[float], list[int], list[float], list[int], list[int], list[int]]:
+        """Per group: ``forward_s``, ``forward_extra``, ``backward_s``, ``backward_extra``,
+        ``recompute_extra``, ``grads``."""
+        gs = self.groups
+        return ([g.forward_s for g in gs], [g.forward_extra for g in gs], [g.backward_s for g in gs],
+                [g.backward_extra for g in gs], [g.recompute_extra for g in gs], [g.grads for g in gs])
 
     @cached_property  # read in every simulation step
     def whole_at(self) -> dict[int, Whole]:
@@ -222,12 +234,52 @@ def simulate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: in
     ``trace`` collects the modelled bytes at each checkpoint: ``("forward 3", bytes)``,
     ``("loss", bytes)``, ...
     """
-    profile, groups = as_run(profile, groups)
-    gs = profile.groups
-    n = len(gs)
-    resident_ = [resident(p, g) for g, p in zip(gs, groups)]
-    moved_ = [moved(p, g) for g, p in zip(gs, groups)]
-    recompute = [p.action.recomputes for p in groups]
+    run, ps = as_run(profile, groups)
+    return _simulate(run, _rows(run, ps), max_inflight, prefetch, trace)
+
+
+def evaluate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: int,
+             prefetch: int) -> tuple[int, float, bool]:
+    """``(peak, step seconds, moves bytes)`` of ``groups``, with no copy window where it moves
+    no bytes (one plan then, whatever the window): :func:`simulate` and :func:`moves_bytes`
+    in one pass (planning evaluates thousands of plans)."""
+    run, ps = as_run(profile, groups)
+    rows = _rows(run, ps)
+    moves = any(r[1] for r in rows)
+    if not moves:
+        max_inflight = prefetch = 0
+    peak, step = _simulate(run, rows, max_inflight, prefetch, None)
+    return peak, step, moves
+
+
+_Row = tuple[int, int, bool, int]  # resident, moved, recomputed, its activations
+
+
+def _rows(profile: Profile, groups: Sequence[GroupDecision]) -> list[_Row]:
+    """Per group as run, what :func:`_simulate` reads of it under its decision (each group
+    remembers the rows of the decisions it was asked about: a search asks of a few decisions
+    thousands of times)."""
+    out = []
+    for g, p in zip(profile.groups, groups):
+        table = g._rows
+        row = table.get(id(p))
+        if row is None or row[0] is not p:
+            recomputes = p.action.recomputes
+            row = table[id(p)] = (p, (resident(p, g), moved(p, g), recomputes, g.offloadable + g.kept))
+            if len(table) > 64:  # decisions made afresh by a caller: keep the latest few
+                del table[next(iter(table))]
+        out.append(row[1])
+    return out
+
+
+def _simulate(profile: Profile, rows: list[_Row], max_inflight: int, prefetch: int,
+              trace: list[tuple[str, int]] | None) -> tuple[int, float]:
+    """:func:`simulate` on the groups as run and their rows (:func:`_rows`)."""
+    forward_s, forward_extra, backward_s, backward_extra, recompute_extra, grads_of = profile.columns
+    n = len(rows)
+    resident_ = [r[0] for r in rows]
+    moved_ = [r[1] for r in rows]
+    recompute = [r[2] for r in rows]
     base, d2h_bps, h2d_bps = profile.base, profile.d2h_bps, profile.h2d_bps
     # the three streams' clocks; copies out in order, so they also end in order
     compute = d2h = 0.0
@@ -238,19 +290,22 @@ def simulate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: in
     # plan pins host memory) leaves the last max_inflight groups holding their sources.
     window: list[int] = []
     in_flight = 0  # bytes of the window's groups
-    for i, g in enumerate(gs):
+    for i in range(n):
+        row = rows[i]
         # forward_extra was measured recomputed, where what the group saves was temporary:
         # saving it keeps those bytes (at least) alive until the group ends
-        saves = 0 if recompute[i] else g.offloadable + g.kept
-        at = base + held + in_flight + (saves if saves > g.forward_extra else g.forward_extra)
+        saves = 0 if row[2] else row[3]
+        extra = forward_extra[i]
+        at = base + held + in_flight + (saves if saves > extra else extra)
         if at > peak:
             peak = at
         if trace is not None:
             trace.append((f"forward {i}", at))
-        compute += g.forward_s
-        held += resident_[i]
-        if moved_[i]:
-            d2h = (compute if compute > d2h else d2h) + moved_[i] / d2h_bps
+        compute += forward_s[i]
+        held += row[0]
+        m = row[1]
+        if m:
+            d2h = (compute if compute > d2h else d2h) + m / d2h_bps
             copying.append((i, d2h))
             if max_inflight:
                 window.append(i)
@@ -281,8 +336,8 @@ def simulate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: in
     ready = [-1.0] * n  # group -> when its bytes are back on the device (-1: not started)
     h2d = compute
     for i in range(n - 1, -1, -1):
-        g = gs[i]
-        for j in range(i, max(-1, i - prefetch - 1), -1):  # reaching i: its reload, and prefetch
+        last = i - prefetch - 1
+        for j in range(i, last if last > -1 else -1, -1):  # reaching i: its reload, and prefetch
             if ready[j] < 0:
                 if moved_[j] and j not in in_place:
                     h2d = (compute if compute > h2d else h2d) + moved_[j] / h2d_bps
@@ -291,20 +346,23 @@ def simulate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: in
                     ready[j] = 0.0
         held -= resident_[i]
         ahead = 0
-        for j in range(max(0, i - prefetch), i):
-            if ready[j] >= 0 and j not in in_window:
-                ahead += moved_[j]
+        if prefetch:
+            first = i - prefetch
+            for j in range(first if first > 0 else 0, i):
+                if ready[j] >= 0 and j not in in_window:
+                    ahead += moved_[j]
+        row = rows[i]
         # its activations are all back (reloaded or recomputed) while its backward runs
-        at = (base + held + ahead + grads + g.offloadable + g.kept + g.backward_extra
-              + (g.recompute_extra if recompute[i] else 0))
+        at = (base + held + ahead + grads + row[3] + backward_extra[i]
+              + (recompute_extra[i] if row[2] else 0))
         if at > peak:
             peak = at
         if trace is not None:
             trace.append((f"backward {i}", at))
         if ready[i] > compute:
             compute = ready[i]
-        compute += g.backward_s + (g.recompute_time if recompute[i] else 0.0)
-        grads += g.grads
+        compute += backward_s[i] + (profile.groups[i].recompute_time if row[2] else 0.0)
+        grads += grads_of[i]
     return peak, compute
 
 
@@ -319,7 +377,7 @@ def as_run(profile: Profile, groups: Sequence[GroupDecision]) -> tuple[Profile, 
     """The groups as the step runs them: each module recomputed whole becomes one group (its
     parts' bytes and times together, its first part's inputs), so that :func:`simulate`
     models it like any recomputed group."""
-    if not any(p.action.whole for p in groups):
+    if not profile.wholes or not any(p.action.whole for p in groups):
         return profile, groups
     gs, ps = [], []
     i = 0

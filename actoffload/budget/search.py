@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Sequence
 
 from .actions import Action, GroupDecision
-from .costmodel import MemoryPlan, Profile, Work, moves_bytes, simulate, unmodelled_work
+from .costmodel import MemoryPlan, Profile, Work, evaluate, unmodelled_work
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -22,14 +22,23 @@ FRACTIONS = (0.5, 1.0)  # of a group's offloadable bytes, largest spans first
 
 KEEP = GroupDecision(Action.KEEP)
 INSIDE = GroupDecision(Action.INSIDE)
+_DECISIONS: dict[tuple[Action, float], GroupDecision] = {}
+
+
+def _decision(action: Action, fraction: float = 1.0) -> GroupDecision:
+    """One object per decision (the cost model remembers what it read of a group per object)."""
+    d = _DECISIONS.get((action, fraction))
+    if d is None:
+        d = _DECISIONS[(action, fraction)] = GroupDecision(action, fraction)
+    return d
 
 
 def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight: int, prefetch: int) -> MemoryPlan:
     """``groups`` with this copy window as a plan, costed by the model (a plan that moves no
     bytes has one copy window: none)."""
-    if not moves_bytes(profile, groups):
+    peak, step, moves = evaluate(profile, groups, max_inflight, prefetch)
+    if not moves:
         max_inflight = prefetch = 0  # nothing crosses the bus: one plan, whatever the copy window
-    peak, step = simulate(profile, groups, max_inflight, prefetch)
     return MemoryPlan(groups, max_inflight, prefetch, peak, step)
 
 
@@ -107,7 +116,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
     out = []
-    recompute, recompute_offload = GroupDecision(Action.RECOMPUTE), GroupDecision(Action.RECOMPUTE_OFFLOAD)
+    recompute, recompute_offload = _decision(Action.RECOMPUTE), _decision(Action.RECOMPUTE_OFFLOAD)
     for k in range(1, len(recomputable) + 1):
         first = set(recomputable[:k])
         for decision, windows in ((recompute, [(0, 0)]), (recompute_offload, [(1, 1), (2, 2)])):
@@ -127,7 +136,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     def with_wholes(actions: dict[int, Action]) -> tuple[GroupDecision, ...]:
         groups = [KEEP] * n
         for j, a in actions.items():
-            groups[j:j + size[j]] = [GroupDecision(a)] + [INSIDE] * (size[j] - 1)
+            groups[j:j + size[j]] = [_decision(a)] + [INSIDE] * (size[j] - 1)
         return tuple(groups)
 
     for k in range(1, len(size) + 1):
@@ -140,7 +149,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
             out += [evaluated(profile, with_wholes(actions), w, pf) for w, pf in ((1, 1), (2, 2))]
     # the least memory: the first groups' backward comes last, with every gradient made; a group
     # reloaded there skips its recomputation's peak
-    offload = GroupDecision(Action.OFFLOAD)
+    offload = _decision(Action.OFFLOAD)
     for j in range(1, n + 1):
         groups = tuple(offload if i < j or g.inputs is None else recompute_offload
                        for i, g in enumerate(profile.groups))
@@ -156,20 +165,20 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
     g, a, fraction = profile.groups[i], groups[i].action, groups[i].fraction
     out: list[Move] = []
     if g.offloadable and a is Action.KEEP:
-        out += [(GroupDecision(Action.OFFLOAD, f),) for f in FRACTIONS]
+        out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS]
     if a is Action.OFFLOAD and fraction < 1.0:
-        out += [(GroupDecision(Action.OFFLOAD, f),) for f in FRACTIONS if f > fraction]
+        out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS if f > fraction]
     if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD):
-        out.append((GroupDecision(Action.RECOMPUTE),))
+        out.append((_decision(Action.RECOMPUTE),))
     if g.inputs and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE):
-        out.append((GroupDecision(Action.RECOMPUTE_OFFLOAD),))
+        out.append((_decision(Action.RECOMPUTE_OFFLOAD),))
     whole = profile.whole_at.get(i)
     if whole is not None:
         inside = (INSIDE,) * (whole.parts - 1)
         if not a.whole:
-            out.append((GroupDecision(Action.RECOMPUTE_WHOLE),) + inside)
+            out.append((_decision(Action.RECOMPUTE_WHOLE),) + inside)
         if whole.inputs and a is not Action.RECOMPUTE_WHOLE_OFFLOAD:
-            out.append((GroupDecision(Action.RECOMPUTE_WHOLE_OFFLOAD),) + inside)
+            out.append((_decision(Action.RECOMPUTE_WHOLE_OFFLOAD),) + inside)
     return out
 
 
