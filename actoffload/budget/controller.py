@@ -32,6 +32,11 @@ the first group opened after a backward pass began. The controller is a state ma
 
 A step whose backward never ended (it raised) is closed when the next one begins, and
 what was measured of it is dropped.
+
+One controller plans one workload: ``workloads.py`` keeps one per step signature (the shapes
+of the step's first inputs, its groups, its base) and hands each step to its own, so that a
+step never runs a plan made for another signature; a workload's steps need not follow each
+other.
 """
 
 from __future__ import annotations
