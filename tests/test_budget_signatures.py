@@ -288,3 +288,30 @@ def test_auto_on_the_cpu_is_a_share_of_the_machines_memory():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert plans[-1]["memory_budget"] == int(AUTO_FRACTION * ram)
     assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
+
+
+def test_accumulation_with_a_backward_per_micro_batch_has_two_bases_each_profiled_once(monkeypatch):
+    """zero_grad(set_to_none) then four micro-batches, each with its backward: the first begins
+    with no gradients allocated, the others with them (the base moves by their bytes). On a GPU
+    that re-profiled at every flip; now each base is a workload, profiled once. (The CPU reads
+    no allocator: the probe here counts the gradients as a GPU's would.)"""
+    from actoffload.budget.probe import Probe
+
+    blocks = _blocks()
+    monkeypatch.setattr(Probe, "allocated", lambda self: sum(p.grad.nbytes for p in blocks.parameters()
+                                                             if p.grad is not None))
+    off = ao.Offloader(device="cpu", memory_budget="64MiB", min_offload_bytes=0)
+    states = []
+    with ao.wrap(blocks, off):
+        for step in range(5):
+            blocks.zero_grad(set_to_none=True)
+            for k in range(4):
+                x = torch.randn(32, D, generator=torch.Generator().manual_seed(step * 4 + k), requires_grad=True)
+                h = x * 1
+                for b in blocks:
+                    h = h + b(h)
+                h.square().sum().backward()
+                states.append(off.stats()["plan"]["state"])
+    assert len(off.plan.workloads.workloads) == 2
+    assert states.count("profiling") == 2 * PROFILE_STEPS
+    assert states[-8:] == ["settled"] * 8

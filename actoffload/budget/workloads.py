@@ -93,10 +93,10 @@ class Workload:
     steps: int = 0
 
     def base_matches(self, base: int, tolerance: int) -> bool:
+        """Whether a step beginning on ``base`` bytes is this workload's: its profile's base (its
+        latest step's while it profiles, or where its profile was predicted) within ``tolerance``."""
         c = self.controller
-        if c.profile is None:
-            return True  # profiling: a base that moves meanwhile is the latest step's (as one controller did)
-        return abs(base - (self.base if c.predicted else c.profile.base)) <= tolerance
+        return abs(base - (self.base if c.profile is None or c.predicted else c.profile.base)) <= tolerance
 
 
 class Workloads:
@@ -144,6 +144,7 @@ class Workloads:
         self._evict(entry)
         self._forget()
         self.current = entry
+        entry.base = base
         self._state_before = entry.controller.state
         entry.controller.step_begins()  # may raise: the step is begun again at its next group
         entry.steps += 1
@@ -184,11 +185,14 @@ class Workloads:
     def _find(self, signature: Signature, base: int) -> Workload | None:
         groups = self._expected(signature)
         tolerance = base_tolerance(self.budget)
-        for e in reversed(self._entries):
-            if (e.signature == signature and (groups is None or e.groups is None or e.groups == groups)
-                    and e.base_matches(base, tolerance)):
+        alike = [e for e in reversed(self._entries)
+                 if e.signature == signature and (groups is None or e.groups is None or e.groups == groups)]
+        for e in alike:
+            if e.base_matches(base, tolerance):
                 return e
-        return None
+        # none on this base: one still profiling takes it (its profile is then the latest
+        # step's, as when a first step has no optimizer state yet)
+        return next((e for e in alike if e.controller.profile is None), None)
 
     def _controller(self) -> BudgetController:
         first, self._first = self._first, None
