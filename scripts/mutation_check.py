@@ -1,6 +1,7 @@
 """Break each rule R1..R10 once, in a scratch copy, and check that the rule's ref tests notice.
 
-    python scripts/mutation_check.py        # prints CAUGHT / NOT CAUGHT per rule
+    python scripts/mutation_check.py        # prints CAUGHT / NOT CAUGHT per rule (exit 1 unless all are caught)
+    python scripts/mutation_check.py R3 R8  # those rules only
 
 Each mutation disables the one piece of code that implements a rule (in ref/ or the
 shared engine and policy); the tests named after that rule must then fail.
@@ -11,7 +12,11 @@ MUTATIONS = [
     ("R2", "actoffload/engine.py", '''            raise RuntimeError(
                 f"cannot open group {name!r} inside group''', '''            if False: raise RuntimeError(
                 f"cannot open group {name!r} inside group'''),
-    ("R3", "actoffload/policy.py", '''        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:''', '''        if False:'''),
+    ("R3", "actoffload/policy.py", [
+        ('''        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:''', '''        if False:'''),
+        ('''        if flags & marks.PARAMETER or (facts[members[0]].parameter if len(members) == 1''',
+         '''        if False and (facts[members[0]].parameter if len(members) == 1'''),
+    ]),
     ("R4", "actoffload/policy.py", '''        elif flags & marks.VETO:''', '''        elif False:'''),
     ("R5", "actoffload/policy.py", '''        for i in span.members[1:]:
             reasons[i] = "alias"''', '''        for i in span.members[1:]:
@@ -24,17 +29,28 @@ MUTATIONS = [
     ("R10", "actoffload/settings.py", '''    if impl not in IMPLS:''', '''    if impl not in IMPLS and False:'''),
 ]
 failed = False
-root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for rule, path, old, new in MUTATIONS:
+args = sys.argv[1:]
+only = {a for a in args if a[:1] == "R" and a[1:].isdigit()}  # e.g. R3 R8: those rules only
+paths = [a for a in args if a not in only]
+root = paths[0] if paths else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for rule, path, *change in MUTATIONS:
+    if only and rule not in only:
+        continue
+    old, new = change if len(change) == 2 else (change[0], None)
     work = f"/tmp/mut_{rule}"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(root, work, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
     src = open(os.path.join(work, path)).read()
-    if src.count(old) != 1:  # the code moved: this rule's mutation must follow it (edit MUTATIONS)
-        print(rule, f"NOT APPLIED: {path} has {src.count(old)} copies of the code to break, not 1:", repr(old[:80]))
+    # a mutation is one (old, new) replacement, or a list of them: the code as it was written at
+    # different times (the first whose code is there once applies)
+    choices = [(old, new)] if isinstance(old, str) else old
+    applies = [(o, n) for o, n in choices if src.count(o) == 1]
+    if not applies:  # the code moved: this rule's mutation must follow it (edit MUTATIONS)
+        print(rule, f"NOT APPLIED: {path} has none of the code to break (once):", [o[:80] for o, _ in choices], flush=True)
         failed = True
         shutil.rmtree(work, ignore_errors=True)
         continue
+    old, new = applies[0]
     open(os.path.join(work, path), "w").write(src.replace(old, new, 1))
     env = dict(os.environ, TRITON_INTERPRET="1")
     # load the scratch copy's packages by path: an installed actoffload would shadow them
