@@ -154,7 +154,7 @@ def _region(first, last, kind, outside=True):
 
 
 def _awaits(reason: str):
-    return pytest.mark.xfail(reason=f"awaits a fix: {reason}", strict=False)
+    return pytest.mark.xfail(reason=f"reported, not fixed yet: {reason}", strict=False)
 
 
 THEMES = {
@@ -198,8 +198,13 @@ THEMES = {
     "resize-after-forward": _theme(groups=[["resizable"], ["linear"]], resize="after_forward", keep_last=1),
     "resize-after-group-pending": _theme(groups=[["resizable"], ["linear"]], resize="after_group", keep_last=1),
     "resize-after-group-committed": _theme(groups=[["resizable"], ["linear"]], resize="after_group", keep_last=0),
+    # found by the seeds (KNOWN above), minimized
+    "inplace_residual-grouped_mlp": _theme(groups=[["grouped_mlp"]], twists=["inplace_residual"], keep_last=1),
+    "budget-small-grouped_mlp_selected-2-microbatches": _theme(
+        groups=[["gelu_mlp", "grouped_mlp_selected"]], use_wrap=True, memory_budget="small", steps=3, microbatches=2,
+        backward_order=[0, 1], width=16, seq=4, batch=1),
 }
-AWAITS: dict[str, str] = {}
+AWAITS: dict[str, str] = {name: why for name, (why, _, _) in zip(list(THEMES)[-2:], KNOWN)}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_awaits(AWAITS[n]) if n in AWAITS else ())
