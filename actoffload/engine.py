@@ -25,12 +25,14 @@ from . import checkpointing, compat, graph, marks, multibuffer, policy
 from .checkpointing import modified_error
 from .hostmem import HostMemory, HostMemoryError
 from .observe import Observer
-from .plans import Plan
+from .plans import Opening, Plan
 from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
 from .sharing import SharedStorages
 
 GroupT = TypeVar("GroupT", bound=Group)
 MovedT = TypeVar("MovedT", bound=Moved)
+
+_OPENING = Opening()  # what Plan.opening says, for plans that leave it as it is
 
 # .open: name of the group open on this thread (groups do not nest); .whole: it is a module
 # run whole in place of its parts, which open no groups of their own
@@ -66,6 +68,22 @@ class Engine(Generic[GroupT, MovedT]):
         self._owner: int | None = None  # the thread whose forwards open groups
         self._observers: list[Observer] = []
         self._shared = SharedStorages()  # spans moved out, by storage: a later group reuses them (R5)
+        self._cuda = device.type == "cuda"  # (CUDA graph captures: checked at each save only there)
+        # the group whose hooks are open (on the owner thread; groups do not nest): one pack hook
+        # serves every group, where one made for each group lived on with each of its saves
+        self._open_group: GroupT | None = None
+        self._pack_open = self._pack_into_open_group
+        self._unpack_open = self._unpack_handle
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_open, self._unpack_open)
+        # implementations that do nothing when a group opens or backward reaches one are not asked
+        self._tells_opening = type(self)._group_opening is not Engine._group_opening
+        self._tells_reached = type(self)._backward_reaches is not Engine._backward_reaches
+        # only implementations that reload ahead need each group's autograd sequence numbers (graph.py)
+        self._prefetches = type(self)._prefetch_depth is not Engine._prefetch_depth
+        # the points where this plan does something of its own: a step may open thousands of
+        # groups, and asking a plan that does nothing there costs a call at each
+        self._asks = frozenset(n for n in ("opening", "opened", "closing", "move_at_most", "committed", "reached",
+                                           "copy_window") if getattr(type(plan), n) is not getattr(Plan, n))
         plan.attach(self)
 
     # ------------------------------------------------------------------ implementation
@@ -138,26 +156,29 @@ class Engine(Generic[GroupT, MovedT]):
                 "close the outer group first, or wrap the inner modules instead of the outer one"
             )
         me = threading.get_ident()
-        with self._lock:
-            if self._owner is None:
-                self._owner = me
+        if self._owner is None:
+            with self._lock:
+                if self._owner is None:
+                    self._owner = me
         if self._owner != me:
             raise RuntimeError(
                 f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "
                 f"{self._owner}: an Offloader is used from one thread. Create one ao.Offloader per thread."
             )
         outer = compat.current_saved_tensors_hooks()
-        if not compat.hooks_own_saves(outer):
+        if outer is not None and not compat.hooks_own_saves(outer):
             outer = None  # other hooks (a tool watching saves): the group's own take precedence
         if parts:
             self._begin_step_if_new()  # the plan to ask is this step's
             if outer is not None or not (recomputable and self.plan.runs_whole(parts, inputs)):
                 return None
         self._advance_schedule(opening=True)
-        self._begin_step_if_new()
-        self._group_opening()
+        if self._backward_began or not self._step_begun and not self._window:  # (read again under the lock)
+            self._begin_step_if_new()
+        if self._tells_opening:
+            self._group_opening()
         if outer is None:
-            opening = self.plan.opening(name, recomputable, parts)
+            opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else _OPENING
             if not opening.hooked:
                 return None  # autograd holds what it saves, as without an offloader
         with self._lock:
@@ -172,28 +193,31 @@ class Engine(Generic[GroupT, MovedT]):
             position = len(self._window)
             self._window[unique] = {}
             prev = self._last_group() if self._last_group is not None else None
-            group = self._new_group(unique, prev, compat.sequence_nr())
+            group = self._new_group(unique, prev, compat.sequence_nr() if self._prefetches else 0)
             group.position, group.recomputable, group.parts = position, recomputable, parts
             if prev is not None:
                 # a node of the graph that tells whether backward reaches prev (graph.py), only
                 # where reloading ahead may go there: each costs a node its Python object
-                depth = self._prefetch_depth()
+                depth = self._prefetch_depth() if self._prefetches else 0
                 if depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or prev.moved)):
                     group.link_tries = graph.LINK_TRIES
             self._last_group = weakref.ref(group)
         if outer is not None:
             hooks = self._delegating_hooks(group, outer)
         else:
-            group.recompute = recomputable and opening.recompute
-            group.release_inputs = group.recompute and opening.release_inputs
-            group.kept_whole = opening.keep_all and not group.recompute
-            group.guard_inputs = group.recompute and opening.guard_inputs
-            self.plan.opened(group)
+            if opening is not _OPENING:  # (else each stays as Group has it: False)
+                group.recompute = recomputable and opening.recompute
+                group.release_inputs = group.recompute and opening.release_inputs
+                group.kept_whole = opening.keep_all and not group.recompute
+                group.guard_inputs = group.recompute and opening.guard_inputs
+            if "opened" in self._asks:
+                self.plan.opened(group)
             if group.kept_whole:
                 hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
                                                                  partial(self._unpack_kept, group))
             else:
-                hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), self._unpack)
+                hooks = self._hooks
+        self._open_group = group
         hooks.__enter__()
         _local.open, _local.whole = name, bool(parts)
         return group, hooks
@@ -239,8 +263,10 @@ class Engine(Generic[GroupT, MovedT]):
         group, hooks = entry
         _local.open, _local.whole = None, False
         hooks.__exit__(None, None, None)
-        group.end_seq = compat.sequence_nr()
-        if group.state is not GroupState.INERT:
+        self._open_group = None
+        if self._prefetches:
+            group.end_seq = compat.sequence_nr()
+        if group.state is not GroupState.INERT and "closing" in self._asks:
             self.plan.closing(group)
         with self._lock:
             if failed:
@@ -290,15 +316,14 @@ class Engine(Generic[GroupT, MovedT]):
 
     # ------------------------------------------------------------------ deciding
     def _plan(self, group: GroupT, committed: bool) -> policy.SavePlan:
-        plan = policy.plan_group(
-            [s.tensor for s in group.saved],
-            parameters=[s.is_parameter for s in group.saved],
-            device=self.device,
+        device = self.device
+        plan = policy.plan_facts(
+            [policy.fact_of(s.tensor, device, s.is_parameter) for s in group.saved],  # (policy.plan_group)
             min_offload_bytes=self.min_offload_bytes,
             policy=self.policy,
             committed=committed,
             moved_earlier=(lambda key, aliases: self._shared.copy_of(key, aliases) is not None) if committed else None,
-            move_at_most=self.plan.move_at_most(group),
+            move_at_most=self.plan.move_at_most(group) if "move_at_most" in self._asks else None,
         )
         group.summary.clear()
         group.summary.update(plan.summary())
@@ -314,7 +339,13 @@ class Engine(Generic[GroupT, MovedT]):
             self._report_commit(group)
             return
         plan = self._plan(group, committed=True)
-        self.plan.committed(group, plan)
+        if "committed" in self._asks:
+            self.plan.committed(group, plan)
+        if not plan.spans and not plan.shared and not group.guard_inputs:  # all stays: each buffer as it is
+            group.state = GroupState.COMMITTED
+            group.saved = []
+            self._report_commit(group)
+            return
         tensors = [s.tensor for s in group.saved]
         moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
         try:
@@ -381,9 +412,17 @@ class Engine(Generic[GroupT, MovedT]):
         group.saved = []
 
     # ------------------------------------------------------------------ hooks
+    def _unpack_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
+        return self._unpack(handle)
+
+    def _pack_into_open_group(self, t: torch.Tensor) -> Handle | MultiHandle:
+        group = self._open_group
+        assert group is not None, "a save reached a group's hooks after the group closed"
+        return self._pack(group, t)
+
     @compat.not_traced
     def _pack(self, group: GroupT, t: torch.Tensor) -> Handle | MultiHandle:
-        if compat.stream_is_capturing(self.device):
+        if self._cuda and compat.stream_is_capturing(self.device):
             raise RuntimeError(
                 "actoffload cannot offload inside a CUDA graph capture (R10): copies to host memory "
                 "cannot be captured. Capture outside any offload group (or capture only blocks that "
@@ -416,9 +455,12 @@ class Engine(Generic[GroupT, MovedT]):
         return MultiHandle(group, parts.rebuild, saved, tuple(t.shape), t._version, guard)
 
     def _add(self, group: GroupT, t: torch.Tensor) -> SavedBuffer:
-        # no autograd history: maybe a detached view of a weight, known only by its storage
-        constant = t.is_leaf and not t.requires_grad
-        s = SavedBuffer(t, policy.is_parameter(t) or (constant and marks.is_parameter_storage(t)))
+        if t.is_leaf:
+            # no autograd history: maybe a detached view of a weight, known only by its storage
+            parameter = policy.is_parameter(t) or (not t.requires_grad and marks.is_parameter_storage(t))
+            s = SavedBuffer(t, parameter, derived=False)
+        else:  # made by autograd: a parameter only as a view of one
+            s = SavedBuffer(t, t._base is not None and policy.is_parameter(t), derived=True)
         group.saved.append(s)
         for obs in self._observers:
             obs.on_save(group.name, t)
@@ -467,8 +509,10 @@ class Engine(Generic[GroupT, MovedT]):
             if group.reached:
                 return
             group.reached = True
-        self.plan.reached(group)
-        self._backward_reaches(group)
+        if "reached" in self._asks:
+            self.plan.reached(group)
+        if self._tells_reached:
+            self._backward_reaches(group)
 
     def _restore_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
         group: GroupT = handle.group  # type: ignore[assignment]

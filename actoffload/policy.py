@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - older torch
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One storage's byte range ``[start, start + nbytes)`` that moves as one copy.
 
@@ -64,18 +64,19 @@ class SavePlan:
 
     def summary(self) -> dict:
         kept: dict[str, int] = {}
+        offloaded = 0
         for r in self.reasons:
-            if r is not None:
+            if r is None:
+                offloaded += 1
+            else:
                 kept[r] = kept.get(r, 0) + 1
         by_role: dict[str, int] = {}
         for i, role in self.roles.items():
             by_role[role] = by_role.get(role, 0) + self.spans[i].nbytes
-        out = {
-            "saved": len(self.reasons),
-            "offloaded": sum(r is None for r in self.reasons),
-            "offloaded_bytes": sum(s.nbytes for s in self.spans),
-            "kept": kept,
-        }
+        moved = 0
+        for s in self.spans:
+            moved += s.nbytes
+        out = {"saved": len(self.reasons), "offloaded": offloaded, "offloaded_bytes": moved, "kept": kept}
         if by_role:
             out["offloaded_bytes_by_role"] = by_role
         return out
@@ -132,9 +133,11 @@ def on_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.device.index == device.index
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SavedFact:
-    """What the policy needs to know of one saved buffer, taken while it is alive.
+    """What the policy needs to know of one saved buffer, taken while it is alive (treat it
+    as immutable: not frozen only because one is made for every saved buffer at every
+    commit, and a frozen dataclass takes four times as long to make).
 
     ``key`` is its storage's identity, ``None`` when it cannot move at all (reason
     ``device``); ``[start, end)`` the bytes of that storage it can touch; ``storage_bytes``
@@ -150,14 +153,33 @@ class SavedFact:
     storage_bytes: int | None = None
 
 
+_UNMOVABLE = SavedFact(None)
+
+
 def fact_of(t: torch.Tensor | None, device: torch.device, parameter: bool | None = None) -> SavedFact:
     """The :class:`SavedFact` of ``t`` (``parameter``: as recorded at save time, when ``t``
-    is a ``detach()``ed alias that no longer tells)."""
-    if t is None or not on_device(t, device):
-        return SavedFact(None)
-    start, end = byte_extent(t)
-    storage = t.untyped_storage()
-    return SavedFact(compat.storage_id(storage), start, end, t.element_size(),
+    is a ``detach()``ed alias that no longer tells). What :func:`on_device` and
+    :func:`byte_extent` say, each property read once: this runs for every saved buffer."""
+    if t is None or type(t) not in _PLAIN_TYPES:
+        return _UNMOVABLE
+    d = t.device
+    if d != device and (d.type != device.type or (device.index is not None and d.index is not None)):
+        return _UNMOVABLE  # (equal unless one of them has no index: cuda vs cuda:0)
+    if t.layout is not torch.strided or t.is_meta or t.is_nested or t.is_quantized or compat.is_zero_tensor(t):
+        return _UNMOVABLE
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return _UNMOVABLE
+    es = t.element_size()
+    offset = int(t.storage_offset())
+    if t.numel() == 0:
+        end = offset
+    else:
+        end = offset + 1
+        for n, stride in zip(t.shape, t.stride()):
+            end += (n - 1) * stride
+    return SavedFact(compat.storage_id(storage), offset * es, int(end) * es, es,
                      is_parameter(t) if parameter is None else parameter, storage.nbytes())
 
 
@@ -201,9 +223,9 @@ def plan_facts(
     (``parameter``), then the marks (``vetoed``, ``not_marked``), then a storage now smaller
     than the span (``freed``: the caller resized it, to refill it before backward; copying
     it would read bytes it no longer has, and ``set_`` would silently grow it back with
-    uninitialised memory), then the size of the span the aliases cover (``small``). ``committed=False`` plans a group whose backward began
-    before its commit (or that is still waiting for it): whatever would move is kept with
-    reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
+    uninitialised memory), then the size of the span the aliases cover (``small``).
+    ``committed=False`` plans a group whose backward began before its commit (or that is
+    still waiting for it): whatever would move is kept with reason ``keep_last``. ``moved_earlier(key, aliases)`` tells whether an earlier group's
     copy of that storage can serve these aliases; if so they come back from it and count
     as ``alias`` (the bytes were counted by the group that moved them). ``move_at_most``
     (a memory plan's share for this group) moves the largest spans whose bytes add up to
@@ -229,7 +251,8 @@ def plan_facts(
             start = min(facts[i].start for i in members) // align * align
             end = max(facts[i].end for i in members)
         reason: str | None
-        if any(facts[i].parameter for i in members) or flags & marks.PARAMETER:
+        if flags & marks.PARAMETER or (facts[members[0]].parameter if len(members) == 1
+                                        else any(facts[i].parameter for i in members)):
             reason = "parameter"
         elif flags & marks.VETO:
             reason = "vetoed"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -43,23 +43,25 @@ class Moved:
 
     ``storage`` is the device storage, referenced until the implementation has copied
     the span out; ``host`` is the copy. Saved buffers of several groups may share one
-    ``Moved`` (a storage saved in two groups moves once, R5).
+    ``Moved`` (a storage saved in two groups moves once, R5). (Fields that start the same
+    for every span are class attributes until set: a commit may move thousands.)
     """
+
+    host: torch.Tensor | None = None
+    guard: torch.Tensor | None = None  # shares the storage's version counter
+    version_at_copy = 0
+    # its latest reload, while a restored tensor still uses it: every alias restored
+    # meanwhile shares it (R5), and a second backward (retain_graph) after it was freed
+    # reloads again (R8); the span's first byte is at reloaded_at in that storage (a
+    # source used in place keeps its offset)
+    reloaded: WeakStorage | None = None
+    reloaded_at = 0
 
     def __init__(self, span: policy.Span, storage: torch.UntypedStorage, device: torch.device):
         self.span = span
         self.nbytes = span.nbytes
         self.storage: torch.UntypedStorage | None = storage
         self.device = device
-        self.host: torch.Tensor | None = None
-        self.guard: torch.Tensor | None = None  # shares the storage's version counter
-        self.version_at_copy = 0
-        # its latest reload, while a restored tensor still uses it: every alias restored
-        # meanwhile shares it (R5), and a second backward (retain_graph) after it was freed
-        # reloads again (R8); the span's first byte is at reloaded_at in that storage (a
-        # source used in place keeps its offset)
-        self.reloaded: WeakStorage | None = None
-        self.reloaded_at = 0
 
     def remember_reload(self, dev: torch.Tensor) -> None:
         """``dev`` (the span's bytes on the device, restored tensors use it) is its latest reload."""
@@ -95,9 +97,9 @@ class Moved:
         return self.guard is not None and self.guard._version == self.version_at_copy
 
 
-@dataclass(frozen=True, eq=False)
-class MovedView:
-    """How one saved buffer is rebuilt from a moved span: its view of the span's bytes."""
+class MovedView(NamedTuple):
+    """How one saved buffer is rebuilt from a moved span: its view of the span's bytes (a
+    tuple: one is made for every moved buffer)."""
 
     moved: Moved
     dtype: torch.dtype
@@ -120,9 +122,10 @@ class SavedBuffer:
 
     __slots__ = ("tensor", "is_parameter", "version", "guard", "view", "derived", "cloned")
 
-    def __init__(self, t: torch.Tensor, is_parameter: bool):
+    def __init__(self, t: torch.Tensor, is_parameter: bool, derived: bool | None = None):
         self.is_parameter = is_parameter
-        self.derived = not t.is_leaf  # (not t.grad_fn: a Python object for a graph node)
+        # (not t.grad_fn: a Python object for a graph node, which lives as long as the node)
+        self.derived = not t.is_leaf if derived is None else derived
         self.tensor: torch.Tensor | None = t.detach() if self.derived else t
         self.version = t._version
         self.guard: torch.Tensor | None = None  # set when the tensor is let go (moved)
@@ -131,47 +134,56 @@ class SavedBuffer:
 
 
 class Group:
-    """The saved buffers of one run of one group."""
+    """The saved buffers of one run of one group.
+
+    Settings most groups keep as they are are class attributes (a group sets its own where it
+    differs): a step may open thousands of groups, and each instance attribute costs time and
+    memory for every one of them.
+    """
+
+    opened_after = 0  # groups of the same offloader opened since this one
+    # a node the previous group's forward created that this group's saves come from (graph.py:
+    # backward reaches the previous group when it runs that node), looked for in this many saves
+    link: Any = None
+    link_tries = 0
+    position = 0  # its place among the groups of its step
+    recomputable = False  # a wrapped module: it can run under activation checkpointing
+    parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
+    recompute = False  # it does: its plan says so (plans.Opening)
+    # its recomputed module lets go of its kept inputs once recomputed from; a second
+    # backward through the module then needs the first to keep the graph
+    release_inputs = False
+    guard_inputs = False  # its inputs are copied (or cloned) before later work may write them
+    # it keeps all it saves: autograd holds them itself, counted only (storage key -> bytes, set
+    # when it opens), with none of the per-save work a group that may move does
+    kept_whole = False
+    kept_storages: dict[int, int]
+    reached = False  # backward unpacked one of its saves
+    plan_state: Any = None  # the plan's own record of this group (``Plan.opened``)
+    # once committed: the spans its buffers are rebuilt from (its own and earlier groups'),
+    # how many of its buffers each one serves, and each span's first save in the group
+    # (forward order). A commit assigns lists of its own; these empty ones are only read.
+    moved: list[Moved] = []
+    uses: list[int] = []
+    saved_at: list[int] = []
 
     def __init__(self, name: str, prev: Group | None, first_seq: int):
         self.name = name  # unique among the groups in stats(): a repeated name gets "#2", ...
         self.state = GroupState.OPEN
         self.saved: list[SavedBuffer] = []
-        # once committed: the spans its buffers are rebuilt from (its own and earlier groups'),
-        # and how many of its buffers each one serves
-        self.moved: list[Moved] = []
-        self.uses: list[int] = []
-        self.saved_at: list[int] = []  # each span's first save in the group (forward order)
         self.summary: dict[str, Any] = {"saved": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": {}}
-        self.opened_after = 0  # groups of the same offloader opened since this one
         self.prev: weakref.ref[Group] | None = weakref.ref(prev) if prev is not None else None
-        # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq)
+        # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq) (both 0
+        # where the implementation does not reload ahead, which alone needs them)
         self.first_seq = first_seq
         self.end_seq = first_seq
-        # a node the previous group's forward created that this group's saves come from (graph.py:
-        # backward reaches the previous group when it runs that node), looked for in this many saves
-        self.link: Any = None
-        self.link_tries = 0
-        self.position = 0  # its place among the groups of its step
-        self.recomputable = False  # a wrapped module: it can run under activation checkpointing
-        self.parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
-        self.recompute = False  # it does: its plan says so (plans.Opening)
-        # its recomputed module lets go of its kept inputs once recomputed from; a second
-        # backward through the module then needs the first to keep the graph
-        self.release_inputs = False
-        self.guard_inputs = False  # its inputs are copied (or cloned) before later work may write them
-        # it keeps all it saves: autograd holds them itself, counted only (storage key ->
-        # bytes), with none of the per-save work a group that may move does
-        self.kept_whole = False
-        self.kept_storages: dict[int, int] = {}
-        self.reached = False  # backward unpacked one of its saves
-        self.plan_state: Any = None  # the plan's own record of this group (``Plan.opened``)
+        self.kept_storages = {}
 
     def previous(self) -> Group | None:
         return self.prev() if self.prev is not None else None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Handle:
     """What the pack hook returns for a plain tensor; the graph owns it."""
 

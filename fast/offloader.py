@@ -40,7 +40,7 @@ import torch
 
 from actoffload import plans
 from actoffload.graph import upcoming
-from actoffload.hostmem import allocate_all
+from actoffload.hostmem import Finalizers, allocate_all
 from actoffload.observe import wants_copies
 from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
@@ -78,14 +78,12 @@ class _Copied:
 class FastMoved(Moved):
     """A span in fast: where its host bytes are, and its reload (if any)."""
 
-    def __init__(self, span: Span, storage: torch.UntypedStorage, device: torch.device):
-        super().__init__(span, storage, device)
-        self.copied: _Copied | None = None
-        self.packed_offset: int | None = None  # its offset in the packed block, if packed
-        self.dev: torch.Tensor | None = None  # reload (or in-place source) held for uses to come
-        # (once only restored tensors hold it: Moved.reloaded)
-        self.ready: Any = None  # event after which ``dev`` holds the bytes
-        self.uses_left = 0
+    copied: _Copied | None = None
+    packed_offset: int | None = None  # its offset in the packed block, if packed
+    dev: torch.Tensor | None = None  # reload (or in-place source) held for uses to come
+    # (once only restored tensors hold it: Moved.reloaded)
+    ready: Any = None  # event after which ``dev`` holds the bytes
+    uses_left = 0
 
 
 def _first_needed(spans: list[FastMoved], saved_at: list[int],
@@ -116,11 +114,10 @@ def _add_held_uses(spans: Iterable[tuple[Moved, int]]) -> None:
 class FastGroup(Group):
     """A group in fast: whether its reload was started, and what is left to reload."""
 
-    def __init__(self, name: str, prev: Group | None, first_seq: int):
-        super().__init__(name, prev, first_seq)
-        self.reloading = False  # its reload was enqueued (or its sources used in place)
-        # prefetched in part: the spans (and their uses) that come back when backward reaches it
-        self.reload_rest: list[tuple[FastMoved, int]] = []
+    reloading = False  # its reload was enqueued (or its sources used in place)
+    # prefetched in part: the spans (and their uses) that come back when backward reaches it
+    # (a group sets its own list: this empty one is only ever read)
+    reload_rest: list[tuple[FastMoved, int]] = []
 
 
 class FastOffloader(Offloader[FastGroup, FastMoved]):
@@ -137,8 +134,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       part: the spans backward needs first, about half its bytes, and the rest when
       backward reaches it. Each costs about half a group's activations of device
       memory; 0 makes each group's backward wait for its own reload.
-    - ``pack_below`` (default 4 MiB): spans smaller than this are gathered into one
-      buffer by a Triton kernel and cross the bus in one copy (per-tensor copies reach
+    - ``pack_below`` (default 4 MiB): spans smaller than this (two or more in a commit) are
+      gathered into one buffer by a Triton kernel and cross the bus in one copy (per-tensor copies reach
       full bus speed only from about 1-4 MiB). Costs one staging buffer of that group's
       packed bytes while it copies.
     - ``packer``: ``"auto"`` (Triton kernels on CUDA, their PyTorch reference on the
@@ -190,6 +187,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = threading.Lock()
+        self._finalizers = Finalizers()  # pool blocks back when a copy dies; sources when a group does
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -201,7 +199,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     # ------------------------------------------------------------------ the engine's points
     def _copy_window(self) -> tuple[int, int]:
         """``(max_inflight, prefetch)`` in effect: the plan's, else the settings."""
-        planned = self.plan.copy_window()
+        planned = self.plan.copy_window() if "copy_window" in self._asks else None
         return planned if planned is not None else (self.max_inflight, self.prefetch)
 
     def _prefetch_depth(self) -> int:
@@ -226,7 +224,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     # ------------------------------------------------------------------ copy timing (observers)
     def _timing_event(self) -> Any:
-        if self.device.type != "cuda" or not any(wants_copies(o) for o in self._observers):
+        if not self._cuda or not any(wants_copies(o) for o in self._observers):
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -243,18 +241,21 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _layout(self, nbytes: list[int]) -> tuple[list[int], int, list[int]]:
         """A commit moving spans of ``nbytes``: the offsets of the small ones (in order) in its
         packed block, that block's bytes, and the pool blocks it takes (the packed one, then
-        one per large span)."""
+        one per other span). A lone small span is not packed: one copy either way, and packing
+        it would only add a staging buffer and a second copy."""
         packed = [n for n in nbytes if n < self.pack_below]
+        if len(packed) < 2:
+            return [], 0, list(nbytes)
         offsets, total = self._packer.layout(packed)
-        return offsets, total, ([total] if packed else []) + [n for n in nbytes if n >= self.pack_below]
+        return offsets, total, [total] + [n for n in nbytes if n >= self.pack_below]
 
     def _move_out(self, group: FastGroup, moved: list[FastMoved]) -> None:
         rec = _Copied()
-        packed = [m for m in moved if m.nbytes < self.pack_below]
-        large = [m for m in moved if m.nbytes >= self.pack_below]
         offsets, rec.packed_total, sizes = self._layout([m.nbytes for m in moved])
+        packed = [m for m in moved if m.nbytes < self.pack_below] if offsets else []
+        large = [m for m in moved if m.nbytes >= self.pack_below] if offsets else moved
         rec.blocks = allocate_all(sizes, self._pool.get, self._pool.put)  # all host memory first (R10)
-        weakref.finalize(rec, self._pool.put_all, list(rec.blocks))
+        self._finalizers.add(rec, self._pool.put_all, rec.blocks)  # (the list, not rec: rec must die)
         for m, off in zip(packed, offsets):
             m.copied, m.packed_offset = rec, off
             m.host = rec.blocks[0].tensor[off : off + m.nbytes]
@@ -285,7 +286,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
-        weakref.finalize(group, self._group_freed, weakref.ref(rec))
+        self._finalizers.add(group, self._group_freed, weakref.ref(rec))
         with self._inflight_lock:
             # the sources (kept alive through each span's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))
@@ -309,6 +310,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         For older ones the compute stream waits for their copy before it goes on, so the
         allocator can hand their memory to later compute work: stream-ordered, no host wait.
         """
+        if not self._inflight:  # (read without the lock: only this thread adds entries)
+            return
         with self._inflight_lock:
             while self._inflight and self._inflight[0][0].done.query():
                 self._release_sources(self._inflight.popleft())
@@ -353,6 +356,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if group.state is not GroupState.COMMITTED or group.reloading:
                 return False
             group.reloading = True
+        if not group.moved:  # nothing of it left the device
+            return True
         for m in group.moved:
             if m.storage is not None and not m.source_intact():
                 m.storage = None  # the caller resized it since the commit: back from the host copy

@@ -23,6 +23,10 @@ class _DoneEvent:
         pass
 
 
+_DONE = _DoneEvent()
+_NOTHING = contextlib.nullcontext()  # where there is no stream to enter (reentrant: it does nothing)
+
+
 class CopyStreams:
     """The compute stream and two copy streams of one device.
 
@@ -47,7 +51,7 @@ class CopyStreams:
     def record(self, stream=None):
         """An event marking the work enqueued so far on ``stream`` (default: the current one)."""
         if not self.cuda:
-            return _DoneEvent()
+            return _DONE
         return (stream or torch.cuda.current_stream(self.device)).record_event()
 
     def wait(self, event, stream=None) -> None:
@@ -67,8 +71,8 @@ class CopyStreams:
 
     def on_d2h(self, *after):
         """Run the block on the device-to-host stream, after the given events."""
-        return self._on(self.d2h, after)
+        return self._on(self.d2h, after) if self.cuda else _NOTHING
 
     def on_h2d(self, *after):
         """Run the block on the host-to-device stream, after the given events."""
-        return self._on(self.h2d, after)
+        return self._on(self.h2d, after) if self.cuda else _NOTHING

@@ -1,0 +1,122 @@
+"""Many tiny groups in one forward: the offloader's cost per group, against no offloader.
+
+Each case runs in a fresh subprocess (so its memory is its own): a chain of ``--groups`` tiny
+steps (``h = h * 1.0001``, which saves nothing: an empty group; or ``h = h.sin()``, which saves
+``h``: a tiny group), each step its own group, forward and backward, several times. It prints
+the median CPU time of a step against the same steps without an offloader, and how much the
+process grew while the graph of one forward lived (RSS), for:
+
+- ``empty``: groups that save nothing;
+- ``tiny``: groups that save one tensor of ``--floats`` floats, too small to move at the
+  default ``min_offload_bytes`` (nothing moves);
+- ``tiny-moved``: the same with ``min_offload_bytes=0`` (every save moves: 10,000 groups of
+  32 floats move 1.25 MiB);
+- ``one-name``: tiny groups all opened under one name (``name``, ``name#2``, ...).
+
+CPU time, not wall time: the ratio should not depend on what else the machine runs.
+
+    .venv/bin/python benchmarks/bench_many_groups.py                  # 10,000 groups, ref and fast
+    .venv/bin/python benchmarks/bench_many_groups.py --groups 2000 --impls fast --cases tiny-moved
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = ("empty", "tiny", "tiny-moved", "one-name")
+
+_CHILD = r"""
+import gc, json, os, statistics, sys, time
+sys.path.insert(0, {root!r})
+import torch
+import actoffload as ao
+
+impl, case, groups, floats, steps = {impl!r}, {case!r}, {groups}, {floats}, {steps}
+torch.set_num_threads(1)
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+off = None
+if impl != "none":
+    kw = {{"min_offload_bytes": 0}} if case == "tiny-moved" else {{}}
+    if impl == "fast":
+        kw["warmup"] = "offload"
+    off = ao.Offloader(impl=impl, device="cpu", **kw)
+names = ["g"] * groups if case == "one-name" else [str(i) for i in range(groups)]
+
+def forward(x):
+    h = x * 1
+    if off is None:
+        for _ in range(groups):
+            h = h * 1.0001 if case == "empty" else h.sin()
+        return h
+    for name in names:
+        with off.group(name):
+            h = h * 1.0001 if case == "empty" else h.sin()
+    return h
+
+times, grew = [], 0
+for step in range(steps):
+    x = torch.randn(floats, requires_grad=True)
+    gc.collect()
+    before = rss()
+    t0 = time.process_time()
+    y = forward(x)
+    t1 = time.process_time()
+    grew = max(grew, rss() - before)
+    moved = off.stats()["offloaded_bytes"] if off is not None else 0
+    t2 = time.process_time()
+    y.sum().backward()
+    del y
+    t3 = time.process_time()
+    if step:  # the first step allocates what the later ones reuse
+        times.append((t1 - t0) + (t3 - t2))
+print(json.dumps({{"step_s": statistics.median(times), "grew": grew, "moved": moved,
+                   "host": off.stats()["host_bytes_in_use"] if off is not None else 0}}))
+"""
+
+
+def run_case(impl: str, case: str, groups: int, floats: int, steps: int, root: str = ROOT) -> dict:
+    code = _CHILD.format(root=root, impl=impl, case=case, groups=groups, floats=floats, steps=steps)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--groups", type=int, default=10_000)
+    p.add_argument("--floats", type=int, default=32, help="floats in each tiny group's saved tensor")
+    p.add_argument("--steps", type=int, default=4, help="forward+backward steps per case (the first not timed)")
+    p.add_argument("--impls", nargs="+", default=["ref", "fast"])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--root", default=ROOT, help="the checkout whose actoffload runs (to compare commits)")
+    args = p.parse_args(argv)
+    rows = []
+    print(f"{args.groups:,} groups, {args.floats} floats per tiny save, median of {args.steps - 1} steps (CPU time)")
+    print(f"{'case':11s} {'impl':5s} {'step':>9s} {'x none':>7s} {'RSS grew':>10s} {'moved':>10s}")
+    for case in args.cases:
+        base = run_case("none", case, args.groups, args.floats, args.steps, args.root)
+        print(f"{case:11s} {'none':5s} {base['step_s'] * 1e3:7.1f}ms {1:7.2f} {base['grew'] / 2**20:7.1f}MiB {0:>10}")
+        for impl in args.impls:
+            r = run_case(impl, case, args.groups, args.floats, args.steps, args.root)
+            ratio = r["step_s"] / base["step_s"]
+            print(f"{case:11s} {impl:5s} {r['step_s'] * 1e3:7.1f}ms {ratio:7.2f} {r['grew'] / 2**20:7.1f}MiB "
+                  f"{r['moved']:>10,}")
+            rows.append({"case": case, "impl": impl, "groups": args.groups, "ratio": ratio, **r,
+                         "none_step_s": base["step_s"], "none_grew": base["grew"]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
