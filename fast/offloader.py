@@ -261,7 +261,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             m.host = rec.blocks[0].tensor[off : off + m.nbytes]
         for m, block in zip(large, rec.blocks[1:] if packed else rec.blocks):
             m.copied = rec
-            m.host = block.tensor[: m.nbytes]
+            m.host = block.tensor if block.size == m.nbytes else block.tensor[: m.nbytes]
         sources = [m.source() for m in large]
         table = None
         if packed:  # host work first, off the copy stream's timeline
