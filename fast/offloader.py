@@ -50,7 +50,7 @@ from actoffload.settings import check_choice, check_count, parse_memory_budget, 
 from actoffload.warmup import WarmUp
 
 from .packing import PACKERS, Packer
-from .pool import Block, PinnedPool
+from .pool import HostBlock, PinnedPool
 from .streams import CopyStreams
 
 # Of a group reloaded ahead, the share of bytes brought back before backward reaches it.
@@ -69,7 +69,7 @@ class _Copied:
     __slots__ = ("blocks", "packed_total", "done", "inflight", "__weakref__")
 
     def __init__(self) -> None:
-        self.blocks: list[Block] = []
+        self.blocks: list[HostBlock] = []
         self.packed_total = 0  # bytes of the packed block (blocks[0]) in use; 0: nothing packed
         self.done: Any = None  # event: every copy of this commit has finished
         self.inflight = True  # its sources are still referenced (copy maybe not finished)

@@ -32,7 +32,7 @@ def size_class(nbytes: int) -> int:
     return (nbytes + granule - 1) // granule * granule
 
 
-class Block:
+class HostBlock:
     """One pooled host buffer: ``tensor`` holds ``size`` bytes."""
 
     __slots__ = ("tensor", "size", "fence")
@@ -62,7 +62,7 @@ class PinnedPool:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self._free: dict[int, list[Block]] = {}
+        self._free: dict[int, list[HostBlock]] = {}
         self._lock = threading.Lock()
         self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
         self._owned: collections.Counter[int] = collections.Counter()  # blocks allocated, by size class
@@ -74,7 +74,7 @@ class PinnedPool:
         self.pooled = 0
         self.allocations = 0  # host allocations made so far (flat after the first step)
 
-    def get(self, nbytes: int) -> Block:
+    def get(self, nbytes: int) -> HostBlock:
         size = size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
@@ -83,7 +83,7 @@ class PinnedPool:
                 self.pooled -= size
                 self.in_use += size
                 return block
-        block = Block(self._allocate(size))  # may raise HostMemoryError: nothing changed
+        block = HostBlock(self._allocate(size))  # may raise HostMemoryError: nothing changed
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
@@ -135,7 +135,7 @@ class PinnedPool:
                     if not self._queue:
                         return
                     size = self._queue[0]
-                block = Block(self._allocate(size))
+                block = HostBlock(self._allocate(size))
                 with self._lock:
                     self._queue.popleft()
                     self.allocations += 1
@@ -165,13 +165,13 @@ class PinnedPool:
                 if self._worker is worker:  # it ended without clearing itself: nothing will
                     self._worker = None
 
-    def put(self, block: Block) -> None:
+    def put(self, block: HostBlock) -> None:
         with self._lock:
             self._free.setdefault(block.size, []).append(block)
             self.in_use -= block.size
             self.pooled += block.size
 
-    def put_all(self, blocks: list[Block]) -> None:
+    def put_all(self, blocks: list[HostBlock]) -> None:
         for b in blocks:
             self.put(b)
 
