@@ -163,8 +163,9 @@ def test_the_cpu_torch_the_readme_names_is_the_one_setup_installs_and_pyproject_
 
 def test_the_editable_install_names_extras_that_exist_and_is_what_setup_runs():
     extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
-    assert re.search(r"^test = \[", extras, flags=re.M) and re.search(r"^plot = \[", extras, flags=re.M), extras
-    assert "pip install --quiet -e '.[test,plot]'" in (ROOT / "scripts/setup").read_text()
+    for extra in ("test", "plot", "integrations"):
+        assert re.search(rf"^{extra} = \[", extras, flags=re.M), (extra, extras)
+    assert "pip install --quiet -e '.[test,plot,integrations]'" in (ROOT / "scripts/setup").read_text()
 
 
 def test_the_wheel_builds_installs_and_works_outside_the_checkout(tmp_path):
