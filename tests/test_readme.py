@@ -141,7 +141,7 @@ def test_every_pip_line_is_one_checked_here():
         "pip install /path/to/actoffload",
         "python -m pip wheel . --no-deps -w dist",
         "pip install dist/actoffload-*.whl",
-        "pip install -e '.[test,plot]'",
+        "pip install -e '.[test,plot,integrations]'",
     }
     assert set(PIP_LINES) == known, set(PIP_LINES) ^ known
 
