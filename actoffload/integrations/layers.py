@@ -306,3 +306,45 @@ def handle_for(model: torch.nn.Module, layers: LayersArg = None, offloader: Offl
     """A detached :class:`OffloadHandle` for ``model``'s layers (found, or as ``layers=`` says)."""
     mods, names = resolve_layers(model, layers)
     return OffloadHandle(mods, names, make_offloader(offloader, settings, mods))
+
+
+class ModelHandle:
+    """What a framework's callback keeps: the :class:`OffloadHandle` of the model it was last
+    handed, made anew (with the same offloader) when it is handed another one.
+
+    Example::
+
+        handles = ModelHandle("MyCallback", None, layers=None, settings={"memory_budget": "20GiB"})
+        handles.for_model(model).attach()   # each training step
+        handles.remove()                    # after it
+    """
+
+    def __init__(self, owner: str, offloader: Offloader | None, layers: LayersArg, settings: dict[str, Any]):
+        if offloader is not None and settings:
+            raise TypeError(f"give {owner} either an offloader or its settings, not both")
+        self._given = offloader
+        self.layers = layers
+        self._settings = settings
+        self.handle: OffloadHandle | None = None
+        self._model: torch.nn.Module | None = None
+
+    @property
+    def offloader(self) -> Offloader | None:
+        """The offloader the layers' groups use (made with the first handle, if not given)."""
+        return self.handle.offloader if self.handle is not None else self._given
+
+    def for_model(self, model: torch.nn.Module) -> OffloadHandle:
+        """The handle of ``model``'s layers (detached when new)."""
+        if self.handle is not None and self._model is model:
+            return self.handle
+        offloader = self.offloader
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = handle_for(model, self.layers, offloader, **({} if offloader is not None else self._settings))
+        self._model = model
+        return self.handle
+
+    def remove(self) -> None:
+        """Give the layers their own forwards back (until the next :meth:`OffloadHandle.attach`)."""
+        if self.handle is not None:
+            self.handle.remove()

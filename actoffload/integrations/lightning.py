@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from ..offloader import Offloader
-from .layers import LayersArg, OffloadHandle, handle_for
+from .layers import LayersArg, ModelHandle, OffloadHandle
 
 __all__ = ["ActivationOffload", "OffloadHandle"]
 
@@ -41,29 +41,20 @@ class ActivationOffload(pl.Callback):
 
     def __init__(self, offloader: Offloader | None = None, *, layers: LayersArg = None,
                  **offloader_settings: Any):
-        if offloader is not None and offloader_settings:
-            raise TypeError("give ActivationOffload either an offloader or its settings, not both")
-        self._given = offloader
-        self._layers = layers
-        self._settings = offloader_settings
-        self.handle: OffloadHandle | None = None
-        self._module: torch.nn.Module | None = None
+        self._handles = ModelHandle("ActivationOffload", offloader, layers, offloader_settings)
+
+    @property
+    def handle(self) -> OffloadHandle | None:
+        """The handle of the module's layers (made at the start of fitting)."""
+        return self._handles.handle
 
     @property
     def offloader(self) -> Offloader | None:
         """The offloader the layers' groups use (made at the start of fitting, if not given)."""
-        return self.handle.offloader if self.handle is not None else self._given
+        return self._handles.offloader
 
     def _resolve(self, pl_module: torch.nn.Module) -> OffloadHandle:
-        if self.handle is None or self._module is not pl_module:
-            if self.handle is not None:
-                self.handle.remove()
-            offloader = self._given if self._given is not None else (
-                self.handle.offloader if self.handle is not None else None)
-            settings = {} if offloader is not None else self._settings
-            self.handle = handle_for(pl_module, self._layers, offloader, **settings)
-            self._module = pl_module
-        return self.handle
+        return self._handles.for_model(pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resolve(pl_module)  # after configure_model and the strategy's setup: on the device, sharded
@@ -83,5 +74,4 @@ class ActivationOffload(pl.Callback):
         self._detach()
 
     def _detach(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
+        self._handles.remove()

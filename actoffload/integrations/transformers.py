@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..offloader import Offloader
-from .layers import KNOWN_PATHS, LayersArg, OffloadHandle, find_layers, handle_for
+from .layers import KNOWN_PATHS, LayersArg, ModelHandle, OffloadHandle, find_layers, handle_for
 
 __all__ = ["ActivationOffloadCallback", "OffloadHandle", "find_layers", "offload", "KNOWN_PATHS"]
 
@@ -70,38 +70,26 @@ class ActivationOffloadCallback(TrainerCallback):
 
     def __init__(self, offloader: Offloader | None = None, *, layers: LayersArg = None,
                  **offloader_settings: Any):
-        if offloader is not None and offloader_settings:
-            raise TypeError("give ActivationOffloadCallback either an offloader or its settings, not both")
-        self._given = offloader
-        self._layers = layers
-        self._settings = offloader_settings
-        self.handle: OffloadHandle | None = None
-        self._model: torch.nn.Module | None = None
+        self._handles = ModelHandle("ActivationOffloadCallback", offloader, layers, offloader_settings)
+
+    @property
+    def handle(self) -> OffloadHandle | None:
+        """The handle of the model's layers (made at the first train begin)."""
+        return self._handles.handle
 
     @property
     def offloader(self) -> Offloader | None:
         """The offloader the layers' groups use (made at the first train begin, if not given)."""
-        return self.handle.offloader if self.handle is not None else self._given
+        return self._handles.offloader
 
     def _resolve(self, model: torch.nn.Module | None) -> OffloadHandle | None:
-        if model is None:
-            return self.handle
-        if self.handle is not None and self._model is model:
-            return self.handle
-        if self.handle is not None:
-            self.handle.remove()
-        offloader = self._given if self._given is not None else (
-            self.handle.offloader if self.handle is not None else None)
-        settings = {} if offloader is not None else self._settings
-        self.handle = handle_for(model, self._layers, offloader, **settings)
-        self._model = model
-        return self.handle
+        return self.handle if model is None else self._handles.for_model(model)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                     **kwargs: Any) -> None:
         from .layers import resolve_layers
         if model is not None:
-            resolve_layers(model, self._layers)  # a model whose layers cannot be found fails here, not in train()
+            resolve_layers(model, self._handles.layers)  # a model whose layers cannot be found fails here, not in train()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                        **kwargs: Any) -> None:
@@ -114,9 +102,7 @@ class ActivationOffloadCallback(TrainerCallback):
             handle.attach()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.handle is not None:
-            self.handle.remove()
+        self._handles.remove()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.handle is not None:
-            self.handle.remove()
+        self._handles.remove()
