@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from . import compat, multibuffer, policy
+from . import compat, marks, multibuffer, policy
 from .records import Group
 
 
@@ -70,7 +70,8 @@ class WouldSave:
     that sizes what the group will move once it stops recomputing collects them.
 
     Checkpoint frees what the forward saves as it goes, so a storage key can come back as a
-    different storage within one forward: such a key gets a fresh one no real storage has.
+    different storage within one forward: such a key gets a fresh one no real storage has;
+    and the marks on a storage are read while it lives (:meth:`flags_of`).
     """
 
     _fresh = itertools.count(-1, -1)
@@ -79,6 +80,7 @@ class WouldSave:
         self.device = device
         self.facts: list[policy.SavedFact] = []
         self._storages: dict[int, tuple[Any, int]] = {}  # storage key -> (weak reference, key its facts get)
+        self._flags: dict[int, int] = {}  # key its facts get -> the marks on it when seen
 
     def see(self, t: torch.Tensor) -> None:
         if multibuffer.is_multibuffer(t):  # its buffers, as the pack hook would see them
@@ -88,13 +90,23 @@ class WouldSave:
             return
         fact = policy.fact_of(t, self.device)
         if fact.key is not None:
-            ref, key = self._storages.get(fact.key, (None, fact.key))
+            live = fact.key
+            ref, key = self._storages.get(live, (None, live))
             if ref is None or ref.expired():
                 if ref is not None:  # the key was freed and reused: not an alias
                     key = next(self._fresh)
-                self._storages[fact.key] = (compat.storage_weakref(t), key)
+                self._storages[live] = (compat.storage_weakref(t), key)
             fact = dataclasses.replace(fact, key=key)
+            self._flags[key] = self._flags.get(key, 0) | marks.flags_of(live)
         self.facts.append(fact)
+
+    def plan(self, min_offload_bytes: int, policy_name: str,
+             moved_earlier: Callable[[int, list[policy.SavedFact]], bool] | None = None) -> policy.SavePlan:
+        """What the group would move and keep, were it not recomputed, as its commit would
+        decide: judged by the marks its storages had when saved (checkpoint has freed them)."""
+        return policy.plan_facts(self.facts, min_offload_bytes=min_offload_bytes, policy=policy_name,
+                                 committed=True, moved_earlier=moved_earlier,
+                                 flags_of=lambda key: self._flags.get(key, 0))
 
     def storage_refs(self) -> dict[int, Any]:
         """The key each fact got -> a weak reference to that storage."""

@@ -83,7 +83,7 @@ class Engine(Generic[GroupT, MovedT]):
         # the points where this plan does something of its own: a step may open thousands of
         # groups, and asking a plan that does nothing there costs a call at each
         self._asks = frozenset(n for n in ("opening", "opened", "closing", "move_at_most", "committed", "reached",
-                                           "copy_window") if getattr(type(plan), n) is not getattr(Plan, n))
+                                           "backward_begins", "copy_window") if getattr(type(plan), n) is not getattr(Plan, n))
         plan.attach(self)
 
     # ------------------------------------------------------------------ implementation
@@ -145,7 +145,11 @@ class Engine(Generic[GroupT, MovedT]):
         opened as one group only where the plan recomputes it whole (else ``None``: nothing)."""
         if compat.in_backward():
             # Activation checkpointing re-runs a forward inside backward, under hooks of its
-            # own that must see what it saves: a group opened there does nothing.
+            # own that must see what it saves: a group opened there does nothing. (A backward pass
+            # is running: with reentrant checkpointing, whose forward saved nothing, this may be
+            # the first the offloader sees of it.)
+            if not self._backward_began:
+                self._backward_begins()
             return None
         open_name = getattr(_local, "open", None)
         if open_name is not None:
@@ -319,7 +323,8 @@ class Engine(Generic[GroupT, MovedT]):
         device = self.device
         plan = policy.plan_facts(
             [policy.fact_of(s.tensor, device, s.is_parameter) for s in group.saved],  # (policy.plan_group)
-            min_offload_bytes=self.min_offload_bytes,
+            # guarded inputs that stayed would be cloned on the device (R9's bytes): move even small ones
+            min_offload_bytes=0 if group.guard_inputs and committed else self.min_offload_bytes,
             policy=self.policy,
             committed=committed,
             moved_earlier=(lambda key, aliases: self._shared.copy_of(key, aliases) is not None) if committed else None,
@@ -479,9 +484,18 @@ class Engine(Generic[GroupT, MovedT]):
         group.summary["kept"]["budget"] = group.summary["saved"]
         return t
 
+    def _backward_begins(self) -> None:
+        """A backward pass is running (it unpacked a save of this step, or checkpointing runs a
+        forward again): the next group opened outside backward begins a step."""
+        if not self._backward_began:
+            self._backward_began = True
+            if "backward_begins" in self._asks:
+                self.plan.backward_begins()
+
     def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
         if compat.in_backward():
-            self._backward_began = True
+            if not self._backward_began:
+                self._backward_begins()
             if not group.reached:  # its first unpack (each later one costs nothing)
                 self._reached(group)
         return t
@@ -489,12 +503,13 @@ class Engine(Generic[GroupT, MovedT]):
     @compat.not_traced
     def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:
         if isinstance(handle, DelegatedHandle):
-            if compat.in_backward():
-                self._backward_began = True
+            if compat.in_backward() and not self._backward_began:
+                self._backward_begins()
             return handle.unpack(handle.packed)
         group: GroupT = handle.group  # type: ignore[assignment]
         if compat.in_backward():
-            self._backward_began = True
+            if not self._backward_began:
+                self._backward_begins()
             if not group.reached:
                 self._reached(group)
         # (read outside backward, as graph viewers read grad_fn._saved_*: restored, nothing more)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import compat
 from .engine import group_open
 from .grouped import GroupedTensor
 from .marks import mark_not_offload, opt_in_as
@@ -98,10 +99,20 @@ class _GroupedMLPFunction(torch.autograd.Function):
             mark_selection(selected, saved)
         ctx.save_for_backward(saved["expert_fc1"], saved["moe_act"], saved["expert_fc2"], w1, w2)
         ctx.sizes, ctx.kind = sizes, kind
+        # The saved GroupedTensor is a wrapper over the tokens' bytes with a version counter of
+        # its own, which autograd checks: a write to the tokens after this (an in-place residual,
+        # h += moe(h)) would reach backward unnoticed. Checked here, as autograd checks a tensor.
+        ctx.tokens_version = compat.version_guard(tokens), tokens._version
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        guard, version = ctx.tokens_version
+        if guard._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: GroupedMLP's input tokens are at version {guard._version}; expected version "
+                f"{version} instead. Write the tokens out of place (h = h + moe(h)), or clone them first.")
         x, a, z, w1, w2 = ctx.saved_tensors
         sizes = ctx.sizes
         x, a, z = _values(x), _values(a), _values(z)

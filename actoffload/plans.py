@@ -133,6 +133,11 @@ class Plan:
     def reached(self, group: Group) -> None:
         """Backward unpacked something ``group`` saved, for the first time in this pass."""
 
+    def backward_begins(self) -> None:
+        """A backward pass began (once per step: at its first unpack of the step's saves, those
+        handed to checkpointing included, or where checkpointing runs a group's forward
+        again); the next group opened outside backward begins a step."""
+
     def copy_window(self) -> tuple[int, int] | None:
         """``(max_inflight, prefetch)`` for implementations that copy ahead (``None``: their settings)."""
         return None

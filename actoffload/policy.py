@@ -216,6 +216,7 @@ def plan_facts(
     committed: bool,
     moved_earlier: Callable[[int, list[SavedFact]], bool] | None = None,
     move_at_most: int | None = None,
+    flags_of: Callable[[int], int] = marks.flags_of,
 ) -> SavePlan:
     """Decide, for one group's saved buffers, which move and why the others stay.
 
@@ -229,7 +230,9 @@ def plan_facts(
     copy of that storage can serve these aliases; if so they come back from it and count
     as ``alias`` (the bytes were counted by the group that moved them). ``move_at_most``
     (a memory plan's share for this group) moves the largest spans whose bytes add up to
-    at most that many; the rest stay with reason ``budget``.
+    at most that many; the rest stay with reason ``budget``. ``flags_of(key)``: the marks on a
+    storage (by default, as they are now; a caller whose storages are gone passes what it read
+    while they lived).
     """
     reasons: list[str | None] = [None] * len(facts)
     by_storage: dict[int, list[int]] = {}
@@ -243,7 +246,7 @@ def plan_facts(
     shared: list[Span] = []
     stayed: list[tuple[str, int]] = []
     for key, members in by_storage.items():
-        flags = marks.flags_of(key)
+        flags = flags_of(key)
         if len(members) == 1:
             start, end = facts[members[0]].start, facts[members[0]].end
         else:

@@ -72,8 +72,7 @@ class WarmUp(Plan):
         off = self.offloader
         assert off is not None
         # what this group will move once it offloads, as its commit would decide
-        inner = policy.plan_facts(would.facts, min_offload_bytes=off.min_offload_bytes, policy=off.policy,
-                                  committed=True, moved_earlier=self._sized_earlier)
+        inner = would.plan(off.min_offload_bytes, off.policy, moved_earlier=self._sized_earlier)
         refs = would.storage_refs()
         for span in inner.spans:
             if span.storage_key in refs:

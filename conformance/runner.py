@@ -383,9 +383,12 @@ def _sized(s: Scenario) -> tuple[int, int, int]:
         if least is None or top is None:
             raise RuntimeError(f"a run with memory_budget=1 << 40 made no plan to size {s.memory_budget!r} from: {plan}")
         _BUDGETS.clear()  # one scenario at a time
-        budget = least + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
+        # On CUDA what is allocated outside the groups differs by a few hundred bytes from run
+        # to run (seen: 8 to 384), so the run sized from may reach a little lower than the next
+        noise = 4 << 10 if s.device == "cuda" else 0
+        budget = least + noise + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
             least + max(1 << 20, least // 1000) + max(top - least, 0) // 2
-        _BUDGETS[key] = budget, least, top
+        _BUDGETS[key] = max(budget, 1), least, top  # (0 on the CPU where no group is the plan's)
     return _BUDGETS[key]
 
 
@@ -492,14 +495,15 @@ def _budget_problems(s: Scenario, fast: Outcome) -> list[str]:
     """After its two profiling steps, a budget runs a plan: keep everything for ``huge``, not for
     ``small`` (the least-memory plan) where that peaks lower."""
     plan = fast.plans[-1] if fast.plans else None
-    if not plan or not plan.get("groups") or plan.get("state") in ("profiling", "re-planning"):
+    # (a plan of no groups is one: every group of the step opened inside activation checkpointing)
+    if not plan or "groups" not in plan or plan.get("state") in ("profiling", "re-planning"):
         state = plan.get("state") if plan else None
         return [f"fast: memory_budget={s.memory_budget}: no plan after {s.steps} steps (state {state})"]
     actions = [g["action"] for g in plan["groups"]]
-    if s.memory_budget == "huge" and set(actions) != {"keep"}:
+    if s.memory_budget == "huge" and not set(actions) <= {"keep"}:
         return [f"fast: memory_budget=1 << 40 planned {actions}, not keeping everything"]
     budget, least, top = _sized(s)
-    if s.memory_budget == "small" and least < top and set(actions) == {"keep"}:
+    if s.memory_budget == "small" and budget < top and set(actions) == {"keep"}:
         return [f"fast: memory_budget={budget} (about the smallest reachable peak, {least}; keeping everything "
                 f"peaks at {top}) kept everything"]
     return []

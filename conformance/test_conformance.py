@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import replace
 
 import pytest
@@ -29,40 +28,11 @@ def _settle():
     settle()
 
 
-# Failures of seeds that are understood and reported but not fixed yet: (reason, the scenarios it
-# concerns, a pattern every problem of such a seed matches). A seed whose every problem is known is
-# xfail with the reason; a seed with any other problem fails as usual. Remove an entry once fixed.
-KNOWN = [
-    ("ops.GroupedMLP saves GroupedTensor(tokens.detach()), a buffer over the block's input: an in-place "
-     "residual (h += block(h)) writes that buffer after the save; PyTorch checks only the wrapper's version "
-     "and raises nothing (its gradient uses the written bytes), ref and fast check the buffer's and raise R6",
-     lambda s: "inplace_residual" in s.twists and any(k.startswith("grouped_mlp") for g in s.groups for k in g),
-     r"(ref|fast): error RuntimeError where none raised None .*modified by an in-place operation"),
-    ("memory_budget: a block [.., GroupedMLP with select_modules] planned to offload, with 2 micro-batches, "
-     "profiles again every few steps and never settles",
-     lambda s: s.memory_budget is not None and any("grouped_mlp_selected" in g for g in s.groups),
-     r"fast: memory_budget=\w+: no plan after \d+ steps"),
-]
-
-
-def _known(s: Scenario, problems: list[str]) -> str | None:
-    """The reason every one of ``problems`` is known, if it is."""
-    reasons = []
-    for problem in problems:
-        reason = next((why for why, concerns, pattern in KNOWN if concerns(s) and re.match(pattern, problem)), None)
-        if reason is None:
-            return None
-        reasons.append(reason)
-    return "; ".join(sorted(set(reasons)))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(N_SEEDS))
 def test_fast_matches_ref_and_no_offloader(seed, device):
     s = generate(seed, device)
     problems = compare(s, "fast")
-    if problems and (known := _known(s, problems)):
-        pytest.xfail(f"known, reported: {known}")
     if problems:
         small = minimize(s, "fast", budget=15)
         pytest.fail(
@@ -153,10 +123,6 @@ def _region(first, last, kind, outside=True):
     return [{"first": first, "last": last, "kind": kind, "outside": outside}]
 
 
-def _awaits(reason: str):
-    return pytest.mark.xfail(reason=f"reported, not fixed yet: {reason}", strict=False)
-
-
 THEMES = {
     # 1. activation checkpointing around groups (saves outside them inside the region) and inside one
     "region-nonreentrant-by-hand": _theme(regions=_region(0, 1, "nonreentrant")),
@@ -198,17 +164,13 @@ THEMES = {
     "resize-after-forward": _theme(groups=[["resizable"], ["linear"]], resize="after_forward", keep_last=1),
     "resize-after-group-pending": _theme(groups=[["resizable"], ["linear"]], resize="after_group", keep_last=1),
     "resize-after-group-committed": _theme(groups=[["resizable"], ["linear"]], resize="after_group", keep_last=0),
-    # found by the seeds (KNOWN above), minimized
+    # found by the seeds, minimized
     "inplace_residual-grouped_mlp": _theme(groups=[["grouped_mlp"]], twists=["inplace_residual"], keep_last=1),
     "budget-small-grouped_mlp_selected-2-microbatches": _theme(
         groups=[["gelu_mlp", "grouped_mlp_selected"]], use_wrap=True, memory_budget="small", steps=3, microbatches=2,
         backward_order=[0, 1], width=16, seq=4, batch=1),
 }
-AWAITS: dict[str, str] = {name: why for name, (why, _, _) in zip(list(THEMES)[-2:], KNOWN)}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_awaits(AWAITS[n]) if n in AWAITS else ())
-                                  for n in THEMES])
+@pytest.mark.parametrize("name", THEMES)
 def test_theme(name):
     s = THEMES[name]
     assert compare(s, "fast") == []

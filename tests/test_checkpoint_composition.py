@@ -93,6 +93,22 @@ def test_R2_checkpoint_around_or_inside_groups_is_bitwise(setting, arrangement):
             assert_bitwise(_run(layers, arrangement, step), expected[step])
 
 
+@pytest.mark.parametrize("arrangement", ["around each layer", "reentrant", "selective"])
+def test_a_budget_whose_groups_all_run_under_checkpointing_settles_on_a_plan_of_no_groups(arrangement):
+    """Every group inside a checkpointed region leaves the plan nothing to decide (checkpointing
+    owns the saves, or, reentrant, its forward saves nothing): the budget still profiles, plans
+    and settles, rather than profiling every step."""
+    expected = [_run(_layers(), arrangement, step) for step in range(STEPS + 1)]
+    layers = _layers()
+    off = ao.Offloader(device="cpu", min_offload_bytes=0, memory_budget=1 << 40)
+    with ao.wrap([m for layer in layers for m in (layer.attn, layer.mlp)], off):
+        for step in range(STEPS + 1):
+            assert_bitwise(_run(layers, arrangement, step), expected[step])
+    plan = off.stats()["plan"]
+    assert plan["state"] == "settled" and plan["groups"] == []
+    assert plan["workload"]["groups"] == 0
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_R2_gradient_checkpointing_of_layers_wrapped_with_parts_is_bitwise(setting):
     """transformers' gradient_checkpointing checkpoints each layer; here the layers are wrapped

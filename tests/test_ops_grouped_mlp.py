@@ -181,3 +181,19 @@ def test_grouped_mlp_under_save_on_cpu_style_hooks_gives_the_same_gradients(devi
         return [x.grad.clone(), mlp.w1.grad.clone(), mlp.w2.grad.clone()]
 
     assert_bitwise(grads(contextlib.nullcontext()), grads(_copying_hooks(device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_R6_writing_the_tokens_in_place_after_the_forward_raises_as_autograd_would(device):
+    """The op saves a GroupedTensor over its input's bytes, whose own version counter autograd
+    checks; a residual written in place (h += moe(h)) would change the bytes backward reads
+    without it noticing. The op checks the tokens' version itself, with or without an offloader."""
+    torch.manual_seed(0)
+    moe = GroupedMLP(2, 8, 16).to(device)
+    h = torch.randn(6, 8, device=device, requires_grad=True) * 1
+    h += moe(h, [2, 4])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()
+    h = torch.randn(6, 8, device=device, requires_grad=True) * 1
+    h = h + moe(h, [2, 4])  # out of place: fine
+    h.sum().backward()

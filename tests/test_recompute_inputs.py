@@ -92,7 +92,7 @@ class _RecomputingController:
     def __init__(self):
         self.profiling, self.next_position, self.steps = True, 0, 0
 
-    def step_begins(self):
+    def step_begins(self, may_raise=True):
         self.steps += 1
         self.profiling, self.next_position = self.steps == 1, 0
 

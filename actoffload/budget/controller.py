@@ -258,13 +258,16 @@ class BudgetController:
         """Plan from ``profile`` as if profiling steps had just measured it (``profiled_peak``:
         the peak they measured, bytes, by which the profiled plan is then judged). What the
         end of profiling does; a driver with a profile of its own (a test) calls it."""
-        self.predicted = False
-        self._adopt(profile, profiled_peak)
-        beginning, self._beginning = self._beginning, True  # where it is chosen: say so if nothing fits
+        beginning, self._beginning = self._beginning, True  # the caller's: it may hear that no plan fits
         try:
-            self._choose()
+            self._adopt_measured(profile, profiled_peak)
         finally:
             self._beginning = beginning
+
+    def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
+        self.predicted = False
+        self._adopt(profile, profiled_peak)
+        self._choose()
 
     def adopt_prediction(self, profile: Profile) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
@@ -312,10 +315,11 @@ class BudgetController:
         self._backward_ended(self._step_number)
 
     # ------------------------------------------------------------------ a step
-    def step_begins(self) -> None:
+    def step_begins(self, may_raise: bool = True) -> None:
         """The first group of a step is opening: close the last step, set up this one. Raises
-        :class:`~.search.BudgetTooSmall` (once) where no plan fits the budget."""
-        self._beginning = True
+        :class:`~.search.BudgetTooSmall` (once) where no plan fits the budget (``may_raise=False``:
+        a step begun in backward, where raising would break the pass: at the next that may)."""
+        self._beginning = may_raise
         try:
             self._step_begins()
         finally:
@@ -344,7 +348,7 @@ class BudgetController:
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
             self._choose()  # no plan was chosen (no plan fitted the budget where it was raised)
-        if self._raise_next is not None:  # found in backward, where raising would break the pass
+        if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
         self._probe.reset_peak()
@@ -544,9 +548,15 @@ class BudgetController:
     def _finish_profiling(self, end: Any) -> None:
         step, self._step = self._step, None
         assert step is not None
+        if not step.groups:
+            # Every group of the step opened under saved-tensor hooks that own its saves
+            # (activation checkpointing around it): none is the plan's to decide, and the whole
+            # step's peak is outside the groups. Profiled as such, its plan (of no groups) settles
+            # rather than profiling for ever; a budget under that peak is too small.
+            step.outside_peak = max(step.outside_peak, self._probe.peak())
         peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
                    + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
-        if not step.groups or any(m.end is None for m in step.groups):
+        if any(m.end is None for m in step.groups):
             self._partial, self._pending_steps = None, []  # profile again
             return
         measured = self._measured_step(step, end)
@@ -563,7 +573,7 @@ class BudgetController:
             self._partial, self.profiled_peak = profile, peak
             return
         self._measured_steps, self._pending_steps = tuple(self._pending_steps), []
-        self.adopt_profile(profile, peak if self._probe.cuda else None)
+        self._adopt_measured(profile, peak if self._probe.cuda else None)
 
     def _measured_step(self, step: _Step, end: Any) -> MeasuredStep:
         """What one profiling step's marks say, in seconds and bytes."""

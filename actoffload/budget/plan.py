@@ -92,14 +92,15 @@ class BudgetPlan(Plan):
         if torch.is_grad_enabled():
             self._begin()
 
-    def _begin(self) -> None:
+    def _begin(self, in_backward: bool = False) -> None:
         """Choose the step's workload (its plan) and begin its step: where a step begins with
-        gradients enabled, before its first group saves anything."""
+        gradients enabled, before its first group saves anything (``in_backward``: late, see
+        :meth:`backward_begins`; a budget too small is then said at the next step's beginning)."""
         self.wants_inputs = False
         if self._fixed is not None:
-            self._fixed.step_begins()
-        else:
-            self._workloads().begin(self._inputs or UNKNOWN)  # may raise: begun again at the next group
+            self._fixed.step_begins(may_raise=not in_backward)
+        else:  # may raise: begun again at the next group
+            self._workloads().begin(self._inputs or UNKNOWN, may_raise=not in_backward)
         self._pending, self._inputs = False, None
 
     def _planned(self) -> bool:
@@ -171,14 +172,20 @@ class BudgetPlan(Plan):
         if planned.would_save is not None:  # what it would move, were it not recomputed
             off = self.offloader
             assert off is not None
-            inner = policy.plan_facts(planned.would_save.facts, min_offload_bytes=off.min_offload_bytes,
-                                      policy=off.policy, committed=True)
+            inner = planned.would_save.plan(off.min_offload_bytes, off.policy)
             planned.would_save = None
         planned.controller.committed(planned.position, group.recompute, saves, inner)
 
     def reached(self, group: Group) -> None:
-        self.wants_inputs = True  # the next group opened outside backward begins a step
         group.plan_state.controller.backward_reaches(group.plan_state.position)
+
+    def backward_begins(self) -> None:
+        self.wants_inputs = True  # the next group opened outside backward begins a step
+        if self._pending:
+            # A backward pass of a step none of whose groups opened with gradients enabled: not an
+            # evaluation, a forward whose groups all ran under reentrant checkpointing (which saves
+            # nothing of theirs). The step begins here, with nothing for the plan to decide.
+            self._begin(in_backward=True)
 
     def copy_window(self) -> tuple[int, int] | None:
         return self.controller.window() if self.workloads is not None or self._fixed is not None else None

@@ -127,9 +127,9 @@ class Workloads:
         """The workloads kept, least recently used first."""
         return tuple(self._entries)
 
-    def begin(self, signature: Signature) -> BudgetController:
+    def begin(self, signature: Signature, may_raise: bool = True) -> BudgetController:
         """A step of ``signature`` begins: its workload's controller, whose step has begun (may
-        raise :class:`~.search.BudgetTooSmall`, once per workload)."""
+        raise :class:`~.search.BudgetTooSmall`, once per workload, where ``may_raise``)."""
         self._close()
         base = self.probe.allocated()
         entry = self._find(signature, base)
@@ -146,7 +146,7 @@ class Workloads:
         self.current = entry
         entry.base = base
         self._state_before = entry.controller.state
-        entry.controller.step_begins()  # may raise: the step is begun again at its next group
+        entry.controller.step_begins(may_raise)  # may raise: the step is begun again at its next group
         entry.steps += 1
         self._open = True
         return entry.controller
