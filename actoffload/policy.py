@@ -216,7 +216,7 @@ def plan_facts(
     committed: bool,
     moved_earlier: Callable[[int, list[SavedFact]], bool] | None = None,
     move_at_most: int | None = None,
-    flags_of: Callable[[int], int] = marks.flags_of,
+    flags_of: Callable[[int], int] | None = None,
 ) -> SavePlan:
     """Decide, for one group's saved buffers, which move and why the others stay.
 
@@ -231,9 +231,11 @@ def plan_facts(
     as ``alias`` (the bytes were counted by the group that moved them). ``move_at_most``
     (a memory plan's share for this group) moves the largest spans whose bytes add up to
     at most that many; the rest stay with reason ``budget``. ``flags_of(key)``: the marks on a
-    storage (by default, as they are now; a caller whose storages are gone passes what it read
-    while they lived).
+    storage (by default :func:`marks.flags_of`, as they are now; a caller whose storages are
+    gone passes what it read while they lived).
     """
+    if flags_of is None:
+        flags_of = marks.flags_of
     reasons: list[str | None] = [None] * len(facts)
     by_storage: dict[int, list[int]] = {}
     for i, f in enumerate(facts):

@@ -276,10 +276,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
             self._report_copy("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
-        if packed and self._streams.d2h is not None:
-            # Their bytes are in the stage: an in-flight group holds its large sources and the
-            # stage (its bytes once), not the packed sources too. The allocator reuses their
-            # memory only after the copy stream has packed them; backward reloads them.
+        if self._streams.d2h is not None:
+            # The allocator reuses a source's memory only after the copy stream has read it: also
+            # where the caller frees the storage itself before then (``resize_(0)``, which frees
+            # memory however many references hold the storage).
+            for src in sources:
+                src.record_stream(self._streams.d2h)
+            # The packed ones' bytes are in the stage: an in-flight group holds its large sources
+            # and the stage (its bytes once), not the packed sources too; backward reloads them.
             for m in packed:
                 m.source().record_stream(self._streams.d2h)
                 m.storage = None
