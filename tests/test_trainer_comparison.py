@@ -58,7 +58,8 @@ def test_small_runs_every_method(tmp_path, capsys):
     for name, factor in (("actoffload_budget", 1.0), ("actoffload_budget_1.25x", 1.25)):
         a = methods[name]["actoffload"]
         assert a["impl"] == "fast" and a["plan"]["memory_budget"] == int(budget * factor)
-        assert a["plan"]["settled"] and a["timed_steps_all_settled"]
+        if not torch.cuda.is_available():  # (on a GPU, 4 steps are too few to also time the plans)
+            assert a["plan"]["settled"] and a["timed_steps_all_settled"]
     assert methods["actoffload_checkpointing"]["actoffload"]["offloaded_bytes_last_step"] > 0
 
     offload = methods["hf_checkpointing_offload"]  # transformers pins host memory: needs an accelerator
