@@ -1,8 +1,10 @@
 """Which groups the running backward pass reaches next, found through the autograd graph.
 
 Used by implementations that reload ahead (``fast``'s prefetch). Each group remembers one
-node of the graph: the node that made one of its first saved tensors, where the previous
-group's forward created that node (by its autograd sequence number). Backward then
+node of the graph: a node the previous group's forward created (by its autograd sequence
+number) that one of its first saved tensors comes from: the node that made it, or, where
+ops outside any group lie between the two (a norm, a residual add: a layer wrapped by its
+parts), a node a few steps up from it (:data:`WALK`). Backward then
 reaches the previous group exactly when that node is part of the running pass, which the
 engine itself says (``compat.will_execute``). A group of another graph (another
 micro-batch) is never yielded: its nodes are not part of this pass.
@@ -12,12 +14,13 @@ lives as long as the node does, and PyTorch (2.13) frees such nodes by recursion
 stack frame set per node, where it frees the others in a loop. A search that walked the
 graph gave most nodes of a deep graph a Python object, and freeing it (``del loss``)
 overflowed the stack. One node per group (and only with prefetch) keeps that recursion
-as deep as the number of groups, not of nodes.
+as deep as the number of groups, not of nodes. (The few nodes a walk looks at between two
+groups are made outside any group, where a layer's parts leave a norm or an add.)
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +34,10 @@ G = TypeVar("G", bound=Group)
 # view of a weight or a tensor the group made itself is not one). Each look gives one node
 # a Python object for as long as the graph lives.
 LINK_TRIES = 2
+# How many nodes made after the previous group's forward (outside any group) are looked
+# at, from a saved tensor's node up towards that forward: a norm and a residual add between
+# a layer's parts, with their weights' leaves, take about six.
+WALK = 8
 
 
 def note_save(group: Group, t: torch.Tensor) -> None:
@@ -42,9 +49,25 @@ def note_save(group: Group, t: torch.Tensor) -> None:
         group.link_tries = 0
         return
     node = t.grad_fn
-    if node is not None and prev.first_seq <= compat.node_sequence_nr(node) < prev.end_seq:
-        group.link = node
+    found = _made_by(prev, group, node) if node is not None else None
+    if found is not None:
+        group.link = found
         group.link_tries = 0
+
+
+def _made_by(prev: Group, group: Group, node: Any) -> Any:
+    """A node of ``prev``'s forward that ``node`` comes from: ``node`` itself, or one found
+    through at most :data:`WALK` nodes made between the two groups' forwards, outside both."""
+    queue, looked = [node], 0
+    while queue and looked < WALK:
+        n = queue.pop(0)
+        looked += 1
+        seq = compat.node_sequence_nr(n)
+        if prev.first_seq <= seq < prev.end_seq:
+            return n
+        if prev.end_seq <= seq < group.first_seq:  # (older nodes, and the group's own, lead elsewhere)
+            queue.extend(f for f, _ in n.next_functions if f is not None)
+    return None
 
 
 def upcoming(group: G, depth: int) -> list[G]:

@@ -73,6 +73,35 @@ def test_prefetch_still_follows_a_chain_of_linear_layers():
     assert off.stats()["copies"]["prefetched_groups"] == 5  # groups 0..4 moved; 5 stayed (keep_last)
 
 
+class _Layer(torch.nn.Module):
+    """A pre-norm layer: norms and residual adds outside its two parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.attn = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+    def forward(self, h):
+        h = h + self.attn(self.norm1(h))
+        return h + self.mlp(self.norm2(h))
+
+
+@pytest.mark.parametrize("warmup", ["offload", "recompute"])
+def test_prefetch_follows_layers_wrapped_by_their_parts_across_the_norms_and_adds_between(warmup):
+    """Between two parts lie ops of no group (a norm, a residual add): prefetch still finds the
+    part before, a few nodes up, so a reload (a recomputed part's inputs too) runs ahead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Layer() for _ in range(4)])
+    x = torch.randn(4, 16, requires_grad=True)
+    expected = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=1, prefetch=2, warmup=warmup)
+    with ao.wrap(model, off, parts=lambda layer: [layer.attn, layer.mlp]):
+        got = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert off.stats()["copies"]["prefetched_groups"] == 7  # 8 parts: each reached from the one after
+
+
 _DEEP = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
