@@ -26,10 +26,14 @@ costs.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, NamedTuple, Sequence
+from itertools import count
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 from ..spans import largest_within
 from .actions import Action, GroupDecision
@@ -82,7 +86,7 @@ class GroupProfile:
     def _moved_at(self) -> dict[float, int]:
         return {}
 
-    @cached_property  # what a simulation reads of it under a decision: see _rows
+    @cached_property  # what a simulation reads of it under a decision: see _row
     def _rows(self) -> dict[int, tuple[GroupDecision, _Row]]:
         return {}
 
@@ -140,14 +144,6 @@ class Profile:
     h2d_bps: float
     outside_extra: int = 0  # the most the head and loss allocate between forward and backward
     wholes: tuple[Whole, ...] = ()  # modules whose parts the groups are, in forward order
-
-    @cached_property  # read in every simulation: each group's figures, as lists
-    def columns(self) -> tuple[list[float], list[int], list[float], list[int], list[int], list[int]]:
-        """Per group: ``forward_s``, ``forward_extra``, ``backward_s``, ``backward_extra``,
-        ``recompute_extra``, ``grads``."""
-        gs = self.groups
-        return ([g.forward_s for g in gs], [g.forward_extra for g in gs], [g.backward_s for g in gs],
-                [g.backward_extra for g in gs], [g.recompute_extra for g in gs], [g.grads for g in gs])
 
     @cached_property  # read in every simulation step
     def whole_at(self) -> dict[int, Whole]:
@@ -224,146 +220,562 @@ def simulate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: in
     Memory, checked at each group's forward and backward: ``base``, what the earlier
     groups left resident, copy sources in flight (the last ``max_inflight`` groups moved:
     a copy may run late), what backward has reloaded ahead, gradients so far, and the
-    group's own activations and measured extra (temporaries).
+    group's own activations and measured extra (temporaries) (:func:`_checkpoints`).
     Time: the forward runs group after group; a group's copy out starts when it is done and
     the copy stream is free; compute waits for the oldest copy once more than
     ``max_inflight`` groups hold their sources. Groups still copying out when backward
     begins are used in place. In backward a group's reload starts when backward reaches
     it or the group ``prefetch`` later, and its backward starts once the reload is done;
-    recomputing adds the group's recomputation (:func:`recompute_time`) to its backward.
+    recomputing adds the group's recomputation (:func:`recompute_time`) to its backward
+    (:func:`_forward`, :func:`_backward`).
     ``trace`` collects the modelled bytes at each checkpoint: ``("forward 3", bytes)``,
     ``("loss", bytes)``, ...
     """
-    run, ps = as_run(profile, groups)
-    return _simulate(run, _rows(run, ps), max_inflight, prefetch, trace)
-
-
-def evaluate(profile: Profile, groups: Sequence[GroupDecision], max_inflight: int,
-             prefetch: int) -> tuple[int, float, bool]:
-    """``(peak, step seconds, moves bytes)`` of ``groups``, with no copy window where it moves
-    no bytes (one plan then, whatever the window): :func:`simulate` and :func:`moves_bytes`
-    in one pass (planning evaluates thousands of plans)."""
-    run, ps = as_run(profile, groups)
-    rows = _rows(run, ps)
-    moves = any(r[1] for r in rows)
-    if not moves:
-        max_inflight = prefetch = 0
-    peak, step = _simulate(run, rows, max_inflight, prefetch, None)
-    return peak, step, moves
-
-
-_Row = tuple[int, int, bool, int]  # resident, moved, recomputed, its activations
-
-
-def _rows(profile: Profile, groups: Sequence[GroupDecision]) -> list[_Row]:
-    """Per group as run, what :func:`_simulate` reads of it under its decision (each group
-    remembers the rows of the decisions it was asked about: a search asks of a few decisions
-    thousands of times)."""
-    out = []
-    for g, p in zip(profile.groups, groups):
-        table = g._rows
-        row = table.get(id(p))
-        if row is None or row[0] is not p:
-            recomputes = p.action.recomputes
-            row = table[id(p)] = (p, (resident(p, g), moved(p, g), recomputes, g.offloadable + g.kept))
-            if len(table) > 64:  # decisions made afresh by a caller: keep the latest few
-                del table[next(iter(table))]
-        out.append(row[1])
-    return out
-
-
-def _simulate(profile: Profile, rows: list[_Row], max_inflight: int, prefetch: int,
-              trace: list[tuple[str, int]] | None) -> tuple[int, float]:
-    """:func:`simulate` on the groups as run and their rows (:func:`_rows`)."""
-    forward_s, forward_extra, backward_s, backward_extra, recompute_extra, grads_of = profile.columns
-    n = len(rows)
-    resident_ = [r[0] for r in rows]
-    moved_ = [r[1] for r in rows]
-    recompute = [r[2] for r in rows]
-    base, d2h_bps, h2d_bps = profile.base, profile.d2h_bps, profile.h2d_bps
-    # the three streams' clocks; copies out in order, so they also end in order
-    compute = d2h = 0.0
-    copying: deque[tuple[int, float]] = deque()  # (group, copy end) of copies not known done
-    peak = base
-    held = 0  # bytes the groups done so far keep on the device
-    # Memory counts the worst case of the window: a copy that runs late (the first step of a
-    # plan pins host memory) leaves the last max_inflight groups holding their sources.
-    window: list[int] = []
-    in_flight = 0  # bytes of the window's groups
-    for i in range(n):
-        row = rows[i]
-        # forward_extra was measured recomputed, where what the group saves was temporary:
-        # saving it keeps those bytes (at least) alive until the group ends
-        saves = 0 if row[2] else row[3]
-        extra = forward_extra[i]
-        at = base + held + in_flight + (saves if saves > extra else extra)
-        if at > peak:
-            peak = at
-        if trace is not None:
-            trace.append((f"forward {i}", at))
-        compute += forward_s[i]
-        held += row[0]
-        m = row[1]
-        if m:
-            d2h = (compute if compute > d2h else d2h) + m / d2h_bps
-            copying.append((i, d2h))
-            if max_inflight:
-                window.append(i)
-                if len(window) > max_inflight:
-                    del window[0]
-                in_flight = sum(moved_[j] for j in window)
-        while copying and copying[0][1] <= compute:
-            copying.popleft()  # done: sources freed
-        while len(copying) > max_inflight:
-            _, end = copying.popleft()
-            if end > compute:
-                compute = end  # compute waits for the oldest copy
-    at = base + held + in_flight + profile.outside_extra
-    if at > peak:
-        peak = at
+    sim = Simulation(profile, groups, max_inflight, prefetch)
     if trace is not None:
-        trace.append(("loss", at))
-    compute += profile.outside_s
-    # sources still live when backward begins are used in place, not reloaded: for time, those
-    # the model has still copying; for memory, the whole window (held until their backward)
-    in_place = {j for j, _ in copying}
-    for j in window:
-        resident_[j] += moved_[j]
-        held += moved_[j]
-    peak = max(peak, base + held)
-    in_window = set(window)
+        trace += sim.trace()
+    return sim.peak, sim.step_s
+
+
+# ---------------------------------------------------------------- the model, group by group
+# resident, moved, recomputed, bytes at its forward and at its backward beyond what the model
+# counts for the groups around it, its parameter gradients
+_Row = tuple[int, int, bool, int, int, int]
+
+
+def _row(p: GroupDecision, g: GroupProfile) -> _Row:
+    """What the model reads of a group (as run) under a decision (remembered by the group per
+    decision object: a search asks of a few decisions thousands of times)."""
+    table = g._rows
+    known = table.get(id(p))
+    if known is not None and known[0] is p:
+        return known[1]
+    recomputes = p.action.recomputes
+    activations = g.offloadable + g.kept
+    # forward_extra was measured recomputed, where what the group saves was temporary:
+    # saving it keeps those bytes (at least) alive until the group ends
+    forward = max(0 if recomputes else activations, g.forward_extra)
+    # its activations are all back (reloaded or recomputed) while its backward runs
+    backward = activations + g.backward_extra + (g.recompute_extra if recomputes else 0)
+    row = (resident(p, g), moved(p, g), recomputes, forward, backward, g.grads)
+    table[id(p)] = (p, row)
+    if len(table) > 64:  # decisions made afresh by a caller: keep the latest few
+        del table[next(iter(table))]
+    return row
+
+
+class _Columns(NamedTuple):
+    """Per group as run: its row, its forward's seconds, its backward's (with its
+    recomputation), and the seconds of its copy out and of its reload (None: it moves nothing)."""
+
+    rows: list[_Row]
+    forward_s: list[float]
+    backward_s: list[float]
+    out_s: list[float | None]
+    back_s: list[float | None]
+
+    def spliced(self, first: int, end: int, new: _Columns) -> _Columns:
+        """These columns with groups ``first .. end - 1`` replaced by ``new``'s."""
+        return _Columns(self.rows[:first] + new.rows + self.rows[end:],
+                        self.forward_s[:first] + new.forward_s + self.forward_s[end:],
+                        self.backward_s[:first] + new.backward_s + self.backward_s[end:],
+                        self.out_s[:first] + new.out_s + self.out_s[end:],
+                        self.back_s[:first] + new.back_s + self.back_s[end:])
+
+
+def _columns(profile: Profile, run: list[tuple[int, GroupProfile, GroupDecision]]) -> _Columns:
+    rows = [_row(p, g) for _, g, p in run]
+    return _Columns(rows, [g.forward_s for _, g, _ in run],
+                    [g.backward_s + (g.recompute_time if r[2] else 0.0) for (_, g, _), r in zip(run, rows)],
+                    [r[1] / profile.d2h_bps if r[1] else None for r in rows],
+                    [r[1] / profile.h2d_bps if r[1] else None for r in rows])
+
+
+class _Checkpoints(NamedTuple):
+    """Modelled bytes at each group's forward, at the loss (between forward and backward),
+    at the end of forward (sources still in flight then are held until their backward), and
+    at each group's backward (by group)."""
+
+    forward: list[int]
+    loss: int
+    end: int
+    backward: list[int]
+
+
+def _checkpoints(profile: Profile, rows: list[_Row], max_inflight: int, prefetch: int) -> _Checkpoints:
+    """Memory at each checkpoint: ``base``, what the earlier groups left resident, copy sources
+    in flight, what backward has reloaded ahead, gradients so far, and the group's own bytes.
+    Memory counts the worst case of the window: a copy that runs late (the first step of a
+    plan pins host memory) leaves the last ``max_inflight`` groups that moved holding their
+    sources. So no time enters memory: a plan's peak is the same whatever its copies' pace."""
+    base, forward, held = profile.base, [], 0
+    window: list[int] = []  # the last max_inflight groups that moved
+    for i, r in enumerate(rows):
+        forward.append(base + held + sum(rows[j][1] for j in window) + r[3])
+        held += r[0]
+        if r[1] and max_inflight:
+            window = (window + [i])[-max_inflight:]
+    held += sum(rows[j][1] for j in window)
+    end = base + held
+    backward = [0] * len(rows)
     grads = 0
-    ready = [-1.0] * n  # group -> when its bytes are back on the device (-1: not started)
-    h2d = compute
-    for i in range(n - 1, -1, -1):
-        last = i - prefetch - 1
-        for j in range(i, last if last > -1 else -1, -1):  # reaching i: its reload, and prefetch
-            if ready[j] < 0:
-                if moved_[j] and j not in in_place:
-                    h2d = (compute if compute > h2d else h2d) + moved_[j] / h2d_bps
-                    ready[j] = h2d
-                else:
-                    ready[j] = 0.0
-        held -= resident_[i]
-        ahead = 0
-        if prefetch:
-            first = i - prefetch
-            for j in range(first if first > 0 else 0, i):
-                if ready[j] >= 0 and j not in in_window:
-                    ahead += moved_[j]
-        row = rows[i]
-        # its activations are all back (reloaded or recomputed) while its backward runs
-        at = (base + held + ahead + grads + row[3] + backward_extra[i]
-              + (recompute_extra[i] if row[2] else 0))
-        if at > peak:
-            peak = at
-        if trace is not None:
-            trace.append((f"backward {i}", at))
-        if ready[i] > compute:
-            compute = ready[i]
-        compute += backward_s[i] + (profile.groups[i].recompute_time if row[2] else 0.0)
-        grads += grads_of[i]
-    return peak, compute
+    for i in range(len(rows) - 1, -1, -1):
+        r = rows[i]
+        held -= r[0] + (r[1] if i in window else 0)
+        ahead = sum(rows[j][1] for j in range(max(i - prefetch, 0), i) if j not in window)  # prefetched
+        backward[i] = base + held + ahead + grads + r[4]
+        grads += r[5]
+    return _Checkpoints(forward, end + profile.outside_extra, end, backward)
+
+
+# compute's clock, a copy stream's, and the copies on it: ends of those out not known done
+# (forward), ready times of the reloads started for the groups next reached (backward)
+_State = tuple[float, float, Sequence[float]]
+
+
+def _same_state(compute: float, stream: float, copies: Sequence[float], state: _State) -> bool:
+    """Whether a replay is back in a state another plan passed through: the same compute
+    clock and copies, and a copy stream that starts the next copy at the same time (its
+    clock the same, or behind compute in both)."""
+    return ((stream == state[1] or (stream <= compute and state[1] <= compute)) and compute == state[0]
+            and copies == state[2])
+
+
+def _forward(forward_s: list[float], out_s: list[float | None], max_inflight: int, k: int, state: _State,
+             sync: tuple[int, int, list[_State]] | None = None,
+             record: list[_State] | None = None) -> tuple[int, tuple[float, tuple[float, ...]]]:
+    """Forward time from group ``k`` on, in ``state`` (compute's clock, the copy-out
+    stream's, the ends of copies out not known done): the forward runs group after group; a
+    group's copy out (``out_s``: None where it moves nothing) starts when it is done and the
+    copy stream is free; compute waits for the oldest copy once more than ``max_inflight``
+    groups hold their sources. ``forward_s`` and ``out_s`` are those of groups ``k`` on.
+
+    Returns ``(-1, (compute's clock, copies still running))`` at the end of forward, or
+    ``(k, ())`` where ``sync = (first, offset, states)`` finds a group ``k >= first`` reached
+    in ``states[k - offset]``, the state another plan reached its group in (the rest is
+    that plan's). ``record`` collects the state before each group."""
+    c, d, copying = state[0], state[1], deque(state[2])
+    first, offset, states = sync or (k + len(forward_s), 0, [])
+    # compute's clock changes alike in both plans but where compute waits: once it differs,
+    # look for the other plan's state again only after a wait (or a copy done)
+    look = True
+    for k, f, t in zip(count(k), forward_s, out_s):
+        if look and k >= first:
+            other = states[k - offset]
+            look = c == other[0]
+            if look and _same_state(c, d, tuple(copying), other):
+                return k, (0.0, ())
+        if record is not None:
+            record.append((c, d, tuple(copying)))
+        c += f
+        if t is not None:
+            d = (c if c > d else d) + t
+            copying.append(d)
+        if copying:
+            while copying and copying[0] <= c:
+                copying.popleft()  # done: sources freed
+                look = True
+            while len(copying) > max_inflight:
+                end = copying.popleft()
+                if end > c:
+                    c = end  # compute waits for the oldest copy
+                    look = True
+    return -1, (c, tuple(copying))
+
+
+class _Backward(NamedTuple):
+    """Where a plan's backward passed: compute's clock and the reload stream's before each
+    group (by group), and when each group's bytes were back."""
+
+    compute: list[float]
+    stream: list[float]
+    ready: list[float]
+
+
+def _backward(backward_s: list[float], starts: list[float | None], prefetch: int, j: int,
+              state: tuple[float, float, list[float]] | float, sync: tuple[int, _Backward] | None = None,
+              record: tuple[list[float], list[float]] | None = None) -> tuple[int, float, list[float]]:
+    """Backward time from group ``j`` down: a group's reload starts when backward reaches it
+    or the group ``prefetch`` later (``starts[j]``: the seconds of the reload reaching group
+    ``j`` starts, None where none does, :func:`_reloads`), and its backward starts once the
+    reload is done. ``state``: compute's clock, the reload stream's, the ready times of the
+    reloads started for groups ``j - prefetch + 1 .. j``; or where backward begins (``j``
+    the last group), compute's clock.
+
+    Returns ``(-1, step seconds, ready times)``, or ``(j, 0.0, ready times)`` for a group
+    ``j < below`` reached in the state another plan's backward (``sync = (below, that
+    backward)``) reached it in: the rest is that plan's. ``record`` collects compute's and the
+    stream's clocks before each group, from ``j`` down."""
+    ready = [0.0] * len(backward_s)  # when each group's bytes are back
+    if isinstance(state, float):
+        c = h = state
+        for k in range(j, max(j - prefetch, -1), -1):  # reaching the last group: prefetch's reloads
+            t = starts[k + prefetch]
+            if t is not None:
+                h = (c if c > h else h) + t
+                ready[k] = h
+    else:
+        c, h = state[0], state[1]
+        ready[j + 1 - len(state[2]):j + 1] = state[2]
+    below, other = sync or (0, _Backward([], [], []))
+    look = True  # for the other plan's state, below: at first, and while compute's clocks agree or after a wait
+    for j in range(j, -1, -1):
+        if look and j < below:
+            look = c == other.compute[j]
+            if look and (h == other.stream[j] or (h <= c and other.stream[j] <= c)):
+                started = max(j - prefetch + 1, 0)
+                if ready[started:j + 1] == other.ready[started:j + 1]:
+                    return j, 0.0, ready
+        if record is not None:
+            record[0].append(c)
+            record[1].append(h)
+        t = starts[j]
+        if t is not None:
+            h = (c if c > h else h) + t
+            ready[j - prefetch] = h
+        r = ready[j]
+        if r > c:
+            c = r
+            look = True
+        c += backward_s[j]
+    return -1, c, ready
+
+
+def _reloads(back_s: list[float | None], in_place: Iterable[int], prefetch: int) -> list[float | None]:
+    """The seconds of the reload that reaching each group starts: that of the group
+    ``prefetch`` earlier, none for a group whose sources are still there (or that moves
+    nothing)."""
+    starts = [None] * prefetch + back_s
+    for k in in_place:
+        if k < len(back_s):
+            starts[k + prefetch] = None
+    return starts
+
+
+def _tail(values: list[int], k: int) -> int:
+    """The sum of the last ``k`` values (none for ``k <= 0``)."""
+    return sum(values[-k:]) if k > 0 else 0
+
+
+_NONE = int(np.iinfo(np.int64).min)  # the most bytes of no checkpoint
+
+
+class _Maxima:
+    """Bytes at a run of checkpoints, and the most of any range of them: the most of each
+    prefix and of each suffix kept, any other range reduced."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        ends = np.array([_NONE], dtype=np.int64)
+        self._before = np.maximum.accumulate(np.concatenate((ends, values)))  # [k]: the most of values[:k]
+        self._from = np.maximum.accumulate(np.concatenate((values, ends))[::-1])[::-1]  # [k]: of values[k:]
+
+    def max(self, lo: int, hi: int) -> int:
+        if lo >= hi:
+            return _NONE
+        if lo == 0:
+            return int(self._before[hi])
+        if hi == len(self.values):
+            return int(self._from[lo])
+        return int(self.values[lo:hi].max())
+
+
+# checkpoints of a changed plan: (a simulated plan's, first, end, shift), those from first to
+# end shifted by what the change holds more under them; or (bytes worked out afresh, 0, n, 0)
+_Piece = tuple[_Maxima | list[int], int, int, int]
+
+
+def _most(piece: _Piece) -> int:
+    values, lo, hi, shift = piece
+    if isinstance(values, _Maxima):
+        return values.max(lo, hi) + shift
+    return max(values, default=_NONE)
+
+
+def _joined(pieces: list[_Piece]) -> _Maxima:
+    return _Maxima(np.concatenate([values.values[lo:hi] + shift if isinstance(values, _Maxima)
+                                   else np.array(values, dtype=np.int64) for values, lo, hi, shift in pieces]))
+
+
+@dataclass(slots=True)
+class Change:
+    """A plan next to a :class:`Simulation`'s: the simulated plan with a move's decisions in
+    place from group ``i`` on. As run, the simulated plan's groups ``first .. end - 1``
+    become ``run`` (a module recomputed whole runs as one group, so their number may change)."""
+
+    groups: tuple[GroupDecision, ...]  # the decisions of groups lo .. hi - 1
+    lo: int
+    hi: int
+    first: int
+    end: int
+    run: list[tuple[int, GroupProfile, GroupDecision]]
+    cols: _Columns
+    replay: _Replay | None = None  # its step, replayed and kept (:meth:`Simulation.step_after`)
+
+
+class _Replay(NamedTuple):
+    """A changed plan's step, replayed (:meth:`Simulation._replay`)."""
+
+    step_s: float
+    compute_end: float  # compute's clock at the end of forward
+    copies_end: tuple[float, ...]  # the copies still running then
+    in_place: set[int]  # the groups whose sources are used in place
+    synced: int  # the group forward came back to the simulated plan's state at (-1: none)
+    top: int  # the group backward was replayed from
+    below: int  # the group backward came back to the simulated plan's state at (-1: none)
+    ready: list[float]  # when each group's bytes were back (from the replay: those it reloaded)
+    forward_states: list[_State]  # the states forward passed, from the change on (kept: else empty)
+    clocks: tuple[list[float], list[float]]  # compute's and the stream's clocks in backward, down
+
+
+class Simulation:
+    """A plan simulated and kept, so that plans differing from it in a few consecutive
+    groups (the search's moves) cost little to simulate: from where they differ.
+
+    Memory: a changed plan's checkpoints are this plan's, shifted by what the change holds
+    more under them (its bytes, those it has in flight), but for those next to the change,
+    worked out afresh. Time: the step is replayed from the change on, from the state this
+    plan was in there, and stops once it is back in a state this plan passed through (the
+    rest is this plan's). Either way the arithmetic is that of simulating the changed plan
+    afresh, in the same order: the same bytes, and the same seconds to the last bit.
+    """
+
+    def __init__(self, profile: Profile, groups: Sequence[GroupDecision], max_inflight: int, prefetch: int):
+        self.profile, self.groups = profile, tuple(groups)
+        self.max_inflight, self.prefetch = max_inflight, prefetch
+        run = _run(profile, self.groups)
+        cols = _columns(profile, run)
+        n = len(run)
+        self._starts = [i for i, _, _ in run] + [len(self.groups)]  # first group of each group as run
+        self._run_of = [k for k in range(n) for _ in range(self._starts[k + 1] - self._starts[k])]
+        self._cols = cols
+        marks = _checkpoints(profile, cols.rows, max_inflight, prefetch)
+        self._forward_bytes = _Maxima(np.array(marks.forward, dtype=np.int64))
+        self._backward_bytes = _Maxima(np.array(marks.backward, dtype=np.int64))
+        self._loss, self._end = marks.loss, marks.end
+        self._held = np.cumsum([0] + [r[0] for r in cols.rows])  # [k]: resident before group k
+        self._grads_from = np.cumsum([0] + [r[5] for r in reversed(cols.rows)])[::-1]  # [k]: of groups k ..
+        self._movers = [k for k, r in enumerate(cols.rows) if r[1]]
+        self._forward_states: list[_State] = []
+        _, (self._compute_end, self._copies_end) = _forward(cols.forward_s, cols.out_s, max_inflight, 0,
+                                                            (0.0, 0.0, ()), record=self._forward_states)
+        self._in_place = set(self._movers[len(self._movers) - len(self._copies_end):])
+        clocks: tuple[list[float], list[float]] = ([], [])
+        _, self.step_s, ready = _backward(cols.backward_s, _reloads(cols.back_s, self._in_place, prefetch), prefetch,
+                                          n - 1, self._compute_end + profile.outside_s, record=clocks)
+        self._backward = _Backward(clocks[0][::-1], clocks[1][::-1], ready)
+        self.peak = self._peak()
+
+    @property
+    def moves(self) -> bool:
+        """Whether the plan moves bytes across the bus."""
+        return bool(self._movers)
+
+    def plan(self) -> MemoryPlan:
+        """The plan, costed (one that moves no bytes has one copy window: none)."""
+        w, pf = (self.max_inflight, self.prefetch) if self.moves else (0, 0)
+        return MemoryPlan(self.groups, w, pf, self.peak, self.step_s)
+
+    def trace(self) -> list[tuple[str, int]]:
+        """The modelled bytes at each checkpoint, in the order the step passes them."""
+        forward, backward = self._forward_bytes.values.tolist(), self._backward_bytes.values.tolist()
+        return ([(f"forward {i}", b) for i, b in enumerate(forward)] + [("loss", self._loss)]
+                + [(f"backward {i}", backward[i]) for i in range(len(backward) - 1, -1, -1)])
+
+    def change(self, i: int, move: Sequence[GroupDecision]) -> Change:
+        """The plan with ``move``'s decisions in place of groups ``i ..``'s."""
+        first, end = self._run_of[i], self._run_of[i + len(move) - 1] + 1
+        lo, hi = self._starts[first], self._starts[end]
+        groups = self.groups[lo:i] + tuple(move) + self.groups[i + len(move):hi]
+        run = _run(self.profile, groups, lo)
+        return Change(groups, lo, hi, first, end, run, _columns(self.profile, run))
+
+    def peak_after(self, ch: Change) -> int:
+        """The modelled peak of the plan after ``ch``."""
+        forward, loss, end, backward = self._checkpoints_after(ch)
+        return max(self.profile.base, loss, end, *map(_most, forward), *map(_most, backward))
+
+    def step_after(self, ch: Change, keep: bool = False) -> float:
+        """The modelled step time of the plan after ``ch`` (``keep``: what :meth:`after` needs
+        of its replay kept on ``ch``, for a change likely taken)."""
+        replay = self._replay(ch, keep)
+        if keep:
+            ch.replay = replay
+        return replay.step_s
+
+    def after(self, ch: Change) -> Simulation:
+        """The plan after ``ch``, simulated: this one's states and checkpoints where they
+        stand, the rest replayed."""
+        a, b, s, rows = ch.first, ch.end, len(ch.run) - (ch.end - ch.first), ch.cols.rows
+        new = object.__new__(Simulation)
+        new.profile, new.max_inflight, new.prefetch = self.profile, self.max_inflight, self.prefetch
+        new.groups = self.groups[:ch.lo] + ch.groups + self.groups[ch.hi:]
+        new._starts = self._starts[:a] + [i for i, _, _ in ch.run] + self._starts[b:]
+        later = self._run_of[ch.hi:]
+        new._run_of = (self._run_of[:ch.lo] + [a + k for k in range(len(ch.run))
+                                              for _ in range(new._starts[a + k + 1] - new._starts[a + k])]
+                       + ([r + s for r in later] if s else later))
+        new._cols = self._cols.spliced(a, b, ch.cols)
+        forward, new._loss, new._end, backward = self._checkpoints_after(ch)
+        new._forward_bytes, new._backward_bytes = _joined(forward), _joined(backward)
+        held = np.cumsum([int(self._held[a])] + [r[0] for r in rows])
+        new._held = np.concatenate((self._held[:a], held, self._held[b + 1:] + (held[-1] - self._held[b])))
+        grads = np.cumsum([int(self._grads_from[b])] + [r[5] for r in reversed(rows)])[:0:-1]
+        new._grads_from = np.concatenate((self._grads_from[:a], grads, self._grads_from[b:]))
+        ka, kb = bisect_left(self._movers, a), bisect_left(self._movers, b)
+        new._movers = (self._movers[:ka] + [a + k for k, r in enumerate(rows) if r[1]]
+                       + [j + s for j in self._movers[kb:]])
+        replay = ch.replay or self._replay(ch, keep=True)
+        new.step_s, new._compute_end, new._copies_end, new._in_place = replay[:4]
+        synced, top, below = replay.synced, replay.top, replay.below
+        new._forward_states = (self._forward_states[:a] + replay.forward_states
+                               + (self._forward_states[synced - s:] if synced >= 0 else []))
+        # below where backward came back, and above where it was replayed from, this plan's
+        was, kept = self._backward, below + 1
+        started = max(kept - self.prefetch, 0)  # reloads started in the replay: from group started on
+        above = top - s + 1
+        compute, stream = replay.clocks
+        new._backward = _Backward(was.compute[:kept] + compute[::-1] + was.compute[above:],
+                                  was.stream[:kept] + stream[::-1] + was.stream[above:],
+                                  was.ready[:started] + replay.ready[started:top + 1] + was.ready[above:])
+        new.peak = new._peak()
+        return new
+
+    def _peak(self) -> int:
+        n = len(self._cols.rows)
+        return max(self.profile.base, self._loss, self._end, self._forward_bytes.max(0, n),
+                   self._backward_bytes.max(0, n))
+
+    def _last_movers(self, ch: Change, count: int) -> list[int]:
+        """The last ``count`` groups (as run) of the plan after ``ch`` that move bytes."""
+        if count <= 0:
+            return []
+        a, b, movers = ch.first, ch.end, self._movers
+        s = len(ch.run) - (b - a)
+        out = [j + s for j in movers[max(bisect_left(movers, b), len(movers) - count):]]
+        if len(out) < count:
+            out = [a + k for k, r in enumerate(ch.cols.rows) if r[1]][len(out) - count:] + out
+        if len(out) < count:
+            out = movers[:bisect_left(movers, a)][len(out) - count:] + out
+        return out
+
+    def _checkpoints_after(self, ch: Change) -> tuple[list[_Piece], int, int, list[_Piece]]:
+        """The plan after ``ch``'s checkpoints (forward, loss, end, backward), as pieces of
+        this plan's."""
+        rows, new, movers = self._cols.rows, ch.cols.rows, self._movers
+        w, pf, a, b, base = self.max_inflight, self.prefetch, ch.first, ch.end, self.profile.base
+        n, q = len(rows), len(new)
+        s = q - (b - a)
+        ka, kb = bisect_left(movers, a), bisect_left(movers, b)
+        # forward: as before up to the change, its groups afresh, from the bytes held and in flight
+        in_flight = [rows[j][1] for j in movers[max(ka - w, 0):ka]] if w else []
+        held = int(self._held[a])
+        changed = []
+        for r in new:
+            changed.append(base + held + sum(in_flight) + r[3])
+            held += r[0]
+            if r[1] and w:
+                in_flight = (in_flight + [r[1]])[-w:]
+        # after it, as before but for the bytes it holds more, and those it has more in flight
+        # until w more groups have moved
+        more = held - int(self._held[b])
+        was_in_flight = [rows[j][1] for j in movers[max(kb - w, 0):kb]] if w else []
+        forward: list[_Piece] = [(self._forward_bytes, 0, a, 0), (changed, 0, q, 0)]
+        start = b
+        for moved_since, stop in enumerate([j + 1 for j in movers[kb:kb + w]] + [n]):
+            flying = _tail(in_flight, w - moved_since) - _tail(was_in_flight, w - moved_since)
+            forward.append((self._forward_bytes, start, stop, more + flying))
+            start = stop
+        loss, end = self._loss + more + flying, self._end + more + flying
+        # backward: sources in flight at the end of forward are held until their backward
+        ends, was = self._last_movers(ch, w), (movers[-w:] if w else [])
+        # a group before the change that now holds its sources from then on (or no longer does)
+        # holds them the more (the less) from its backward on, but for the groups that would
+        # count them as reloaded ahead
+        joined = {j: rows[j][1] if j in ends else -rows[j][1] for j in set(ends) ^ set(was) if j < a}
+        backward: list[_Piece] = []
+        start = more = 0
+        for j in sorted(joined):
+            stop = min(j + pf + 1, a)
+            backward.append((self._backward_bytes, start, stop, more))
+            start, more = stop, more + joined[j]
+        backward.append((self._backward_bytes, start, a, more))
+        more += (sum(r[0] + (r[1] if a + k in ends else 0) for k, r in enumerate(new))
+                 - sum(rows[j][0] + (rows[j][1] if j in was else 0) for j in range(a, b)))
+
+        def row(t: int) -> _Row:  # a group of the plan after the change
+            return rows[t] if t < a else new[t - a] if t < a + q else rows[t - s]
+
+        # the change's groups and the prefetch after it (what they reload ahead) afresh
+        held = int(self._held[a]) + sum(rows[j][1] for j in ends if j < a)
+        grads = int(self._grads_from[b]) + sum(r[5] for r in new)
+        changed = []
+        for t in range(a, min(n + s, a + q + pf)):
+            r = row(t)
+            grads -= r[5]
+            ahead = sum(row(u)[1] for u in range(max(t - pf, 0), t) if u not in ends)
+            changed.append(base + held + ahead + grads + r[4])
+            held += r[0] + (r[1] if t in ends else 0)
+        backward += [(changed, 0, len(changed), 0), (self._backward_bytes, b + pf, n, more)]
+        return forward, loss, end, backward
+
+    def _replay(self, ch: Change, keep: bool = False) -> _Replay:
+        """The step time of the plan after ``ch``: forward replayed from the change until it is
+        back in this plan's state; backward from where the change is first reloaded (from the
+        top where forward did not come back), until it is back in this plan's state below the
+        change. ``keep``: also the states passed, which :meth:`after` keeps."""
+        a, b, w, pf = ch.first, ch.end, self.max_inflight, self.prefetch
+        q = len(ch.run)
+        s = q - (b - a)
+        old, new = self._cols, ch.cols
+        forward_states: list[_State] = []
+        synced, (compute_end, copies_end) = _forward(new.forward_s + old.forward_s[b:], new.out_s + old.out_s[b:], w, a,
+                                                     self._forward_states[a], (a + q, s, self._forward_states),
+                                                     forward_states if keep else None)
+        if synced >= 0:
+            compute_end, copies_end = self._compute_end, self._copies_end
+        in_place = set(self._last_movers(ch, len(copies_end)))
+        n = len(old.rows) + s
+        state: tuple[float, float, list[float]] | float
+        top = a + q - 1 + pf  # reaching it starts the change's last group's reload
+        if synced >= 0 and top < n - 1:  # forward ended as this plan's: so did backward, down to top
+            was = self._backward
+            state = (was.compute[top - s], was.stream[top - s], was.ready[max(top - s - pf + 1, 0):top - s + 1])
+        else:
+            top, state = n - 1, compute_end + self.profile.outside_s
+        # below the change, where the same groups run in place, backward may come back to this plan's states
+        same_below = {j for j in in_place if j < a} == {j for j in self._in_place if j < a}
+        clocks: tuple[list[float], list[float]] = ([], [])
+        above = top - s + 1  # this plan's groups up to top
+        below, step, ready = _backward(old.backward_s[:a] + new.backward_s + old.backward_s[b:above],
+                                       _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf), pf,
+                                       top, state, (a if same_below else 0, self._backward), clocks if keep else None)
+        return _Replay(self.step_s if below >= 0 else step, compute_end, copies_end, in_place, synced, top, below,
+                       ready, forward_states, clocks)
+
+
+_AS_GROUP = {Action.RECOMPUTE_WHOLE: GroupDecision(Action.RECOMPUTE),
+             Action.RECOMPUTE_WHOLE_OFFLOAD: GroupDecision(Action.RECOMPUTE_OFFLOAD)}
+
+
+def _run(profile: Profile, groups: Sequence[GroupDecision],
+         first: int = 0) -> list[tuple[int, GroupProfile, GroupDecision]]:
+    """Groups ``first ..`` (``groups`` their decisions) as the step runs them: (its first
+    group, its profile, its decision), each module recomputed whole as one group (its parts'
+    bytes and times together, its first part's inputs), so that the model treats it like any
+    recomputed group."""
+    out = []
+    k = 0
+    while k < len(groups):
+        p, i = groups[k], first + k
+        if p.action.whole:
+            whole = profile.whole_at[i]
+            out.append((i, _whole(profile.groups[i:i + whole.parts], whole.inputs), _AS_GROUP[p.action]))
+            k += whole.parts
+        else:
+            out.append((i, profile.groups[i], p))
+            k += 1
+    return out
 
 
 def peak_at(profile: Profile, plan: MemoryPlan) -> str:
@@ -374,25 +786,12 @@ def peak_at(profile: Profile, plan: MemoryPlan) -> str:
 
 
 def as_run(profile: Profile, groups: Sequence[GroupDecision]) -> tuple[Profile, Sequence[GroupDecision]]:
-    """The groups as the step runs them: each module recomputed whole becomes one group (its
-    parts' bytes and times together, its first part's inputs), so that :func:`simulate`
-    models it like any recomputed group."""
+    """The groups as the step runs them (:func:`_run`): each module recomputed whole becomes
+    one group."""
     if not profile.wholes or not any(p.action.whole for p in groups):
         return profile, groups
-    gs, ps = [], []
-    i = 0
-    while i < len(groups):
-        p = groups[i]
-        if not p.action.whole:
-            gs.append(profile.groups[i])
-            ps.append(p)
-            i += 1
-            continue
-        whole = profile.whole_at[i]
-        gs.append(_whole(profile.groups[i:i + whole.parts], whole.inputs))
-        ps.append(GroupDecision(p.action.as_group))
-        i += whole.parts
-    return replace(profile, groups=tuple(gs), wholes=()), tuple(ps)
+    run = _run(profile, groups)
+    return replace(profile, groups=tuple(g for _, g, _ in run), wholes=()), tuple(p for _, _, p in run)
 
 
 def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:

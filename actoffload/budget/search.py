@@ -10,10 +10,12 @@ alike, the one doing the least it cannot see goes first (:func:`simplest_first`)
 
 from __future__ import annotations
 
+import heapq
+from itertools import count
 from typing import Iterable, Iterator, Sequence
 
 from .actions import Action, GroupDecision
-from .costmodel import MemoryPlan, Profile, Work, evaluate, unmodelled_work
+from .costmodel import Change, MemoryPlan, Profile, Simulation, Work, unmodelled_work
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -36,10 +38,7 @@ def _decision(action: Action, fraction: float = 1.0) -> GroupDecision:
 def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight: int, prefetch: int) -> MemoryPlan:
     """``groups`` with this copy window as a plan, costed by the model (a plan that moves no
     bytes has one copy window: none)."""
-    peak, step, moves = evaluate(profile, groups, max_inflight, prefetch)
-    if not moves:
-        max_inflight = prefetch = 0  # nothing crosses the bus: one plan, whatever the copy window
-    return MemoryPlan(groups, max_inflight, prefetch, peak, step)
+    return Simulation(profile, groups, max_inflight, prefetch).plan()
 
 
 def candidates(profile: Profile) -> list[MemoryPlan]:
@@ -59,6 +58,50 @@ def candidates(profile: Profile) -> list[MemoryPlan]:
 Move = tuple[GroupDecision, ...]
 
 
+class _Standing:
+    """The moves with a standing score, best first, and among equal scores the one given its
+    score first (what sorting a list of them stably each time does). Moves of the groups a
+    taken move changed are dropped (lazily: each group counts its changes)."""
+
+    def __init__(self, n: int):
+        self._heap: list[tuple[float, int, int, Move, int]] = []  # -score, order given, group, move, its change count
+        self._order = count()
+        self._changes = [0] * n
+        self._standing = [0] * n  # per group
+        self._size = 0
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def add(self, score: float, i: int, move: Move) -> None:
+        heapq.heappush(self._heap, (-score, next(self._order), i, move, self._changes[i]))
+        self._standing[i] += 1
+        self._size += 1
+
+    def _first(self) -> tuple[float, int, int, Move, int]:
+        heap = self._heap
+        while heap[0][4] != self._changes[heap[0][2]]:
+            heapq.heappop(heap)  # found against a group's old decision
+        return heap[0]
+
+    @property
+    def best(self) -> float:
+        return -self._first()[0]
+
+    def pop(self) -> tuple[int, Move]:
+        _, _, i, move, _ = self._first()
+        heapq.heappop(self._heap)
+        self._standing[i] -= 1
+        self._size -= 1
+        return i, move
+
+    def drop(self, groups: Iterable[int]) -> None:
+        for i in groups:
+            self._size -= self._standing[i]
+            self._standing[i] = 0
+            self._changes[i] += 1
+
+
 def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list[MemoryPlan]:
     """From ``current``, take the move with the best score (modelled peak saved per second
     added) until no move saves memory.
@@ -68,41 +111,50 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list
     still beats every standing score. When no standing score is positive, every move is
     evaluated afresh, so like an exhaustive search the path ends only where no move saves
     memory, though not always at the same plan (scores do rise as other moves are made).
-    Evaluating every move at every step instead grows with the cube of the groups."""
+    Evaluating every move at every step instead grows with the cube of the groups. A move
+    is costed next to the current plan (:class:`~.costmodel.Simulation`), its time only
+    where it saves memory (else its score is 0 whatever its time)."""
+    sim = Simulation(profile, current.groups, w, pf)
     path: list[MemoryPlan] = []
+    standing = _Standing(len(profile.groups))
+    enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
 
-    def scored(i: int, move: Move) -> tuple[float, MemoryPlan]:
-        trial = evaluated(profile, current.groups[:i] + move + current.groups[i + len(move):], w, pf)
-        saved = current.peak - trial.peak
-        return (saved / max(trial.step_s - current.step_s, 1e-9) if saved > 0 else 0.0), trial
+    def score(change: Change, likely_taken: bool = False) -> float:
+        saved = sim.peak - sim.peak_after(change)
+        return saved / max(sim.step_after(change, likely_taken) - sim.step_s, 1e-9) if saved > 0 else 0.0
 
-    def positive(moves: Iterable[tuple[int, Move]]) -> list[tuple[float, int, Move]]:
-        return [(score, i, m) for i, m in moves for score in [scored(i, m)[0]] if score > 0]
+    def find(i: int) -> None:
+        for m in moves(profile, sim.groups, i):
+            s = score(sim.change(i, m))
+            if s > 0:
+                standing.add(s, i, m)
 
-    def every_move() -> list[tuple[float, int, Move]]:
-        return positive((i, m) for i in range(len(profile.groups)) for m in moves(profile, current.groups, i))
+    def every_move() -> None:
+        for i in range(len(profile.groups)):
+            find(i)
 
-    standing = every_move()
+    every_move()
     while standing:
-        standing.sort(key=lambda s: -s[0])
-        _, i, move = standing.pop(0)  # (a taken move's group leaves no stale scores behind)
-        score, trial = scored(i, move)
-        if score <= 0 or (standing and score < standing[0][0]):
-            if score > 0:
-                standing.append((score, i, move))  # no longer first: judged again in its turn
+        i, move = standing.pop()
+        change = sim.change(i, move)
+        s = score(change, likely_taken=True)
+        if s <= 0 or (standing and s < standing.best):
+            if s > 0:
+                standing.add(s, i, move)  # no longer first: judged again in its turn
             elif not standing:
-                standing = every_move()
+                every_move()
             continue
-        current = trial
-        path.append(current)
+        sim = sim.after(change)
+        path.append(sim.plan())
         # moves touching the groups it changed, or the module they are parts of, were found
         # against their old actions: found again
         changed = set(range(i, i + len(move)))
-        changed |= {w.first for w in profile.wholes if changed & set(range(w.first, w.first + w.parts))}
-        standing = [s for s in standing if not changed & set(range(s[1], s[1] + len(s[2])))]
-        standing += positive((j, m) for j in sorted(changed) for m in moves(profile, current.groups, j))
+        changed |= {enclosing[j] for j in changed if j in enclosing}
+        standing.drop(changed)
+        for j in sorted(changed):
+            find(j)
         if not standing:
-            standing = every_move()
+            every_move()
     return path
 
 
@@ -112,49 +164,58 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     also with those groups' inputs offloaded; recompute every group with the first k
     groups' inputs offloaded; where groups are the parts of modules, the same two with those
     modules recomputed whole; and offload the first j groups whole while recomputing the
-    others with their inputs offloaded."""
+    others with their inputs offloaded. Each family's plans differ one from the next in one
+    group (or module): each is simulated next to the one before."""
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
-    out = []
+    out: list[MemoryPlan] = []
     recompute, recompute_offload = _decision(Action.RECOMPUTE), _decision(Action.RECOMPUTE_OFFLOAD)
-    for k in range(1, len(recomputable) + 1):
-        first = set(recomputable[:k])
-        for decision, windows in ((recompute, [(0, 0)]), (recompute_offload, [(1, 1), (2, 2)])):
-            groups = tuple(decision if i in first else KEEP for i in range(n))
-            out += [evaluated(profile, groups, w, pf) for w, pf in windows]
+    keep_all = (KEEP,) * n
+
+    def families(groups: tuple[GroupDecision, ...], windows: Sequence[tuple[int, int]]) -> list[Simulation]:
+        return [Simulation(profile, groups, w, pf) for w, pf in windows]
+
+    def then(sims: list[Simulation], i: int, decisions: Sequence[GroupDecision]) -> list[Simulation]:
+        """Each plan with group ``i`` on taking ``decisions``, added to the plans made."""
+        sims = [sim.after(sim.change(i, (d,) + _inside(profile, i, d))) for sim, d in zip(sims, decisions)]
+        out.extend(sim.plan() for sim in sims)
+        return sims
+
+    # the first k recomputed (windows (0, 0)), or recomputed with their inputs moved out ((1, 1), (2, 2))
+    by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2)])
+    for i in recomputable:
+        by_hand = then(by_hand, i, (recompute, recompute_offload, recompute_offload))
     # everything recomputed, the first k groups' inputs moved out: held longest, they are
     # what checkpointing every group keeps at the end of forward
-    for k in range(1, len(recomputable)):
-        first = set(recomputable[:k])
-        groups = tuple((recompute_offload if i in first else recompute) if g.inputs is not None
-                       else KEEP for i, g in enumerate(profile.groups))
-        out += [evaluated(profile, groups, w, pf) for w, pf in ((1, 1), (2, 2))]
+    everything = tuple(recompute if g.inputs is not None else KEEP for g in profile.groups)
+    sims = families(everything, [(1, 1), (2, 2)])
+    for i in recomputable[:-1]:
+        sims = then(sims, i, (recompute_offload,) * 2)
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
     # inputs moved out; and all of them, the first k's inputs moved out
-    size = {w.first: w.parts for w in profile.wholes}
-
-    def with_wholes(actions: dict[int, Action]) -> tuple[GroupDecision, ...]:
-        groups = [KEEP] * n
-        for j, a in actions.items():
-            groups[j:j + size[j]] = [_decision(a)] + [INSIDE] * (size[j] - 1)
-        return tuple(groups)
-
-    for k in range(1, len(size) + 1):
-        starts = list(size)[:k]
-        out.append(evaluated(profile, with_wholes(dict.fromkeys(starts, Action.RECOMPUTE_WHOLE)), 0, 0))
-        out += [evaluated(profile, with_wholes(dict.fromkeys(starts, Action.RECOMPUTE_WHOLE_OFFLOAD)), w, pf)
-                for w, pf in ((1, 1), (2, 2))]
-        if k < len(size):
-            actions = {j: Action.RECOMPUTE_WHOLE_OFFLOAD if j in starts else Action.RECOMPUTE_WHOLE for j in size}
-            out += [evaluated(profile, with_wholes(actions), w, pf) for w, pf in ((1, 1), (2, 2))]
+    if profile.wholes:
+        whole, whole_offload = _decision(Action.RECOMPUTE_WHOLE), _decision(Action.RECOMPUTE_WHOLE_OFFLOAD)
+        every_whole = list(keep_all)
+        for m in profile.wholes:
+            every_whole[m.first:m.first + m.parts] = (whole,) + _inside(profile, m.first, whole)
+        by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2)])
+        all_whole = families(tuple(every_whole), [(1, 1), (2, 2)])
+        for k, m in enumerate(profile.wholes):
+            by_hand = then(by_hand, m.first, (whole, whole_offload, whole_offload))
+            if k + 1 < len(profile.wholes):
+                all_whole = then(all_whole, m.first, (whole_offload,) * 2)
     # the least memory: the first groups' backward comes last, with every gradient made; a group
     # reloaded there skips its recomputation's peak
     offload = _decision(Action.OFFLOAD)
-    for j in range(1, n + 1):
-        groups = tuple(offload if i < j or g.inputs is None else recompute_offload
-                       for i, g in enumerate(profile.groups))
-        out += [evaluated(profile, groups, w, pf) for w, pf in ((0, 0), (1, 1))]
+    sims = families(tuple(offload if g.inputs is None else recompute_offload for g in profile.groups), [(0, 0), (1, 1)])
+    for i in range(n):
+        sims = then(sims, i, (offload,) * 2)
     return out
+
+
+def _inside(profile: Profile, i: int, d: GroupDecision) -> tuple[GroupDecision, ...]:
+    """The decisions of the other parts of the module at ``i`` where ``d`` runs it whole."""
+    return (INSIDE,) * (profile.whole_at[i].parts - 1) if d.action.whole else ()
 
 
 def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
