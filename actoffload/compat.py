@@ -8,19 +8,25 @@ name, rather than somewhere deep in a training step.
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+from torch._dynamo.eval_frame import skip_code as _skip_code
 from torch.multiprocessing.reductions import StorageWeakRef
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Several of the calls below are called as C functions (a getter, a method, a partial), with no
+# Python frame of their own: each runs at every save or every group of a step, thousands of times.
+
 # ---------------------------------------------------------------- storages
-def storage_id(storage: torch.UntypedStorage) -> int:
-    """Identity of a storage: the address of its StorageImpl."""
-    return storage._cdata
+# storage_id(storage) -> int: identity of a storage, the address of its StorageImpl
+storage_id: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata")
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -67,9 +73,8 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- tensor kinds
-def is_zero_tensor(t: torch.Tensor) -> bool:
-    """A ZeroTensor (forward-mode AD's implicit zeros): it has no data to move."""
-    return t._is_zerotensor()
+# is_zero_tensor(t) -> bool: a ZeroTensor (forward-mode AD's implicit zeros), which has no data to move
+is_zero_tensor: Callable[[torch.Tensor], bool] = torch.Tensor._is_zerotensor
 
 
 def neg_view(t: torch.Tensor) -> torch.Tensor:
@@ -83,9 +88,8 @@ def node_sequence_nr(node: Any) -> int:
     return node._sequence_nr()
 
 
-def sequence_nr() -> int:
-    """The sequence number the next autograd node created on this thread will get."""
-    return torch._C._autograd._get_sequence_nr()
+# sequence_nr() -> int: the sequence number the next autograd node created on this thread will get
+sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
 
 def in_backward() -> bool:
@@ -120,9 +124,16 @@ def mutation_on_saved_allowed() -> bool:
     return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
 
 
-def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost saved-tensor hooks active on this thread, as ``(pack, unpack)``."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+# current_saved_tensors_hooks() -> (pack, unpack) | None: the innermost saved-tensor hooks active
+# on this thread
+current_saved_tensors_hooks: Callable[[], tuple[Callable, Callable] | None] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False)
+
+
+# What ``torch.autograd.graph.saved_tensors_hooks`` does on entering and leaving, without a context
+# manager object: one call each (a step opens and closes a group's hooks thousands of times).
+push_saved_tensors_hooks: Callable[[Callable, Callable], None] = torch._C._autograd._push_saved_tensors_default_hooks
+pop_saved_tensors_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
 def hooks_own_saves(hooks: tuple[Callable, Callable] | None) -> bool:
@@ -139,8 +150,25 @@ def hooks_own_saves(hooks: tuple[Callable, Callable] | None) -> bool:
 
 # ---------------------------------------------------------------- compile, CUDA
 def not_traced(fn: F) -> F:
-    """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly."""
-    return torch.compiler.disable(fn, recursive=True)
+    """Keep ``torch.compile`` out of ``fn``: Dynamo breaks the graph there and runs it eagerly.
+
+    Calls that Dynamo cannot see (no callback of its own is set on this thread, as one is while
+    compiled code runs, and no compilation or export is under way) go straight to ``fn``:
+    ``torch.compiler.disable``'s wrapper costs about a microsecond a call, and a step crosses
+    four for each of its groups. Dynamo never compiles the dispatching call itself (its code is
+    skipped, and it calls no Python function of ours before choosing), and one tracing a caller
+    breaks the graph at it, as at any disabled function."""
+    untraced = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _dynamo_callback() is not None or torch.compiler._is_compiling_flag:  # (is_compiling(), set by export too)
+            return untraced(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    _skip_code(call.__code__)  # type: ignore[attr-defined]  # (one code object for every function this wraps)
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
 
 
 def stream_is_capturing(device: torch.device) -> bool:

@@ -14,6 +14,7 @@ backward reaches next :mod:`actoffload.graph`'s.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from functools import partial
@@ -25,14 +26,14 @@ from . import checkpointing, compat, graph, marks, multibuffer, policy
 from .checkpointing import modified_error
 from .hostmem import HostMemory, HostMemoryError
 from .observe import Observer
-from .plans import Opening, Plan
+from .plans import OFFLOAD, Plan
 from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
 from .sharing import SharedStorages
 
 GroupT = TypeVar("GroupT", bound=Group)
 MovedT = TypeVar("MovedT", bound=Moved)
 
-_OPENING = Opening()  # what Plan.opening says, for plans that leave it as it is
+_OPEN: dict[str, Any] = {}  # the stats() entry of a group still open: none (never written to)
 
 # .open: name of the group open on this thread (groups do not nest); .whole: it is a module
 # run whole in place of its parts, which open no groups of their own
@@ -58,7 +59,9 @@ class Engine(Generic[GroupT, MovedT]):
         self.plan = plan  # what each group does (the plan decides; the engine asks it)
         self._host = host
         self._lock = threading.RLock()
-        self._pending: list[weakref.ref[GroupT]] = []  # exited, not yet committed, in open order
+        # exited, not yet committed, in exit order (which is open order: groups do not nest)
+        self._pending: collections.deque[weakref.ref[GroupT]] = collections.deque()
+        self._openings = 0  # groups opened while some group was pending (R4's clock)
         # stats() window: the groups opened since a backward pass last began
         self._window: dict[str, dict[str, Any]] = {}
         self._repeats: dict[str, int] = {}  # name -> the last "#k" given to it in the window
@@ -74,16 +77,12 @@ class Engine(Generic[GroupT, MovedT]):
         self._open_group: GroupT | None = None
         self._pack_open = self._pack_into_open_group
         self._unpack_open = self._unpack_handle
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_open, self._unpack_open)
         # implementations that do nothing when a group opens or backward reaches one are not asked
         self._tells_opening = type(self)._group_opening is not Engine._group_opening
         self._tells_reached = type(self)._backward_reaches is not Engine._backward_reaches
         # only implementations that reload ahead need each group's autograd sequence numbers (graph.py)
         self._prefetches = type(self)._prefetch_depth is not Engine._prefetch_depth
-        # the points where this plan does something of its own: a step may open thousands of
-        # groups, and asking a plan that does nothing there costs a call at each
-        self._asks = frozenset(n for n in ("opening", "opened", "closing", "move_at_most", "committed", "reached",
-                                           "backward_begins", "copy_window") if getattr(type(plan), n) is not getattr(Plan, n))
+        self._asks = plan.acts_at()  # where the plan acts (read again as each step begins)
         plan.attach(self)
 
     # ------------------------------------------------------------------ implementation
@@ -139,8 +138,7 @@ class Engine(Generic[GroupT, MovedT]):
         return 0, None
 
     # ------------------------------------------------------------------ opening and closing
-    def _enter(self, name: str, recomputable: bool = False, parts: int = 0,
-               inputs: int = 0) -> tuple[GroupT, Any] | None:
+    def _enter(self, name: str, recomputable: bool = False, parts: int = 0, inputs: int = 0) -> GroupT | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
         opened as one group only where the plan recomputes it whole (else ``None``: nothing)."""
         if compat.in_backward():
@@ -176,13 +174,14 @@ class Engine(Generic[GroupT, MovedT]):
             self._begin_step_if_new()  # the plan to ask is this step's
             if outer is not None or not (recomputable and self.plan.runs_whole(parts, inputs)):
                 return None
-        self._advance_schedule(opening=True)
+        if self._pending:  # (a group is only added by this thread: read without the lock)
+            self._advance_schedule(opening=True)
         if self._backward_began or not self._step_begun and not self._window:  # (read again under the lock)
             self._begin_step_if_new()
         if self._tells_opening:
             self._group_opening()
         if outer is None:
-            opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else _OPENING
+            opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else OFFLOAD
             if not opening.hooked:
                 return None  # autograd holds what it saves, as without an offloader
         with self._lock:
@@ -195,21 +194,21 @@ class Engine(Generic[GroupT, MovedT]):
                     unique = f"{name}#{k}"
                 self._repeats[name] = k
             position = len(self._window)
-            self._window[unique] = {}
-            prev = self._last_group() if self._last_group is not None else None
-            group = self._new_group(unique, prev, compat.sequence_nr() if self._prefetches else 0)
+            self._window[unique] = _OPEN  # (not in stats() until it exits)
+            prev = self._last_group() if self._last_group is not None and self._prefetches else None
+            # a node of the graph that tells whether backward reaches prev (graph.py), only
+            # where reloading ahead may go there: each costs a node its Python object
+            links = prev is not None and self._may_reload_ahead_to(prev)
+            group = self._new_group(unique, prev if links else None, compat.sequence_nr() if self._prefetches else 0)
+            if links:
+                group.link_tries = graph.LINK_TRIES
             group.position, group.recomputable, group.parts = position, recomputable, parts
-            if prev is not None:
-                # a node of the graph that tells whether backward reaches prev (graph.py), only
-                # where reloading ahead may go there: each costs a node its Python object
-                depth = self._prefetch_depth() if self._prefetches else 0
-                if depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or prev.moved)):
-                    group.link_tries = graph.LINK_TRIES
-            self._last_group = weakref.ref(group)
+            if self._prefetches:
+                self._last_group = weakref.ref(group)
         if outer is not None:
-            hooks = self._delegating_hooks(group, outer)
+            pack, unpack = self._delegating_hooks(group, outer)
         else:
-            if opening is not _OPENING:  # (else each stays as Group has it: False)
+            if opening is not OFFLOAD:  # (else each stays as Group has it: False)
                 group.recompute = recomputable and opening.recompute
                 group.release_inputs = group.recompute and opening.release_inputs
                 group.kept_whole = opening.keep_all and not group.recompute
@@ -217,14 +216,19 @@ class Engine(Generic[GroupT, MovedT]):
             if "opened" in self._asks:
                 self.plan.opened(group)
             if group.kept_whole:
-                hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack_kept, group),
-                                                                 partial(self._unpack_kept, group))
+                group.kept_storages = {}
+                pack, unpack = partial(self._pack_kept, group), partial(self._unpack_kept, group)
             else:
-                hooks = self._hooks
+                pack, unpack = self._pack_open, self._unpack_open
         self._open_group = group
-        hooks.__enter__()
+        compat.push_saved_tensors_hooks(pack, unpack)
         _local.open, _local.whole = name, bool(parts)
-        return group, hooks
+        return group
+
+    def _may_reload_ahead_to(self, prev: GroupT) -> bool:
+        """Whether reloading ahead may reach ``prev`` from the group opening after it."""
+        depth = self._prefetch_depth()
+        return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
     def _begin_step_if_new(self) -> None:
         """A group opening after a backward pass began (or the first ever) begins a step."""
@@ -237,10 +241,11 @@ class Engine(Generic[GroupT, MovedT]):
         if new_step:
             marks.new_step()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
+            self._asks = self.plan.acts_at()
             with self._lock:
                 self._step_begun = True
 
-    def _delegating_hooks(self, group: GroupT, outer: tuple[Callable, Callable]) -> Any:
+    def _delegating_hooks(self, group: GroupT, outer: tuple[Callable, Callable]) -> tuple[Callable, Callable]:
         """A group opened inside saved-tensor hooks that must see every save (activation
         checkpointing around it, ``allow_mutation_on_saved_tensors()``) hands every save on to
         them and stays resident: they own what is saved there. Checkpointing, say, recomputes the
@@ -254,19 +259,18 @@ class Engine(Generic[GroupT, MovedT]):
             group.summary["kept"]["inert"] = group.summary["saved"]
             return DelegatedHandle(group, outer_pack(t), outer_unpack)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        return pack, self._unpack_open
 
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
         """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
         return checkpointing.contexts(group, partial(self.plan.saved_under_checkpoint, group),
                                       partial(self.plan.recomputation, group))
 
-    def _exit(self, entry: tuple[GroupT, Any] | None, failed: bool) -> None:
-        if entry is None:
+    def _exit(self, group: GroupT | None, failed: bool) -> None:
+        if group is None:
             return
-        group, hooks = entry
-        _local.open, _local.whole = None, False
-        hooks.__exit__(None, None, None)
+        _local.open = None  # (whole is read only while a group is open)
+        compat.pop_saved_tensors_hooks()
         self._open_group = None
         if self._prefetches:
             group.end_seq = compat.sequence_nr()
@@ -282,6 +286,7 @@ class Engine(Generic[GroupT, MovedT]):
             if group.state is GroupState.INERT:
                 return
             group.state = GroupState.PENDING
+            group.exited_at = self._openings
             self._pending.append(weakref.ref(group))
         if group.recompute:
             # What a recomputed group saves are its module's inputs, which the caller may write
@@ -298,23 +303,20 @@ class Engine(Generic[GroupT, MovedT]):
     def _advance_schedule(self, opening: bool) -> None:
         """Commit every pending group after which ``keep_last`` groups have opened (R4).
 
-        Called when a group opens (``opening``) and, for ``keep_last=0``, when one exits.
+        Called when a group opens (``opening``) and, for ``keep_last=0``, when one exits. A group
+        is due ``keep_last`` openings after its exit: the due ones are the first to have exited.
         """
-        if not self._pending:  # read without the lock: a group is only added by this thread
-            return
+        self._openings += opening
         due: list[GroupT] = []
         with self._lock:
-            waiting = []
-            for ref in self._pending:
-                g = ref()
-                if g is None or g.state is not GroupState.PENDING:
-                    continue  # freed with its graph, or its backward already began
-                g.opened_after += opening
-                if g.opened_after >= self.keep_last:
+            pending = self._pending
+            while pending:
+                g = pending[0]()
+                if g is not None and g.state is GroupState.PENDING:  # (else freed with its graph, or reached)
+                    if self._openings - g.exited_at < self.keep_last:
+                        break
                     due.append(g)
-                else:
-                    waiting.append(ref)
-            self._pending = waiting
+                pending.popleft()
         for g in due:
             self._commit(g)
 
@@ -327,29 +329,36 @@ class Engine(Generic[GroupT, MovedT]):
             min_offload_bytes=0 if group.guard_inputs and committed else self.min_offload_bytes,
             policy=self.policy,
             committed=committed,
-            moved_earlier=(lambda key, aliases: self._shared.copy_of(key, aliases) is not None) if committed else None,
+            moved_earlier=self._moved_earlier if committed else None,
             move_at_most=self.plan.move_at_most(group) if "move_at_most" in self._asks else None,
         )
-        group.summary.clear()
-        group.summary.update(plan.summary())
+        summary = group.summary  # (the window's too: updated in place)
+        summary.clear()
+        summary.update(plan.summary())
         if group.recompute:  # what it saved are its inputs; the rest comes back by recomputing
-            group.summary["recomputed"] = True
+            summary["recomputed"] = True
         return plan
+
+    def _moved_earlier(self, key: int, aliases: list[policy.SavedFact]) -> bool:
+        """An earlier group's copy of storage ``key`` serves ``aliases`` (R5)."""
+        return self._shared.copy_of(key, aliases) is not None
 
     def _commit(self, group: GroupT) -> None:
         """Decide (policy) and start moving what the plan says (implementation)."""
         if group.kept_whole:
             group.state = GroupState.COMMITTED
             self.plan.committed(group, policy.SavePlan([], [], stayed=[("budget", sum(group.kept_storages.values()))]))
-            self._report_commit(group)
+            if self._observers:
+                self._report_commit(group)
             return
         plan = self._plan(group, committed=True)
         if "committed" in self._asks:
             self.plan.committed(group, plan)
         if not plan.spans and not plan.shared and not group.guard_inputs:  # all stays: each buffer as it is
             group.state = GroupState.COMMITTED
-            group.saved = []
-            self._report_commit(group)
+            group.decided()
+            if self._observers:
+                self._report_commit(group)
             return
         tensors = [s.tensor for s in group.saved]
         moved = [self._new_moved(span, tensors[span.members[0]].untyped_storage()) for span in plan.spans]  # type: ignore[union-attr]
@@ -359,7 +368,7 @@ class Engine(Generic[GroupT, MovedT]):
         except HostMemoryError:
             group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
-            group.saved = []
+            group.decided()
             raise
         needed: list[Moved] = list(moved)
         uses = [len(span.members) for span in plan.spans]
@@ -383,8 +392,9 @@ class Engine(Generic[GroupT, MovedT]):
             for s in group.saved:
                 if s.tensor is not None and s.derived and s.view is None:  # stays: a private clone
                     s.guard, s.tensor, s.cloned = compat.version_guard(s.tensor), s.tensor.clone(), True
-        group.saved = []  # decided: each buffer now lives exactly as long as its handle
-        self._report_commit(group)
+        group.decided()  # each buffer now lives exactly as long as its handle
+        if self._observers:
+            self._report_commit(group)
 
     def _report_commit(self, group: GroupT) -> None:
         for obs in self._observers:
@@ -414,18 +424,20 @@ class Engine(Generic[GroupT, MovedT]):
         self._plan(group, committed=False)
         # Decided: each kept buffer is freed as soon as autograd releases its handle, node
         # by node, as without an offloader (not when the whole group's backward is over).
-        group.saved = []
+        group.decided()
 
     # ------------------------------------------------------------------ hooks
-    def _unpack_handle(self, handle: Handle | MultiHandle) -> torch.Tensor:
+    # The hooks autograd calls: kept out of torch.compile here, at their entry points.
+    @compat.not_traced
+    def _unpack_handle(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:
         return self._unpack(handle)
 
+    @compat.not_traced
     def _pack_into_open_group(self, t: torch.Tensor) -> Handle | MultiHandle:
         group = self._open_group
         assert group is not None, "a save reached a group's hooks after the group closed"
         return self._pack(group, t)
 
-    @compat.not_traced
     def _pack(self, group: GroupT, t: torch.Tensor) -> Handle | MultiHandle:
         if self._cuda and compat.stream_is_capturing(self.device):
             raise RuntimeError(
@@ -435,7 +447,7 @@ class Engine(Generic[GroupT, MovedT]):
             )
         if group.link_tries and not t.is_leaf:
             graph.note_save(group, t)
-        if multibuffer.is_multibuffer(t):
+        if type(t) is not torch.Tensor and multibuffer.is_multibuffer(t):  # (a plain tensor is not: no call)
             return self._pack_multi(group, t)
         return Handle(group, self._add(group, t))
 
@@ -466,9 +478,10 @@ class Engine(Generic[GroupT, MovedT]):
             s = SavedBuffer(t, parameter, derived=False)
         else:  # made by autograd: a parameter only as a view of one
             s = SavedBuffer(t, t._base is not None and policy.is_parameter(t), derived=True)
-        group.saved.append(s)
-        for obs in self._observers:
-            obs.on_save(group.name, t)
+        group.saved.append(s)  # type: ignore[union-attr]  # (a list while it is open, which is when it saves)
+        if self._observers:
+            for obs in self._observers:
+                obs.on_save(group.name, t)
         return s
 
     def _pack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
@@ -500,14 +513,13 @@ class Engine(Generic[GroupT, MovedT]):
                 self._reached(group)
         return t
 
-    @compat.not_traced
     def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:
         if isinstance(handle, DelegatedHandle):
             if compat.in_backward() and not self._backward_began:
                 self._backward_begins()
             return handle.unpack(handle.packed)
         group: GroupT = handle.group  # type: ignore[assignment]
-        if compat.in_backward():
+        if not (group.reached and self._backward_began) and compat.in_backward():  # (both once a pass)
             if not self._backward_began:
                 self._backward_begins()
             if not group.reached:

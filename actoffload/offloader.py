@@ -79,6 +79,8 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
+    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group")
+
     def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0,
                  inputs: int = 0):
         self._offloader = offloader
@@ -86,42 +88,39 @@ class GroupContext:
         self._recomputable = recomputable  # ao.wrap's groups: the module can be run again
         # ao.wrap's modules given with parts: a group only when run whole, saving ``inputs`` bytes
         self._parts, self._inputs = parts, inputs
-        self._entry: Any = None
-
-    @compat.not_traced
-    def __enter__(self) -> GroupContext:
-        return self.open()
+        self._group: Any = None  # the group it opened, until it closes
 
     def open(self) -> GroupContext:
-        """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``):
-        each such boundary costs microseconds, and a step crosses one per group."""
-        self._entry = self._offloader._enter(self._name, self._recomputable, self._parts, self._inputs)
+        """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``)."""
+        self._group = self._offloader._enter(self._name, self._recomputable, self._parts, self._inputs)
         return self
+
+    __enter__ = compat.not_traced(open)
 
     @property
     def opened(self) -> bool:
         """Whether entering opened a group (not inside a recomputation, or a module run whole)."""
-        return self._entry is not None
+        return self._group is not None
 
     @property
     def recompute(self) -> bool:
         """Whether a memory plan runs this group under activation checkpointing."""
-        return self._entry is not None and self._entry[0].recompute
+        return self._group is not None and self._group.recompute
 
     def checkpoint_contexts(self) -> tuple[Any, Any]:
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` when :attr:`recompute`."""
-        return self._offloader._checkpoint_contexts(self._entry[0])
+        return self._offloader._checkpoint_contexts(self._group)
+
+    def close(self, failed: bool) -> None:
+        """``__exit__`` for callers already kept out of ``torch.compile``."""
+        group, self._group = self._group, None
+        if group is None and self._parts:
+            self._offloader.plan.whole_closed(self._parts)
+        self._offloader._exit(group, failed=failed)
 
     @compat.not_traced
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(failed=exc_type is not None)
-
-    def close(self, failed: bool) -> None:
-        """``__exit__`` for callers already kept out of ``torch.compile``."""
-        entry, self._entry = self._entry, None
-        if entry is None and self._parts:
-            self._offloader.plan.whole_closed(self._parts)
-        self._offloader._exit(entry, failed=failed)
 
 
 class Offloader(Engine[GroupT, MovedT]):

@@ -63,6 +63,14 @@ class Opening:
     guard_inputs: bool = True
 
 
+# The points of a step where a plan may act: its methods of these names.
+POINTS = ("opening", "opened", "closing", "move_at_most", "committed", "reached", "backward_begins", "copy_window")
+
+# What a group does unless a plan says otherwise: one object, which the engine knows by identity
+# (a group opened with it keeps every default, with nothing to read or set).
+OFFLOAD = Opening()
+
+
 class Plan:
     """Offload every group as the policy says: the plan of an offloader given none.
 
@@ -76,6 +84,13 @@ class Plan:
 
     def __init__(self) -> None:
         self.offloader: Engine | None = None
+
+    def acts_at(self) -> frozenset[str]:
+        """The points (:data:`POINTS`) where this plan acts now: the engine asks it only there,
+        reading this when the plan is attached and at the beginning of each step (a step may open
+        thousands of groups, and asking a plan that does nothing costs a call at each). By
+        default, the points its class overrides."""
+        return frozenset(n for n in POINTS if getattr(type(self), n) is not getattr(Plan, n))
 
     def attach(self, offloader: Engine) -> None:
         """The offloader this plan serves (once, when the offloader is made)."""
@@ -103,7 +118,7 @@ class Plan:
     def opening(self, name: str, recomputable: bool, parts: int) -> Opening:
         """What the group opening now does; ``recomputable``: a wrapped module that can run under
         checkpointing; ``parts``: a module run whole in place of that many parts."""
-        return Opening()
+        return OFFLOAD
 
     def opened(self, group: Group) -> None:
         """``group`` (hooked) was opened as :meth:`opening` said; a plan may keep state in

@@ -47,7 +47,7 @@ class Span:
     members: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SavePlan:
     """What to do with each saved buffer of a group.
 
@@ -70,14 +70,14 @@ class SavePlan:
                 offloaded += 1
             else:
                 kept[r] = kept.get(r, 0) + 1
-        by_role: dict[str, int] = {}
-        for i, role in self.roles.items():
-            by_role[role] = by_role.get(role, 0) + self.spans[i].nbytes
         moved = 0
         for s in self.spans:
             moved += s.nbytes
         out = {"saved": len(self.reasons), "offloaded": offloaded, "offloaded_bytes": moved, "kept": kept}
-        if by_role:
+        if self.roles:
+            by_role: dict[str, int] = {}
+            for i, role in self.roles.items():
+                by_role[role] = by_role.get(role, 0) + self.spans[i].nbytes
             out["offloaded_bytes_by_role"] = by_role
         return out
 
@@ -165,21 +165,24 @@ def fact_of(t: torch.Tensor | None, device: torch.device, parameter: bool | None
     d = t.device
     if d != device and (d.type != device.type or (device.index is not None and d.index is not None)):
         return _UNMOVABLE  # (equal unless one of them has no index: cuda vs cuda:0)
-    if t.layout is not torch.strided or t.is_meta or t.is_nested or t.is_quantized or compat.is_zero_tensor(t):
+    # (a meta tensor is on no compute device: the check above left it out)
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized or compat.is_zero_tensor(t):
         return _UNMOVABLE
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return _UNMOVABLE
     es = t.element_size()
-    offset = int(t.storage_offset())
-    if t.numel() == 0:
+    offset: int = t.storage_offset()  # type: ignore[assignment]  # (real tensors only: never symbolic)
+    if t.is_contiguous():  # (most saves) its elements are one run, whatever the strides of size-1 dims
+        end = offset + t.numel()
+    elif t.numel() == 0:
         end = offset
     else:
         end = offset + 1
         for n, stride in zip(t.shape, t.stride()):
             end += (n - 1) * stride
-    return SavedFact(compat.storage_id(storage), offset * es, int(end) * es, es,
+    return SavedFact(compat.storage_id(storage), offset * es, end * es, es,
                      is_parameter(t) if parameter is None else parameter, storage.nbytes())
 
 
@@ -241,12 +244,14 @@ def plan_facts(
     for i, f in enumerate(facts):
         if f.key is None:
             reasons[i] = "device"
+        elif f.key in by_storage:
+            by_storage[f.key].append(i)
         else:
-            by_storage.setdefault(f.key, []).append(i)
+            by_storage[f.key] = [i]
 
-    eligible: list[Span] = []
-    shared: list[Span] = []
-    stayed: list[tuple[str, int]] = []
+    plan = SavePlan(reasons, [])
+    # the spans that may move: all of them move unless the plan's share caps them
+    eligible = plan.spans if move_at_most is None else []
     for key, members in by_storage.items():
         flags = flags_of(key)
         if len(members) == 1:
@@ -270,32 +275,27 @@ def plan_facts(
         elif not committed:
             reason = "keep_last"
         elif moved_earlier is not None and moved_earlier(key, [facts[i] for i in members]):
-            shared.append(Span(key, start, end - start, list(members)))
+            plan.shared.append(Span(key, start, end - start, members))
             reason = "alias"
         else:
-            eligible.append(Span(key, start, end - start, list(members)))
+            eligible.append(Span(key, start, end - start, members))
             continue
         for i in members:
             reasons[i] = reason
-        stayed.append((reason, end - start))
+        plan.stayed.append((reason, end - start))
 
-    spans: list[Span] = []
-    roles: dict[int, str] = {}
-    order = list(range(len(eligible)))
-    taken = set(order)
     if move_at_most is not None:  # the plan's share: the largest spans that fit (one rule: spans.py)
-        order = sorted(order, key=lambda k: -eligible[k].nbytes)
         taken = set(largest_within([sp.nbytes for sp in eligible], move_at_most))
-    for k in order:
-        span = eligible[k]
-        if k not in taken:
-            for i in span.members:
+        for k in sorted(range(len(eligible)), key=lambda k: -eligible[k].nbytes):
+            if k in taken:
+                plan.spans.append(eligible[k])
+                continue
+            for i in eligible[k].members:
                 reasons[i] = "budget"
-            stayed.append(("budget", span.nbytes))
-            continue
+            plan.stayed.append(("budget", eligible[k].nbytes))
+    for k, span in enumerate(plan.spans):
         if (role := marks.role_of(span.storage_key)) is not None:
-            roles[len(spans)] = role
-        spans.append(span)
+            plan.roles[k] = role
         for i in span.members[1:]:
             reasons[i] = "alias"
-    return SavePlan(reasons, spans, shared, roles, stayed)
+    return plan

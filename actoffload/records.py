@@ -141,7 +141,7 @@ class Group:
     memory for every one of them.
     """
 
-    opened_after = 0  # groups of the same offloader opened since this one
+    exited_at = 0  # the offloader's count of openings when it exited (R4: it commits keep_last later)
     # a node the previous group's forward created that this group's saves come from (graph.py:
     # backward reaches the previous group when it runs that node), looked for in this many saves
     link: Any = None
@@ -157,7 +157,7 @@ class Group:
     # it keeps all it saves: autograd holds them itself, counted only (storage key -> bytes, set
     # when it opens), with none of the per-save work a group that may move does
     kept_whole = False
-    kept_storages: dict[int, int]
+    kept_storages: dict[int, int]  # (a dict of its own only where kept_whole)
     reached = False  # backward unpacked one of its saves
     plan_state: Any = None  # the plan's own record of this group (``Plan.opened``)
     # once committed: the spans its buffers are rebuilt from (its own and earlier groups'),
@@ -166,21 +166,29 @@ class Group:
     moved: list[Moved] = []
     uses: list[int] = []
     saved_at: list[int] = []
+    # the group before it, where it looks for its link (graph.py): only there
+    prev: weakref.ref[Group] | None = None
+    # its saved buffers until it is decided; then none (each lives as long as its handle)
+    saved: list[SavedBuffer] | tuple[()] = ()
 
     def __init__(self, name: str, prev: Group | None, first_seq: int):
         self.name = name  # unique among the groups in stats(): a repeated name gets "#2", ...
         self.state = GroupState.OPEN
-        self.saved: list[SavedBuffer] = []
+        self.saved = []
         self.summary: dict[str, Any] = {"saved": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": {}}
-        self.prev: weakref.ref[Group] | None = weakref.ref(prev) if prev is not None else None
+        if prev is not None:
+            self.prev = weakref.ref(prev)
         # autograd sequence numbers of the nodes its forward created: [first_seq, end_seq) (both 0
         # where the implementation does not reload ahead, which alone needs them)
         self.first_seq = first_seq
         self.end_seq = first_seq
-        self.kept_storages = {}
 
     def previous(self) -> Group | None:
         return self.prev() if self.prev is not None else None
+
+    def decided(self) -> None:
+        """Committed, or kept for good: its saved buffers are no longer held here."""
+        self.saved = ()
 
 
 @dataclass(eq=False, slots=True)

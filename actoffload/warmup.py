@@ -18,8 +18,11 @@ import torch
 
 from . import policy
 from .checkpointing import WouldSave
-from .plans import Opening, Plan
+from .plans import OFFLOAD, Opening, Plan
 from .records import Group
+
+
+_RECOMPUTE = Opening(recompute=True)  # inputs guarded: the default
 
 
 class WarmUp(Plan):
@@ -48,8 +51,13 @@ class WarmUp(Plan):
         else:
             self.steps += 1
 
+    def acts_at(self) -> frozenset[str]:
+        # (a recomputed group commits at its exit, in the step that opened it: once warming is
+        # over, no group is left for committed() to size)
+        return super().acts_at() if self.warming else frozenset()
+
     def opening(self, name: str, recomputable: bool, parts: int) -> Opening:
-        return Opening(recompute=self.warming and recomputable)  # inputs guarded: the default
+        return _RECOMPUTE if self.warming and recomputable else OFFLOAD
 
     def opened(self, group: Group) -> None:
         if group.recompute and self._sizing():

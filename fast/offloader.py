@@ -208,7 +208,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _group_opening(self) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
         # group that moves something (groups that keep everything may come in between).
-        self._reap()
+        if self._inflight:  # (read without the lock: only this thread adds entries)
+            self._reap()
 
     def reserve_host_blocks(self, span_bytes: list[int]) -> Callable[[], None]:
         return self._pool.expect(self._layout(span_bytes)[2])
@@ -349,6 +350,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if rest:
                 _add_held_uses(rest)  # brought back meanwhile for another group
                 self._reload(group)
+        if group.link is None:
+            return  # it found no node of the group before it: backward reaches none through it
         for ahead in upcoming(group, self._copy_window()[1]):
             if self._start_reload(ahead, PREFETCH_SHARE):
                 self.counters["prefetched_groups"] += 1
