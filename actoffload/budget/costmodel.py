@@ -26,11 +26,11 @@ costs.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field, replace
-from functools import cached_property
-from itertools import count
+from functools import cached_property, partial
+from itertools import accumulate, chain, count, islice
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -276,6 +276,11 @@ class _Columns(NamedTuple):
 
     def spliced(self, first: int, end: int, new: _Columns) -> _Columns:
         """These columns with groups ``first .. end - 1`` replaced by ``new``'s."""
+        if end == first + 1 and len(new.rows) == 1:
+            cols = _Columns(self.rows[:], self.forward_s[:], self.backward_s[:], self.out_s[:], self.back_s[:])
+            cols.rows[first], cols.forward_s[first], cols.backward_s[first] = new.rows[0], new.forward_s[0], new.backward_s[0]
+            cols.out_s[first], cols.back_s[first] = new.out_s[0], new.back_s[0]
+            return cols
         return _Columns(self.rows[:first] + new.rows + self.rows[end:],
                         self.forward_s[:first] + new.forward_s + self.forward_s[end:],
                         self.backward_s[:first] + new.backward_s + self.backward_s[end:],
@@ -284,11 +289,16 @@ class _Columns(NamedTuple):
 
 
 def _columns(profile: Profile, run: list[tuple[int, GroupProfile, GroupDecision]]) -> _Columns:
-    rows = [_row(p, g) for _, g, p in run]
-    return _Columns(rows, [g.forward_s for _, g, _ in run],
-                    [g.backward_s + (g.recompute_time if r[2] else 0.0) for (_, g, _), r in zip(run, rows)],
-                    [r[1] / profile.d2h_bps if r[1] else None for r in rows],
-                    [r[1] / profile.h2d_bps if r[1] else None for r in rows])
+    cols = _Columns([], [], [], [], [])
+    rows, forward_s, backward_s, out_s, back_s = cols
+    for _, g, p in run:
+        r = _row(p, g)
+        rows.append(r)
+        forward_s.append(g.forward_s)
+        backward_s.append(g.backward_s + (g.recompute_time if r[2] else 0.0))
+        out_s.append(r[1] / profile.d2h_bps if r[1] else None)
+        back_s.append(r[1] / profile.h2d_bps if r[1] else None)
+    return cols
 
 
 class _Checkpoints(NamedTuple):
@@ -341,7 +351,7 @@ def _same_state(compute: float, stream: float, copies: Sequence[float], state: _
             and copies == state[2])
 
 
-def _forward(forward_s: list[float], out_s: list[float | None], max_inflight: int, k: int, state: _State,
+def _forward(forward_s: Iterable[float], out_s: Iterable[float | None], max_inflight: int, k: int, state: _State,
              sync: tuple[int, int, list[_State]] | None = None,
              record: list[_State] | None = None) -> tuple[int, tuple[float, tuple[float, ...]]]:
     """Forward time from group ``k`` on, in ``state`` (compute's clock, the copy-out
@@ -355,12 +365,29 @@ def _forward(forward_s: list[float], out_s: list[float | None], max_inflight: in
     in ``states[k - offset]``, the state another plan reached its group in (the rest is
     that plan's). ``record`` collects the state before each group."""
     c, d, copying = state[0], state[1], deque(state[2])
-    first, offset, states = sync or (k + len(forward_s), 0, [])
+    first, offset, states = sync or (-1, 0, [])
+    if not max_inflight and not copying:  # compute waits for each copy: its clock adds the copy's time
+        if record is None:
+            for k, f, t in zip(count(k), forward_s, out_s):
+                if k == first and c == states[k - offset][0] and _same_state(c, d, (), states[k - offset]):
+                    return k, (0.0, ())
+                c += f
+                if t is not None:
+                    c = d = c + t
+            return -1, (c, ())
+        for k, f, t in zip(count(k), forward_s, out_s):
+            if k == first and c == states[k - offset][0] and _same_state(c, d, (), states[k - offset]):
+                return k, (0.0, ())
+            record.append((c, d, ()))
+            c += f
+            if t is not None:
+                c = d = c + t
+        return -1, (c, ())
     # compute's clock changes alike in both plans but where compute waits: once it differs,
     # look for the other plan's state again only after a wait (or a copy done)
     look = True
     for k, f, t in zip(count(k), forward_s, out_s):
-        if look and k >= first:
+        if look and first >= 0 and k >= first:
             other = states[k - offset]
             look = c == other[0]
             if look and _same_state(c, d, tuple(copying), other):
@@ -383,29 +410,50 @@ def _forward(forward_s: list[float], out_s: list[float | None], max_inflight: in
     return -1, (c, tuple(copying))
 
 
+_CALM = 1e-9  # of compute's clock: a wait this close (or closer) to happening is replayed afresh
+_RUN = 8  # groups: a shorter run is replayed group by group (summing it at once costs more)
+
+
 class _Backward(NamedTuple):
-    """Where a plan's backward passed: compute's clock and the reload stream's before each
-    group (by group), and when each group's bytes were back."""
+    """Where a plan's backward passed: compute's clock before each group (by group), when each
+    group's bytes were back, the groups whose reloads ran (in order), compute's clock where
+    backward began, and the groups where a wait came close (within ``_CALM``) to happening, or
+    to not happening, or a reload close to waiting for the one before (see :func:`_backward`)."""
 
     compute: list[float]
-    stream: list[float]
     ready: list[float]
+    reloaded: list[int]
+    start: float
+    close: list[int]
+
+    def state(self, j: int, prefetch: int) -> tuple[float, float, list[float]]:
+        """Compute's clock, the reload stream's (at the last reload started) and the ready
+        times of the reloads started for groups ``j - prefetch + 1 .. j``, before group ``j``."""
+        k = bisect_left(self.reloaded, j + 1 - prefetch)
+        stream = self.ready[self.reloaded[k]] if k < len(self.reloaded) else self.start
+        return self.compute[j], stream, self.ready[max(j - prefetch + 1, 0):j + 1]
 
 
-def _backward(backward_s: list[float], starts: list[float | None], prefetch: int, j: int,
-              state: tuple[float, float, list[float]] | float, sync: tuple[int, _Backward] | None = None,
-              record: tuple[list[float], list[float]] | None = None) -> tuple[int, float, list[float]]:
+def _backward(backward_s: list[float], starts: list[float | None], reloaded: list[int], prefetch: int, j: int,
+              state: tuple[float, float, list[float]] | float, exact: list[int], margin: float,
+              sync: tuple[int, _Backward] | None = None,
+              record: tuple[list[float], list[int]] | None = None) -> tuple[int, float, list[float]]:
     """Backward time from group ``j`` down: a group's reload starts when backward reaches it
     or the group ``prefetch`` later (``starts[j]``: the seconds of the reload reaching group
-    ``j`` starts, None where none does, :func:`_reloads`), and its backward starts once the
-    reload is done. ``state``: compute's clock, the reload stream's, the ready times of the
-    reloads started for groups ``j - prefetch + 1 .. j``; or where backward begins (``j``
-    the last group), compute's clock.
+    ``j`` starts, None where none does, :func:`_reloads`; ``reloaded``: the groups reloaded, in
+    order), and its backward starts once the reload is done. ``state``: compute's clock, the
+    reload stream's, the ready times of the reloads started for groups ``j - prefetch + 1 ..
+    j``; or where backward begins (``j`` the last group), compute's clock.
+
+    Where a plan alike but for a shift of every clock neither waited nor came close (all but
+    the groups ``exact``, in order), no reload is waited for and each starts when reached:
+    compute's clock just adds up, and such a run is summed at once (the same additions).
 
     Returns ``(-1, step seconds, ready times)``, or ``(j, 0.0, ready times)`` for a group
     ``j < below`` reached in the state another plan's backward (``sync = (below, that
-    backward)``) reached it in: the rest is that plan's. ``record`` collects compute's and the
-    stream's clocks before each group, from ``j`` down."""
+    backward)``) reached it in: the rest is that plan's. ``record`` collects compute's clock
+    before each group, from ``j`` down, and the groups (as it passes them exactly) where a
+    wait came within ``margin``."""
     ready = [0.0] * len(backward_s)  # when each group's bytes are back
     if isinstance(state, float):
         c = h = state
@@ -417,27 +465,51 @@ def _backward(backward_s: list[float], starts: list[float | None], prefetch: int
     else:
         c, h = state[0], state[1]
         ready[j + 1 - len(state[2]):j + 1] = state[2]
-    below, other = sync or (0, _Backward([], [], []))
+    below, other = sync or (0, None)
     look = True  # for the other plan's state, below: at first, and while compute's clocks agree or after a wait
-    for j in range(j, -1, -1):
-        if look and j < below:
+    e = bisect_right(exact, j) - 1  # exact[e]: the next group passed exactly
+    while j >= 0:
+        if look and j < below and other is not None:
             look = c == other.compute[j]
-            if look and (h == other.stream[j] or (h <= c and other.stream[j] <= c)):
-                started = max(j - prefetch + 1, 0)
-                if ready[started:j + 1] == other.ready[started:j + 1]:
+            if look:
+                theirs = other.state(j, prefetch)
+                if ((h == theirs[1] or (h <= c and theirs[1] <= c))
+                        and ready[max(j - prefetch + 1, 0):j + 1] == theirs[2]):
                     return j, 0.0, ready
+        following = exact[e] if e >= 0 else -1
+        if following < j - _RUN and h <= c and max(ready[max(j - prefetch + 1, 0):j + 1], default=0.0) <= c:
+            # no wait down to the next group passed exactly: compute's clock adds up
+            clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
+                                    initial=c))
+            lowest, highest = bisect_left(reloaded, following + 1 - prefetch), bisect_right(reloaded, j - prefetch)
+            # each reload started on the way starts when reached (the stream is idle); those
+            # waited for later, and the last (the stream's clock), matter beyond the run
+            for k in reloaded[lowest:highest if record is not None else min(highest, lowest + prefetch + 1)]:
+                ready[k] = clock[j - k - prefetch] + starts[k + prefetch]  # type: ignore[operator]
+            if highest > lowest:
+                h = ready[reloaded[lowest]]
+            if record is not None:
+                record[0].extend(clock[:-1])
+            c, j = clock[-1], following
+            continue
+        t = starts[j]
         if record is not None:
             record[0].append(c)
-            record[1].append(h)
-        t = starts[j]
+            if t is not None and h > c - margin:
+                record[1].append(j)  # the reload stream came close to busy
         if t is not None:
             h = (c if c > h else h) + t
             ready[j - prefetch] = h
         r = ready[j]
+        if record is not None and r > c - margin and (not record[1] or record[1][-1] != j):
+            record[1].append(j)  # a wait happened, or came close
         if r > c:
             c = r
             look = True
         c += backward_s[j]
+        if following == j:
+            e -= 1
+        j -= 1
     return -1, c, ready
 
 
@@ -466,51 +538,90 @@ class _Maxima:
 
     def __init__(self, values: np.ndarray):
         self.values = values
-        ends = np.array([_NONE], dtype=np.int64)
-        self._before = np.maximum.accumulate(np.concatenate((ends, values)))  # [k]: the most of values[:k]
-        self._from = np.maximum.accumulate(np.concatenate((values, ends))[::-1])[::-1]  # [k]: of values[k:]
+        self.before = np.maximum.accumulate(values)  # [k]: the most of values[:k + 1]
+        self.after = np.maximum.accumulate(values[::-1])[::-1]  # [k]: the most of values[k:]
 
     def max(self, lo: int, hi: int) -> int:
-        if lo >= hi:
-            return _NONE
+        """The most of values[lo:hi] (lo < hi)."""
         if lo == 0:
-            return int(self._before[hi])
+            return int(self.before[hi - 1])
         if hi == len(self.values):
-            return int(self._from[lo])
+            return int(self.after[lo])
         return int(self.values[lo:hi].max())
 
 
-# checkpoints of a changed plan: (a simulated plan's, first, end, shift), those from first to
-# end shifted by what the change holds more under them; or (bytes worked out afresh, 0, n, 0)
-_Piece = tuple[_Maxima | list[int], int, int, int]
+# checkpoints of a changed plan: (values, first, end, shift, most): values[first:end] of a
+# simulated plan's, each plus shift (what the change holds more under them), the most of those
+# values being most (None: not yet known); or (bytes worked out afresh, 0, 0, 0, the most of them)
+_Piece = tuple[_Maxima | list[int], int, int, int, int | None]
 
 
-def _most(piece: _Piece) -> int:
-    values, lo, hi, shift = piece
-    if isinstance(values, _Maxima):
-        return values.max(lo, hi) + shift
-    return max(values, default=_NONE)
+def _most(pieces: list[_Piece]) -> int:
+    """The most bytes at any of the checkpoints (a range's most found only where its suffix's
+    could beat those found)."""
+    found = max(most + shift for _, _, _, shift, most in pieces if most is not None)
+    for values, lo, hi, shift, most in pieces:
+        if most is None and values.after[lo] + shift > found:  # type: ignore[union-attr]
+            found = max(found, values.max(lo, hi) + shift)  # type: ignore[union-attr]
+    return found
 
 
-def _joined(pieces: list[_Piece]) -> _Maxima:
-    return _Maxima(np.concatenate([values.values[lo:hi] + shift if isinstance(values, _Maxima)
-                                   else np.array(values, dtype=np.int64) for values, lo, hi, shift in pieces]))
+def _joined(pieces: list[_Piece], was: _Maxima) -> _Maxima:
+    """The checkpoints the pieces make, ``was``'s shifted (in place of a copy where the pieces
+    keep their places)."""
+    out, at = was.values.copy(), 0
+    for values, lo, hi, shift, _ in pieces:
+        if type(values) is list:
+            out[at:at + len(values)] = values
+            at += len(values)
+        elif lo != at:  # a module runs whole, or no longer: the checkpoints move
+            return _Maxima(np.concatenate([np.array(values, dtype=np.int64) if type(values) is list
+                                           else values.values[lo:hi] + shift  # type: ignore[union-attr]
+                                           for values, lo, hi, shift, _ in pieces]))
+        else:
+            if shift and hi > lo:
+                out[lo:hi] += shift
+            at = hi
+    return _Maxima(out)
 
 
-@dataclass(slots=True)
+def _afresh(values: list[int]) -> _Piece:
+    return values, 0, 0, 0, max(values, default=_NONE)
+
+
+class _Around(NamedTuple):
+    """A simulated plan's memory around its groups ``first .. end - 1`` (as run), whatever
+    one group a change puts in their place (the search tries a group's moves in a row)."""
+
+    first: int
+    end: int
+    held: int  # what the groups before first hold
+    held_was: int  # what the groups before end hold
+    flying: list[int]  # [k]: bytes in flight from the last k groups moving before first
+    flew: list[int]  # [k]: the same before end
+    forward: list[tuple[int, int, int | None]]  # checkpoints from end on: (first, end, most), a range up to
+    # each of the next max_inflight groups that move, and the rest
+    forward_before: int  # the most at the checkpoints before first
+    backward_before: int  # the most at the backward checkpoints before first
+    backward_from: int  # the most at those from end + prefetch on
+    grads: int  # parameter gradients of the groups from end on
+    ends: list[int] | None  # the groups in flight at the end of forward, where max_inflight move after
+    # end (the change moves none of them: as run after it, their places shift), else None
+
+
 class Change:
     """A plan next to a :class:`Simulation`'s: the simulated plan with a move's decisions in
     place from group ``i`` on. As run, the simulated plan's groups ``first .. end - 1``
     become ``run`` (a module recomputed whole runs as one group, so their number may change)."""
 
-    groups: tuple[GroupDecision, ...]  # the decisions of groups lo .. hi - 1
-    lo: int
-    hi: int
-    first: int
-    end: int
-    run: list[tuple[int, GroupProfile, GroupDecision]]
-    cols: _Columns
-    replay: _Replay | None = None  # its step, replayed and kept (:meth:`Simulation.step_after`)
+    __slots__ = ("groups", "lo", "hi", "first", "end", "run", "cols", "checkpoints", "replay")
+
+    def __init__(self, groups: tuple[GroupDecision, ...], lo: int, hi: int, first: int, end: int,
+                 run: list[tuple[int, GroupProfile, GroupDecision]], cols: _Columns):
+        self.groups, self.lo, self.hi = groups, lo, hi  # the decisions of groups lo .. hi - 1
+        self.first, self.end, self.run, self.cols = first, end, run, cols
+        self.checkpoints: tuple[list[_Piece], int, int, list[_Piece]] | None = None  # :meth:`Simulation.peak_after`'s
+        self.replay: _Replay | None = None  # its step, replayed and kept (:meth:`Simulation.step_after`)
 
 
 class _Replay(NamedTuple):
@@ -524,8 +635,10 @@ class _Replay(NamedTuple):
     top: int  # the group backward was replayed from
     below: int  # the group backward came back to the simulated plan's state at (-1: none)
     ready: list[float]  # when each group's bytes were back (from the replay: those it reloaded)
+    reloaded: list[int]  # the groups reloaded
+    start: float  # compute's clock where backward began
     forward_states: list[_State]  # the states forward passed, from the change on (kept: else empty)
-    clocks: tuple[list[float], list[float]]  # compute's and the stream's clocks in backward, down
+    passed: tuple[list[float], list[int]]  # compute's clock in backward, down, and where waits came close
 
 
 class Simulation:
@@ -553,23 +666,38 @@ class Simulation:
         self._forward_bytes = _Maxima(np.array(marks.forward, dtype=np.int64))
         self._backward_bytes = _Maxima(np.array(marks.backward, dtype=np.int64))
         self._loss, self._end = marks.loss, marks.end
-        self._held = np.cumsum([0] + [r[0] for r in cols.rows])  # [k]: resident before group k
-        self._grads_from = np.cumsum([0] + [r[5] for r in reversed(cols.rows)])[::-1]  # [k]: of groups k ..
+        self._grads_from = list(accumulate((r[5] for r in reversed(cols.rows)), initial=0))[::-1]  # of groups k ..
         self._movers = [k for k, r in enumerate(cols.rows) if r[1]]
+        self._memory_around: _Around | None = None
+        self._runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run, shared with the plans after
+        self._starts_kept: list[float | None] | None = None
         self._forward_states: list[_State] = []
         _, (self._compute_end, self._copies_end) = _forward(cols.forward_s, cols.out_s, max_inflight, 0,
                                                             (0.0, 0.0, ()), record=self._forward_states)
-        self._in_place = set(self._movers[len(self._movers) - len(self._copies_end):])
-        clocks: tuple[list[float], list[float]] = ([], [])
-        _, self.step_s, ready = _backward(cols.backward_s, _reloads(cols.back_s, self._in_place, prefetch), prefetch,
-                                          n - 1, self._compute_end + profile.outside_s, record=clocks)
-        self._backward = _Backward(clocks[0][::-1], clocks[1][::-1], ready)
+        reloaded = self._movers[:len(self._movers) - len(self._copies_end)]  # the others are used in place
+        self._in_place = set(self._movers[len(reloaded):])
+        start = self._compute_end + profile.outside_s
+        self._margin = _CALM * (start + sum(cols.backward_s))
+        passed: tuple[list[float], list[int]] = ([], [])
+        _, self.step_s, ready = _backward(cols.backward_s, _reloads(cols.back_s, self._in_place, prefetch), reloaded,
+                                          prefetch, n - 1, start, list(range(n)), self._margin, record=passed)
+        self._backward = _Backward(passed[0][::-1], ready, reloaded, start, passed[1][::-1])
         self.peak = self._peak()
 
     @property
     def moves(self) -> bool:
         """Whether the plan moves bytes across the bus."""
         return bool(self._movers)
+
+    @property
+    def movers(self) -> int:
+        """How many groups (as run) move bytes across the bus."""
+        return len(self._movers)
+
+    def movers_after(self, ch: Change) -> int:
+        """How many groups (as run) of the plan after ``ch`` move bytes across the bus."""
+        movers = self._movers
+        return len(movers) - bisect_left(movers, ch.end) + bisect_left(movers, ch.first) + (ch.cols.rows[0][1] > 0)
 
     def plan(self) -> MemoryPlan:
         """The plan, costed (one that moves no bytes has one copy window: none)."""
@@ -583,17 +711,25 @@ class Simulation:
                 + [(f"backward {i}", backward[i]) for i in range(len(backward) - 1, -1, -1)])
 
     def change(self, i: int, move: Sequence[GroupDecision]) -> Change:
-        """The plan with ``move``'s decisions in place of groups ``i ..``'s."""
+        """The plan with ``move``'s decisions in place of groups ``i ..``'s: one group as run
+        (a group's own decision, or a module recomputed whole) in place of one or more."""
         first, end = self._run_of[i], self._run_of[i + len(move) - 1] + 1
         lo, hi = self._starts[first], self._starts[end]
         groups = self.groups[lo:i] + tuple(move) + self.groups[i + len(move):hi]
-        run = _run(self.profile, groups, lo)
-        return Change(groups, lo, hi, first, end, run, _columns(self.profile, run))
+        key = (lo, *map(id, groups))
+        known = self._runs.get(key)
+        if known is None:  # the plans simulated from one another ask about the same few changes
+            run = _run(self.profile, groups, lo)
+            if len(run) != 1:
+                raise ValueError(f"a change runs as one group, not {len(run)}: {groups}")
+            known = self._runs[key] = (groups, run, _columns(self.profile, run))
+        return Change(known[0], lo, hi, first, end, known[1], known[2])
 
     def peak_after(self, ch: Change) -> int:
-        """The modelled peak of the plan after ``ch``."""
-        forward, loss, end, backward = self._checkpoints_after(ch)
-        return max(self.profile.base, loss, end, *map(_most, forward), *map(_most, backward))
+        """The modelled peak of the plan after ``ch`` (its checkpoints kept on ``ch``)."""
+        ch.checkpoints = self._checkpoints_after(ch)
+        forward, loss, end, backward = ch.checkpoints
+        return max(self.profile.base, loss, end, _most(forward), _most(backward))
 
     def step_after(self, ch: Change, keep: bool = False) -> float:
         """The modelled step time of the plan after ``ch`` (``keep``: what :meth:`after` needs
@@ -609,149 +745,301 @@ class Simulation:
         a, b, s, rows = ch.first, ch.end, len(ch.run) - (ch.end - ch.first), ch.cols.rows
         new = object.__new__(Simulation)
         new.profile, new.max_inflight, new.prefetch = self.profile, self.max_inflight, self.prefetch
+        new._memory_around = None
+        new._runs = self._runs
+        new._starts_kept = None
         new.groups = self.groups[:ch.lo] + ch.groups + self.groups[ch.hi:]
-        new._starts = self._starts[:a] + [i for i, _, _ in ch.run] + self._starts[b:]
-        later = self._run_of[ch.hi:]
-        new._run_of = (self._run_of[:ch.lo] + [a + k for k in range(len(ch.run))
-                                              for _ in range(new._starts[a + k + 1] - new._starts[a + k])]
-                       + ([r + s for r in later] if s else later))
+        if len(ch.run) == 1 and b == a + 1:  # one group as run for one: the same groups run
+            new._starts, new._run_of = self._starts, self._run_of
+        else:
+            new._starts = self._starts[:a] + [i for i, _, _ in ch.run] + self._starts[b:]
+            new._run_of = (self._run_of[:ch.lo] + [a + k for k in range(len(ch.run))
+                                                  for _ in range(new._starts[a + k + 1] - new._starts[a + k])]
+                           + [r + s for r in self._run_of[ch.hi:]])
         new._cols = self._cols.spliced(a, b, ch.cols)
-        forward, new._loss, new._end, backward = self._checkpoints_after(ch)
-        new._forward_bytes, new._backward_bytes = _joined(forward), _joined(backward)
-        held = np.cumsum([int(self._held[a])] + [r[0] for r in rows])
-        new._held = np.concatenate((self._held[:a], held, self._held[b + 1:] + (held[-1] - self._held[b])))
-        grads = np.cumsum([int(self._grads_from[b])] + [r[5] for r in reversed(rows)])[:0:-1]
-        new._grads_from = np.concatenate((self._grads_from[:a], grads, self._grads_from[b:]))
+        forward, new._loss, new._end, backward = ch.checkpoints or self._checkpoints_after(ch)
+        new._forward_bytes = _joined(forward, self._forward_bytes)
+        new._backward_bytes = _joined(backward, self._backward_bytes)
+        grads = self._grads_from  # those before the change stand: a module's gradients are its parts'
+        new._grads_from = grads if len(rows) == 1 and b == a + 1 else (
+            grads[:a] + list(accumulate((r[5] for r in reversed(rows)), initial=grads[b]))[:0:-1] + grads[b:])
         ka, kb = bisect_left(self._movers, a), bisect_left(self._movers, b)
-        new._movers = (self._movers[:ka] + [a + k for k, r in enumerate(rows) if r[1]]
-                       + [j + s for j in self._movers[kb:]])
+        later = self._movers[kb:]
+        new._movers = self._movers[:ka] + [a + k for k, r in enumerate(rows) if r[1]] + ([j + s for j in later] if s else later)
         replay = ch.replay or self._replay(ch, keep=True)
         new.step_s, new._compute_end, new._copies_end, new._in_place = replay[:4]
         synced, top, below = replay.synced, replay.top, replay.below
         new._forward_states = (self._forward_states[:a] + replay.forward_states
                                + (self._forward_states[synced - s:] if synced >= 0 else []))
         # below where backward came back, and above where it was replayed from, this plan's
-        was, kept = self._backward, below + 1
+        was, kept, above = self._backward, below + 1, top - s + 1
         started = max(kept - self.prefetch, 0)  # reloads started in the replay: from group started on
-        above = top - s + 1
-        compute, stream = replay.clocks
-        new._backward = _Backward(was.compute[:kept] + compute[::-1] + was.compute[above:],
-                                  was.stream[:kept] + stream[::-1] + was.stream[above:],
-                                  was.ready[:started] + replay.ready[started:top + 1] + was.ready[above:])
+        compute, close = replay.passed
+        new._backward = _Backward(
+            was.compute[:kept] + compute[::-1] + was.compute[above:],
+            was.ready[:started] + replay.ready[started:top + 1] + was.ready[above:], replay.reloaded,
+            replay.start, was.close[:bisect_right(was.close, below)] + close[::-1]
+            + [u + s for u in was.close[bisect_left(was.close, above):]])
+        new._margin = self._margin
         new.peak = new._peak()
         return new
 
     def _peak(self) -> int:
         n = len(self._cols.rows)
-        return max(self.profile.base, self._loss, self._end, self._forward_bytes.max(0, n),
-                   self._backward_bytes.max(0, n))
+        return max(self.profile.base, self._loss, self._end, int(self._forward_bytes.before[-1]) if n else _NONE,
+                   int(self._backward_bytes.before[-1]) if n else _NONE)
+
+    def _reload_starts(self) -> list[float | None]:
+        """:func:`_reloads` of this plan, made once."""
+        if self._starts_kept is None:
+            self._starts_kept = _reloads(self._cols.back_s, self._in_place, self.prefetch)
+        return self._starts_kept
 
     def _last_movers(self, ch: Change, count: int) -> list[int]:
         """The last ``count`` groups (as run) of the plan after ``ch`` that move bytes."""
         if count <= 0:
             return []
         a, b, movers = ch.first, ch.end, self._movers
-        s = len(ch.run) - (b - a)
+        s = a + 1 - b
         out = [j + s for j in movers[max(bisect_left(movers, b), len(movers) - count):]]
-        if len(out) < count:
-            out = [a + k for k, r in enumerate(ch.cols.rows) if r[1]][len(out) - count:] + out
+        if len(out) < count and ch.cols.rows[0][1]:
+            out.insert(0, a)
         if len(out) < count:
             out = movers[:bisect_left(movers, a)][len(out) - count:] + out
         return out
 
+    def _around(self, a: int, b: int) -> _Around:
+        """This plan's memory around its groups ``a .. b - 1`` (as run), the latest kept."""
+        if self._memory_around is not None and self._memory_around[:2] == (a, b):
+            return self._memory_around
+        rows, movers, fwd, bwd = self._cols.rows, self._movers, self._forward_bytes, self._backward_bytes
+        w, n, base = self.max_inflight, len(rows), self.profile.base
+        ka, kb = bisect_left(movers, a), bisect_left(movers, b)
+        flying = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(ka - w, 0):ka])))
+        flew = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(kb - w, 0):kb])))
+        flying += flying[-1:] * (w + 1 - len(flying))  # fewer moved before: the same bytes
+        flew += flew[-1:] * (w + 1 - len(flew))
+        forward: list[tuple[int, int, int | None]] = []
+        start = b
+        for stop in [j + 1 for j in movers[kb:kb + w]] + [n]:  # the most of a suffix at hand, of others when needed
+            forward.append((start, stop, _NONE if start == stop else fwd.max(start, stop) if stop == n else None))
+            start = stop
+        after = b + self.prefetch
+        around = _Around(a, b, int(fwd.values[a]) - base - flying[w] - rows[a][3],
+                         (int(fwd.values[b]) - rows[b][3] if b < n else self._end) - base - flew[w], flying, flew,
+                         forward, fwd.max(0, a) if a else _NONE, bwd.max(0, a) if a else _NONE,
+                         bwd.max(after, n) if after < n else _NONE, self._grads_from[b],
+                         [j + a + 1 - b for j in movers[len(movers) - w:]] if len(movers) - kb >= w else None)
+        self._memory_around = around
+        return around
+
     def _checkpoints_after(self, ch: Change) -> tuple[list[_Piece], int, int, list[_Piece]]:
         """The plan after ``ch``'s checkpoints (forward, loss, end, backward), as pieces of
         this plan's."""
-        rows, new, movers = self._cols.rows, ch.cols.rows, self._movers
+        rows, movers, fwd, bwd = self._cols.rows, self._movers, self._forward_bytes, self._backward_bytes
         w, pf, a, b, base = self.max_inflight, self.prefetch, ch.first, ch.end, self.profile.base
-        n, q = len(rows), len(new)
-        s = q - (b - a)
-        ka, kb = bisect_left(movers, a), bisect_left(movers, b)
-        # forward: as before up to the change, its groups afresh, from the bytes held and in flight
-        in_flight = [rows[j][1] for j in movers[max(ka - w, 0):ka]] if w else []
-        held = int(self._held[a])
-        changed = []
-        for r in new:
-            changed.append(base + held + sum(in_flight) + r[3])
-            held += r[0]
-            if r[1] and w:
-                in_flight = (in_flight + [r[1]])[-w:]
+        n, new, s = len(rows), ch.cols.rows[0], a + 1 - b
+        around = self._around(a, b)
+        # forward: as before up to the change; its group afresh, from what is held and in flight there
+        changed = base + around.held + around.flying[w] + new[3]
+        forward: list[_Piece] = [(fwd, 0, a, 0, around.forward_before), ([changed], 0, 0, 0, changed)]
         # after it, as before but for the bytes it holds more, and those it has more in flight
         # until w more groups have moved
-        more = held - int(self._held[b])
-        was_in_flight = [rows[j][1] for j in movers[max(kb - w, 0):kb]] if w else []
-        forward: list[_Piece] = [(self._forward_bytes, 0, a, 0), (changed, 0, q, 0)]
-        start = b
-        for moved_since, stop in enumerate([j + 1 for j in movers[kb:kb + w]] + [n]):
-            flying = _tail(in_flight, w - moved_since) - _tail(was_in_flight, w - moved_since)
-            forward.append((self._forward_bytes, start, stop, more + flying))
-            start = stop
-        loss, end = self._loss + more + flying, self._end + more + flying
+        more = around.held + new[0] - around.held_was
+        moved = new[1] if w else 0
+        for since, (start, stop, most) in enumerate(around.forward):
+            last = w - since  # of those in flight, the last ones moved before the change's end
+            now = (moved + around.flying[last - 1] if moved else around.flying[last]) if last > 0 else 0
+            flying = more + now - around.flew[max(last, 0)]
+            forward.append((fwd, start, stop, flying, most))
+        loss, end = self._loss + flying, self._end + flying
         # backward: sources in flight at the end of forward are held until their backward
-        ends, was = self._last_movers(ch, w), (movers[-w:] if w else [])
-        # a group before the change that now holds its sources from then on (or no longer does)
-        # holds them the more (the less) from its backward on, but for the groups that would
-        # count them as reloaded ahead
-        joined = {j: rows[j][1] if j in ends else -rows[j][1] for j in set(ends) ^ set(was) if j < a}
-        backward: list[_Piece] = []
-        start = more = 0
-        for j in sorted(joined):
-            stop = min(j + pf + 1, a)
-            backward.append((self._backward_bytes, start, stop, more))
-            start, more = stop, more + joined[j]
-        backward.append((self._backward_bytes, start, a, more))
-        more += (sum(r[0] + (r[1] if a + k in ends else 0) for k, r in enumerate(new))
-                 - sum(rows[j][0] + (rows[j][1] if j in was else 0) for j in range(a, b)))
-
-        def row(t: int) -> _Row:  # a group of the plan after the change
-            return rows[t] if t < a else new[t - a] if t < a + q else rows[t - s]
-
-        # the change's groups and the prefetch after it (what they reload ahead) afresh
-        held = int(self._held[a]) + sum(rows[j][1] for j in ends if j < a)
-        grads = int(self._grads_from[b]) + sum(r[5] for r in new)
-        changed = []
-        for t in range(a, min(n + s, a + q + pf)):
-            r = row(t)
+        held = around.held
+        if around.ends is not None:  # the same groups: max_inflight move after the change
+            ends, shift = around.ends, more
+            backward: list[_Piece] = [(bwd, 0, a, 0, around.backward_before)]
+        else:
+            ends, was = self._last_movers(ch, w), (movers[-w:] if w else [])
+            # a group before the change that now holds its sources then (or no longer does)
+            # holds them the more (the less) from its backward on, but for the groups counting
+            # them as reloaded ahead
+            backward, start, shift = [], 0, 0
+            for j in sorted(set(ends) ^ set(was)):
+                if j >= a:
+                    break
+                stop = min(j + pf + 1, a)
+                backward.append((bwd, start, stop, shift, bwd.max(start, stop) if start < stop else _NONE))
+                start, shift = stop, shift + (rows[j][1] if j in ends else -rows[j][1])
+            backward.append((bwd, start, a, shift, around.backward_before if start == 0 else
+                             bwd.max(start, a) if start < a else _NONE))
+            shift += more + (new[1] if a in ends else 0) - sum(rows[j][1] for j in was if a <= j < b)
+            held += sum(rows[j][1] for j in ends if j < a)
+        # the change's group and the prefetch after it (what they reload ahead) afresh
+        grads = around.grads + new[5]
+        changed_back = []
+        for t in range(a, min(n + s, a + 1 + pf)):
+            r = new if t == a else rows[t - s]
             grads -= r[5]
-            ahead = sum(row(u)[1] for u in range(max(t - pf, 0), t) if u not in ends)
-            changed.append(base + held + ahead + grads + r[4])
+            ahead = 0
+            for u in range(max(t - pf, 0), t):
+                if u not in ends:
+                    ahead += (rows[u] if u < a else new if u == a else rows[u - s])[1]
+            changed_back.append(base + held + ahead + grads + r[4])
             held += r[0] + (r[1] if t in ends else 0)
-        backward += [(changed, 0, len(changed), 0), (self._backward_bytes, b + pf, n, more)]
+        backward += [(changed_back, 0, 0, 0, max(changed_back)), (bwd, b + pf, n, shift, around.backward_from)]
         return forward, loss, end, backward
 
     def _replay(self, ch: Change, keep: bool = False) -> _Replay:
         """The step time of the plan after ``ch``: forward replayed from the change until it is
         back in this plan's state; backward from where the change is first reloaded (from the
         top where forward did not come back), until it is back in this plan's state below the
-        change. ``keep``: also the states passed, which :meth:`after` keeps."""
+        change, summing compute's clock over the runs of groups where this plan came nowhere
+        near a wait. ``keep``: also the states passed, which :meth:`after` keeps."""
         a, b, w, pf = ch.first, ch.end, self.max_inflight, self.prefetch
         q = len(ch.run)
         s = q - (b - a)
         old, new = self._cols, ch.cols
         forward_states: list[_State] = []
-        synced, (compute_end, copies_end) = _forward(new.forward_s + old.forward_s[b:], new.out_s + old.out_s[b:], w, a,
+        synced, (compute_end, copies_end) = _forward(chain(new.forward_s, islice(old.forward_s, b, None)),
+                                                     chain(new.out_s, islice(old.out_s, b, None)), w, a,
                                                      self._forward_states[a], (a + q, s, self._forward_states),
                                                      forward_states if keep else None)
         if synced >= 0:
             compute_end, copies_end = self._compute_end, self._copies_end
-        in_place = set(self._last_movers(ch, len(copies_end)))
+        movers, ka, kb = self._movers, bisect_left(self._movers, a), bisect_left(self._movers, b)
+        later = movers[kb:]
+        movers = movers[:ka] + [a + k for k, r in enumerate(new.rows) if r[1]] + ([j + s for j in later] if s else later)
+        reloaded = movers[:len(movers) - len(copies_end)]  # the others are used in place
+        in_place = set(movers[len(reloaded):])
         n = len(old.rows) + s
+        was = self._backward
         state: tuple[float, float, list[float]] | float
         top = a + q - 1 + pf  # reaching it starts the change's last group's reload
         if synced >= 0 and top < n - 1:  # forward ended as this plan's: so did backward, down to top
-            was = self._backward
-            state = (was.compute[top - s], was.stream[top - s], was.ready[max(top - s - pf + 1, 0):top - s + 1])
+            state, start = was.state(top - s, pf), was.start
         else:
             top, state = n - 1, compute_end + self.profile.outside_s
+            start = state
+        # passed exactly: the change's groups and those reloading them, where this plan came
+        # near a wait, and the groups whose sources now are (or no longer are) used in place
+        close = was.close
+        i, j = bisect_left(close, a), bisect_left(close, b + pf)
+        later_close = close[j:]
+        exact = close[:i] + list(range(a, a + q + pf)) + ([u + s for u in later_close] if s else later_close)
+        moved_in_place = in_place ^ {k + s if k >= b else k for k in self._in_place}
+        if moved_in_place:
+            exact = sorted(set(exact) | {k + d for k in moved_in_place for d in (0, pf)})
         # below the change, where the same groups run in place, backward may come back to this plan's states
-        same_below = {j for j in in_place if j < a} == {j for j in self._in_place if j < a}
-        clocks: tuple[list[float], list[float]] = ([], [])
-        above = top - s + 1  # this plan's groups up to top
-        below, step, ready = _backward(old.backward_s[:a] + new.backward_s + old.backward_s[b:above],
-                                       _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf), pf,
-                                       top, state, (a if same_below else 0, self._backward), clocks if keep else None)
+        same_below = not any(k < a for k in moved_in_place)
+        passed: tuple[list[float], list[int]] = ([], [])
+        replay = partial(_backward, prefetch=pf, j=top, state=state, exact=exact, reloaded=reloaded,
+                         margin=self._margin, sync=(a if same_below else 0, was), record=passed if keep else None)
+        if s:  # a module now runs whole, or no longer: groups as run shift
+            above = top - s + 1  # this plan's groups up to top
+            below, step, ready = replay(old.backward_s[:a] + new.backward_s + old.backward_s[b:above],
+                                        _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf))
+        else:  # one group for one: this plan's lists, with the changed plan's entries while it is replayed
+            backward_s, starts = old.backward_s, self._reload_starts()
+            undo = [(k + pf, starts[k + pf]) for k in moved_in_place | {a}]
+            was_s, backward_s[a] = backward_s[a], new.backward_s[0]
+            for k in moved_in_place | {a}:
+                starts[k + pf] = None if k in in_place else new.back_s[0] if k == a else old.back_s[k]
+            try:
+                below, step, ready = replay(backward_s, starts)
+            finally:
+                backward_s[a] = was_s
+                for k, value in undo:
+                    starts[k] = value
         return _Replay(self.step_s if below >= 0 else step, compute_end, copies_end, in_place, synced, top, below,
-                       ready, forward_states, clocks)
+                       ready, reloaded, start, forward_states, passed)
+
+
+# ---------------------------------------------------------------- many plans at once
+def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: np.ndarray, max_inflight: int,
+                  prefetch: int) -> tuple[list[int], list[float], list[bool]]:
+    """:func:`simulate` of many plans at once: in plan ``m``, group ``j`` takes
+    ``decisions[plans[m, j]]`` (none recomputing a module whole: all plans run the same
+    groups). Returns each plan's modelled peak, step seconds, and whether it moves bytes.
+
+    Memory is :func:`_checkpoints` as sums over the groups; time is :func:`_forward` and
+    :func:`_backward` group by group, each step taken for every plan at once: the same
+    operations in the same order for each plan, so the same bytes and seconds to the last bit."""
+    if any(d.action.whole for d in decisions):
+        raise ValueError("plans recomputing a module whole run other groups: simulate them one by one")
+    groups, w, pf = profile.groups, max_inflight, prefetch
+    n, count = len(groups), plans.shape[0]
+    if not count:
+        return [], [], []
+    table = [_columns(profile, [(j, g, d) for j, g in enumerate(groups)]) for d in decisions]
+    at = (plans, np.arange(n))  # each plan's figure of each group, from the table
+    rows = np.array([c.rows for c in table], dtype=np.int64)
+    resident, moved, own_forward, own_backward = (rows[at + (k,)] for k in (0, 1, 3, 4))
+    grads = rows[0, :, 5]  # a group's gradients, whatever its decision
+    mover = moved > 0
+    # the last w groups that moved before each group (-1: none), and those when backward begins
+    last = np.maximum.accumulate(np.where(mover, np.arange(n), -1), axis=1)
+    before = [np.concatenate((np.full((count, 1), -1), last[:, :-1]), axis=1)]
+    ends = [last[:, -1:]]
+    for _ in range(1, w):
+        before.append(np.where(before[-1] >= 0, np.take_along_axis(before[0], np.maximum(before[-1], 0), 1), -1))
+        ends.append(np.where(ends[-1] >= 0, np.take_along_axis(before[0], np.maximum(ends[-1], 0), 1), -1))
+
+    def moved_at(index: np.ndarray) -> np.ndarray:
+        return np.where(index >= 0, np.take_along_axis(moved, np.maximum(index, 0), 1), 0)
+
+    in_flight = sum((moved_at(b) for b in before[:w]), np.zeros((count, n), dtype=np.int64))
+    held = np.cumsum(resident, axis=1) - resident  # by the groups before each
+    forward = profile.base + held + in_flight + own_forward
+    end = profile.base + held[:, -1] + resident[:, -1] + sum((moved_at(e)[:, 0] for e in ends[:w]), 0)
+    # sources in flight when backward begins are held until their backward, not counted reloaded ahead
+    kept = np.zeros((count, n), dtype=bool)
+    for e in ends[:w]:
+        kept |= (np.arange(n) == e) & (e >= 0)
+    resident_then = resident + np.where(kept, moved, 0)
+    ahead = np.concatenate((np.zeros((count, pf + 1), dtype=np.int64),
+                            np.cumsum(np.where(kept, 0, moved), axis=1)), axis=1)
+    backward = (profile.base + np.cumsum(resident_then, axis=1) - resident_then + ahead[:, pf:pf + n] - ahead[:, :n]
+                + (np.cumsum(grads[::-1])[::-1] - grads) + own_backward)
+    peaks = np.maximum(np.maximum(end + profile.outside_extra, end), profile.base)
+    if n:
+        peaks = np.maximum(peaks, np.maximum(forward.max(axis=1), backward.max(axis=1)))
+    # forward time
+    out_s = np.array([[t or 0.0 for t in c.out_s] for c in table])[at]
+    compute, stream = np.zeros(count), np.zeros(count)
+    copies = np.full((count, w + 1), np.inf)  # ends of copies out not known done, oldest first
+    for k, f in enumerate(table[0].forward_s):  # a group's forward, whatever its decision
+        compute = compute + f
+        starts = mover[:, k]
+        if not w:  # compute waits for each copy: its clock adds the copy's time
+            compute = np.where(starts, compute + out_s[:, k], compute)
+            continue
+        stream = np.where(starts, np.maximum(compute, stream) + out_s[:, k], stream)
+        copies[:, w] = np.where(starts, stream, np.inf)
+        copies = np.sort(np.where(copies <= compute[:, None], np.inf, copies), axis=1)  # done: sources freed
+        over = copies[:, w] < np.inf  # compute waits for the oldest copy
+        compute = np.where(over, np.maximum(compute, copies[:, 0]), compute)
+        copies[:, 0] = np.where(over, np.inf, copies[:, 0])
+        copies.sort(axis=1)
+    # backward time: copies still running are used in place (the last ones moved)
+    running = (copies < np.inf).sum(axis=1)
+    reloads = mover & (np.cumsum(mover[:, ::-1], axis=1)[:, ::-1] > running[:, None])
+    back_s = np.where(reloads, np.array([[t or 0.0 for t in c.back_s] for c in table])[at], 0.0)
+    backward_s = np.array([c.backward_s for c in table])[at]
+    compute = compute + profile.outside_s
+    stream, ready = compute.copy(), np.zeros((count, n))
+
+    def reload(k: int) -> None:
+        nonlocal stream
+        stream = np.where(reloads[:, k], np.maximum(compute, stream) + back_s[:, k], stream)
+        ready[:, k] = np.where(reloads[:, k], stream, 0.0)
+
+    for k in range(n - 1, max(n - 1 - pf, -1), -1):  # reaching the last group: prefetch's reloads
+        reload(k)
+    for j in range(n - 1, -1, -1):
+        if j >= pf:
+            reload(j - pf)
+        compute = np.maximum(compute, ready[:, j]) + backward_s[:, j]
+    return [int(p) for p in peaks], compute.tolist(), mover.any(axis=1).tolist()
 
 
 _AS_GROUP = {Action.RECOMPUTE_WHOLE: GroupDecision(Action.RECOMPUTE),

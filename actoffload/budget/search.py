@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from .actions import Action, GroupDecision
-from .costmodel import Change, MemoryPlan, Profile, Simulation, Work, unmodelled_work
+from .costmodel import Change, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -48,14 +50,40 @@ def candidates(profile: Profile) -> list[MemoryPlan]:
     n = len(profile.groups)
     keep_all = (KEEP,) * n
     out = [evaluated(profile, keep_all, 0, 0)]
+    shared = _Shared()
     for w in WINDOWS:
         for pf in PREFETCHES:
-            out += _greedy_path(profile, evaluated(profile, keep_all, w, pf), w, pf)
+            out += _greedy_path(profile, evaluated(profile, keep_all, w, pf), w, pf, shared)
     out += _families(profile)
     return out
 
 
 Move = tuple[GroupDecision, ...]
+
+
+class _Shared:
+    """Scores of moves, shared by the paths of one search. Paths that took the same moves from
+    the same plan stand at the same plan; and a plan moving bytes in ``k`` groups costs the
+    same whatever window beyond ``k`` (one moving none, whatever window and prefetch): a move
+    scored on one path is scored for every path that cannot tell the windows apart."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, int, tuple[int, ...]], int] = {}  # (plan, group, move): the plan after
+        self._scores: dict[tuple[int, ...], float] = {}
+
+    def plan_after(self, plan: int, i: int, move: Move) -> int:
+        """The plan taking ``move`` at group ``i`` leads to (plans are numbered as reached)."""
+        return self._plans.setdefault((plan, i, tuple(map(id, move))), len(self._plans) + 1)
+
+    def score(self, plan: int, i: int, move: Move, windows: tuple[int, int, int, int],
+              scored: Callable[[], float]) -> float:
+        """The score of ``move`` at group ``i`` of ``plan``, as ``scored`` gives it where no
+        path with the same ``windows`` (the plan's and the move's, as far as they matter)
+        scored it yet."""
+        key = (plan, i, *map(id, move), *windows)
+        if key not in self._scores:
+            self._scores[key] = scored()
+        return self._scores[key]
 
 
 class _Standing:
@@ -102,7 +130,8 @@ class _Standing:
             self._changes[i] += 1
 
 
-def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list[MemoryPlan]:
+def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
+                 shared: _Shared | None = None) -> list[MemoryPlan]:
     """From ``current``, take the move with the best score (modelled peak saved per second
     added) until no move saves memory.
 
@@ -113,19 +142,30 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list
     memory, though not always at the same plan (scores do rise as other moves are made).
     Evaluating every move at every step instead grows with the cube of the groups. A move
     is costed next to the current plan (:class:`~.costmodel.Simulation`), its time only
-    where it saves memory (else its score is 0 whatever its time)."""
+    where it saves memory (else its score is 0 whatever its time).
+
+    ``shared``: scores shared with the other paths of a search (:class:`_Shared`), all from
+    the same ``current``."""
     sim = Simulation(profile, current.groups, w, pf)
+    plan = 0  # the plan the path stands at, as numbered in shared
     path: list[MemoryPlan] = []
     standing = _Standing(len(profile.groups))
     enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
 
-    def score(change: Change, likely_taken: bool = False) -> float:
+    def score(i: int, move: Move, change: Change, likely_taken: bool = False) -> float:
+        if shared is None:
+            return costed(change, likely_taken)
+        movers, after = sim.movers, sim.movers_after(change)
+        windows = (min(w, movers), pf if movers else 0, min(w, after), pf if after else 0)
+        return shared.score(plan, i, move, windows, lambda: costed(change, likely_taken))
+
+    def costed(change: Change, likely_taken: bool) -> float:
         saved = sim.peak - sim.peak_after(change)
         return saved / max(sim.step_after(change, likely_taken) - sim.step_s, 1e-9) if saved > 0 else 0.0
 
     def find(i: int) -> None:
         for m in moves(profile, sim.groups, i):
-            s = score(sim.change(i, m))
+            s = score(i, m, sim.change(i, m))
             if s > 0:
                 standing.add(s, i, m)
 
@@ -137,7 +177,7 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list
     while standing:
         i, move = standing.pop()
         change = sim.change(i, move)
-        s = score(change, likely_taken=True)
+        s = score(i, move, change, likely_taken=True)
         if s <= 0 or (standing and s < standing.best):
             if s > 0:
                 standing.add(s, i, move)  # no longer first: judged again in its turn
@@ -146,6 +186,8 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int) -> list
             continue
         sim = sim.after(change)
         path.append(sim.plan())
+        if shared is not None:
+            plan = shared.plan_after(plan, i, move)
         # moves touching the groups it changed, or the module they are parts of, were found
         # against their old actions: found again
         changed = set(range(i, i + len(move)))
@@ -164,52 +206,82 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     also with those groups' inputs offloaded; recompute every group with the first k
     groups' inputs offloaded; where groups are the parts of modules, the same two with those
     modules recomputed whole; and offload the first j groups whole while recomputing the
-    others with their inputs offloaded. Each family's plans differ one from the next in one
-    group (or module): each is simulated next to the one before."""
+    others with their inputs offloaded. A family's plans run the same groups, and are
+    simulated at once; those recomputing modules whole differ one from the next in one
+    module: each is simulated next to the one before."""
     n = len(profile.groups)
     recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
     out: list[MemoryPlan] = []
     recompute, recompute_offload = _decision(Action.RECOMPUTE), _decision(Action.RECOMPUTE_OFFLOAD)
     keep_all = (KEEP,) * n
+    # the first k recomputed (windows (0, 0)), or recomputed with their inputs moved out ((1, 1), (2, 2))
+    (recomputed,) = _firsts(profile, keep_all, recompute, recomputable, [(0, 0)])
+    moved_out = _firsts(profile, keep_all, recompute_offload, recomputable, [(1, 1), (2, 2)])
+    for plans in zip(recomputed, *moved_out):
+        out += plans
+    # everything recomputed, the first k groups' inputs moved out: held longest, they are
+    # what checkpointing every group keeps at the end of forward
+    everything = tuple(recompute if g.inputs is not None else KEEP for g in profile.groups)
+    for plans in zip(*_firsts(profile, everything, recompute_offload, recomputable[:-1], [(1, 1), (2, 2)])):
+        out += plans
+    # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
+    # inputs moved out; and all of them, the first k's inputs moved out
+    if profile.wholes:
+        out += _wholes(profile)
+    # the least memory: the first groups' backward comes last, with every gradient made; a group
+    # reloaded there skips its recomputation's peak
+    offload = _decision(Action.OFFLOAD)
+    start = tuple(offload if g.inputs is None else recompute_offload for g in profile.groups)
+    for plans in zip(*_firsts(profile, start, offload, range(n), [(0, 0), (1, 1)])):
+        out += plans
+    return out
+
+
+def _firsts(profile: Profile, start: tuple[GroupDecision, ...], decision: GroupDecision, groups: Sequence[int],
+            windows: Sequence[tuple[int, int]]) -> list[list[MemoryPlan]]:
+    """For each copy window, the plans taking ``decision`` for the first k of ``groups``
+    (k = 1, 2, ..) and ``start``'s for the others, simulated at once."""
+    decisions = list(dict.fromkeys(start + (decision,)))
+    plans = np.tile([decisions.index(d) for d in start], (len(groups), 1))
+    taken, made = decisions.index(decision), []
+    current = list(start)
+    for k, j in enumerate(groups):
+        plans[k:, j] = taken
+        current[j] = decision
+        made.append(tuple(current))
+    out = []
+    for w, pf in windows:
+        peaks, steps, moving = simulate_each(profile, decisions, plans, w, pf)
+        out.append([MemoryPlan(g, w if m else 0, pf if m else 0, peak, step)
+                    for g, peak, step, m in zip(made, peaks, steps, moving)])
+    return out
+
+
+def _wholes(profile: Profile) -> list[MemoryPlan]:
+    """The families recomputing modules whole (:func:`_families`), each plan simulated next to
+    the one before."""
+    out: list[MemoryPlan] = []
+    keep_all = (KEEP,) * len(profile.groups)
 
     def families(groups: tuple[GroupDecision, ...], windows: Sequence[tuple[int, int]]) -> list[Simulation]:
         return [Simulation(profile, groups, w, pf) for w, pf in windows]
 
     def then(sims: list[Simulation], i: int, decisions: Sequence[GroupDecision]) -> list[Simulation]:
-        """Each plan with group ``i`` on taking ``decisions``, added to the plans made."""
+        """Each plan with module ``i`` on taking ``decisions``, added to the plans made."""
         sims = [sim.after(sim.change(i, (d,) + _inside(profile, i, d))) for sim, d in zip(sims, decisions)]
         out.extend(sim.plan() for sim in sims)
         return sims
 
-    # the first k recomputed (windows (0, 0)), or recomputed with their inputs moved out ((1, 1), (2, 2))
+    whole, whole_offload = _decision(Action.RECOMPUTE_WHOLE), _decision(Action.RECOMPUTE_WHOLE_OFFLOAD)
+    every_whole = list(keep_all)
+    for m in profile.wholes:
+        every_whole[m.first:m.first + m.parts] = (whole,) + _inside(profile, m.first, whole)
     by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2)])
-    for i in recomputable:
-        by_hand = then(by_hand, i, (recompute, recompute_offload, recompute_offload))
-    # everything recomputed, the first k groups' inputs moved out: held longest, they are
-    # what checkpointing every group keeps at the end of forward
-    everything = tuple(recompute if g.inputs is not None else KEEP for g in profile.groups)
-    sims = families(everything, [(1, 1), (2, 2)])
-    for i in recomputable[:-1]:
-        sims = then(sims, i, (recompute_offload,) * 2)
-    # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
-    # inputs moved out; and all of them, the first k's inputs moved out
-    if profile.wholes:
-        whole, whole_offload = _decision(Action.RECOMPUTE_WHOLE), _decision(Action.RECOMPUTE_WHOLE_OFFLOAD)
-        every_whole = list(keep_all)
-        for m in profile.wholes:
-            every_whole[m.first:m.first + m.parts] = (whole,) + _inside(profile, m.first, whole)
-        by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2)])
-        all_whole = families(tuple(every_whole), [(1, 1), (2, 2)])
-        for k, m in enumerate(profile.wholes):
-            by_hand = then(by_hand, m.first, (whole, whole_offload, whole_offload))
-            if k + 1 < len(profile.wholes):
-                all_whole = then(all_whole, m.first, (whole_offload,) * 2)
-    # the least memory: the first groups' backward comes last, with every gradient made; a group
-    # reloaded there skips its recomputation's peak
-    offload = _decision(Action.OFFLOAD)
-    sims = families(tuple(offload if g.inputs is None else recompute_offload for g in profile.groups), [(0, 0), (1, 1)])
-    for i in range(n):
-        sims = then(sims, i, (offload,) * 2)
+    all_whole = families(tuple(every_whole), [(1, 1), (2, 2)])
+    for k, m in enumerate(profile.wholes):
+        by_hand = then(by_hand, m.first, (whole, whole_offload, whole_offload))
+        if k + 1 < len(profile.wholes):
+            all_whole = then(all_whole, m.first, (whole_offload,) * 2)
     return out
 
 
