@@ -92,9 +92,12 @@ def node_sequence_nr(node: Any) -> int:
 sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
 
+_graph_task_id = torch._C._current_graph_task_id  # (-1: no backward pass runs on this thread)
+
+
 def in_backward() -> bool:
     """Whether this thread is running a backward pass (checkpoint recomputes there)."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 def backward_keeps_graph() -> bool:
@@ -157,14 +160,15 @@ def not_traced(fn: F) -> F:
     ``torch.compiler.disable``'s wrapper costs about a microsecond a call, and a step crosses
     four for each of its groups. Dynamo never compiles the dispatching call itself (its code is
     skipped, and it calls no Python function of ours before choosing), and one tracing a caller
-    breaks the graph at it, as at any disabled function."""
+    breaks the graph at it, as at any disabled function. Positional arguments only: taking
+    keywords would cost a dict a call."""
     untraced = torch.compiler.disable(fn, recursive=True)
 
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any) -> Any:
         if _dynamo_callback() is not None or torch.compiler._is_compiling_flag:  # (is_compiling(), set by export too)
-            return untraced(*args, **kwargs)
-        return fn(*args, **kwargs)
+            return untraced(*args)
+        return fn(*args)
 
     _skip_code(call.__code__)  # type: ignore[attr-defined]  # (one code object for every function this wraps)
     call._torchdynamo_disable = True  # type: ignore[attr-defined]

@@ -35,14 +35,15 @@ MovedT = TypeVar("MovedT", bound=Moved)
 
 _OPEN: dict[str, Any] = {}  # the stats() entry of a group still open: none (never written to)
 
-# .open: name of the group open on this thread (groups do not nest); .whole: it is a module
-# run whole in place of its parts, which open no groups of their own
-_local = threading.local()
+# The group open on each thread (groups do not nest), by thread id: its name, and whether it is a
+# module run whole in place of its parts, which open no groups of their own. (A dict, not a
+# threading.local: reading a thread-local's attribute cost as much as the rest of the check.)
+_open_on: dict[int, tuple[str, bool]] = {}
 
 
 def group_open() -> bool:
     """Whether an offload group is open on this thread (ops skip offload work otherwise)."""
-    return getattr(_local, "open", None) is not None
+    return threading.get_ident() in _open_on
 
 
 class Engine(Generic[GroupT, MovedT]):
@@ -58,6 +59,10 @@ class Engine(Generic[GroupT, MovedT]):
         self.keep_last = keep_last if plan.keep_last is None else plan.keep_last
         self.plan = plan  # what each group does (the plan decides; the engine asks it)
         self._host = host
+        # Backward may run on other threads than the forward, and stats() be read from any: this
+        # lock orders what they change (a group reached, or kept for backward; a step begun).
+        # What the forward's thread alone changes (the stats window, the pending groups) goes
+        # without it, and stats() reads copies of those, each taken at once.
         self._lock = threading.RLock()
         # exited, not yet committed, in exit order (which is open order: groups do not nest)
         self._pending: collections.deque[weakref.ref[GroupT]] = collections.deque()
@@ -149,15 +154,16 @@ class Engine(Generic[GroupT, MovedT]):
             if not self._backward_began:
                 self._backward_begins()
             return None
-        open_name = getattr(_local, "open", None)
-        if open_name is not None:
-            if getattr(_local, "whole", False):
+        me = threading.get_ident()
+        opened = _open_on.get(me)
+        if opened is not None:
+            open_name, whole = opened
+            if whole:
                 return None  # a part of a module run whole: that module's group holds its saves
             raise RuntimeError(
                 f"cannot open group {name!r} inside group {open_name!r}: groups do not nest (R2); "
                 "close the outer group first, or wrap the inner modules instead of the outer one"
             )
-        me = threading.get_ident()
         if self._owner is None:
             with self._lock:
                 if self._owner is None:
@@ -184,27 +190,26 @@ class Engine(Generic[GroupT, MovedT]):
             opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else OFFLOAD
             if not opening.hooked:
                 return None  # autograd holds what it saves, as without an offloader
-        with self._lock:
-            self._step_begun = False
-            unique = name
-            if name in self._window:  # "name#k": counted on from the last k given, not from 2
-                k = self._repeats.get(name, 1)
-                while unique in self._window:
-                    k += 1
-                    unique = f"{name}#{k}"
-                self._repeats[name] = k
-            position = len(self._window)
-            self._window[unique] = _OPEN  # (not in stats() until it exits)
-            prev = self._last_group() if self._last_group is not None and self._prefetches else None
-            # a node of the graph that tells whether backward reaches prev (graph.py), only
-            # where reloading ahead may go there: each costs a node its Python object
-            links = prev is not None and self._may_reload_ahead_to(prev)
-            group = self._new_group(unique, prev if links else None, compat.sequence_nr() if self._prefetches else 0)
-            if links:
-                group.link_tries = graph.LINK_TRIES
-            group.position, group.recomputable, group.parts = position, recomputable, parts
-            if self._prefetches:
-                self._last_group = weakref.ref(group)
+        self._step_begun = False
+        unique = name
+        if name in self._window:  # "name#k": counted on from the last k given, not from 2
+            k = self._repeats.get(name, 1)
+            while unique in self._window:
+                k += 1
+                unique = f"{name}#{k}"
+            self._repeats[name] = k
+        position = len(self._window)
+        self._window[unique] = _OPEN  # (not in stats() until it exits)
+        prev = self._last_group() if self._last_group is not None and self._prefetches else None
+        # a node of the graph that tells whether backward reaches prev (graph.py), only where
+        # reloading ahead may go there: each costs a node its Python object
+        links = prev is not None and self._may_reload_ahead_to(prev)
+        group = self._new_group(unique, prev if links else None, compat.sequence_nr() if self._prefetches else 0)
+        if links:
+            group.link_tries = graph.LINK_TRIES
+        group.position, group.recomputable, group.parts = position, recomputable, parts
+        if self._prefetches:
+            self._last_group = weakref.ref(group)
         if outer is not None:
             pack, unpack = self._delegating_hooks(group, outer)
         else:
@@ -222,7 +227,7 @@ class Engine(Generic[GroupT, MovedT]):
                 pack, unpack = self._pack_open, self._unpack_open
         self._open_group = group
         compat.push_saved_tensors_hooks(pack, unpack)
-        _local.open, _local.whole = name, bool(parts)
+        _open_on[me] = (name, bool(parts))
         return group
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
@@ -269,25 +274,24 @@ class Engine(Generic[GroupT, MovedT]):
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:
             return
-        _local.open = None  # (whole is read only while a group is open)
+        del _open_on[threading.get_ident()]
         compat.pop_saved_tensors_hooks()
         self._open_group = None
         if self._prefetches:
             group.end_seq = compat.sequence_nr()
         if group.state is not GroupState.INERT and "closing" in self._asks:
             self.plan.closing(group)
-        with self._lock:
-            if failed:
-                # Never committed; it stays with its graph and is freed with it (R8).
-                group.state = GroupState.ABORTED
-                self._window.pop(group.name, None)
-                return
-            self._window[group.name] = group.summary
-            if group.state is GroupState.INERT:
-                return
-            group.state = GroupState.PENDING
-            group.exited_at = self._openings
-            self._pending.append(weakref.ref(group))
+        if failed:
+            # Never committed; it stays with its graph and is freed with it (R8).
+            group.state = GroupState.ABORTED
+            self._window.pop(group.name, None)
+            return
+        self._window[group.name] = group.summary
+        if group.state is GroupState.INERT:
+            return
+        group.state = GroupState.PENDING
+        group.exited_at = self._openings
+        self._pending.append(weakref.ref(group))
         if group.recompute:
             # What a recomputed group saves are its module's inputs, which the caller may write
             # in place once the forward is over (``h += block(h)``, which autograd allows where
@@ -307,18 +311,16 @@ class Engine(Generic[GroupT, MovedT]):
         is due ``keep_last`` openings after its exit: the due ones are the first to have exited.
         """
         self._openings += opening
-        due: list[GroupT] = []
-        with self._lock:
-            pending = self._pending
-            while pending:
-                g = pending[0]()
-                if g is not None and g.state is GroupState.PENDING:  # (else freed with its graph, or reached)
-                    if self._openings - g.exited_at < self.keep_last:
-                        break
-                    due.append(g)
+        pending = self._pending
+        while pending:
+            g = pending[0]()
+            if g is not None and g.state is GroupState.PENDING:  # (else freed with its graph, or reached)
+                if self._openings - g.exited_at < self.keep_last:
+                    return
                 pending.popleft()
-        for g in due:
-            self._commit(g)
+                self._commit(g)
+            else:
+                pending.popleft()
 
     # ------------------------------------------------------------------ deciding
     def _plan(self, group: GroupT, committed: bool) -> policy.SavePlan:
@@ -332,11 +334,12 @@ class Engine(Generic[GroupT, MovedT]):
             moved_earlier=self._moved_earlier if committed else None,
             move_at_most=self.plan.move_at_most(group) if "move_at_most" in self._asks else None,
         )
-        summary = group.summary  # (the window's too: updated in place)
-        summary.clear()
-        summary.update(plan.summary())
+        summary = plan.summary()
         if group.recompute:  # what it saved are its inputs; the rest comes back by recomputing
             summary["recomputed"] = True
+        if self._window.get(group.name) is group.summary:  # (not after a step began with a group of its name)
+            self._window[group.name] = summary
+        group.summary = summary
         return plan
 
     def _moved_earlier(self, key: int, aliases: list[policy.SavedFact]) -> bool:
@@ -609,12 +612,12 @@ class Engine(Generic[GroupT, MovedT]):
     # ------------------------------------------------------------------ stats
     def _stats(self) -> dict[str, Any]:
         with self._lock:
-            for ref in self._pending:  # not committed yet: report as keep_last would leave them
+            for ref in list(self._pending):  # not committed yet: report as keep_last would leave them
                 g = ref()
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in self._window.items() if s}
+                      for name, s in list(self._window.items()) if s}
         in_use, pooled = self._host_bytes()
         return {
             "impl": self.impl,

@@ -244,9 +244,9 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             else:
                 out = base.forward(self, *args, **kwargs)
         except BaseException:
-            _close(group, failed=True)
+            _close(group, True)  # (failed; positional: not_traced takes no keywords)
             raise
-        _close(group, failed=False)
+        _close(group, False)
         return out
 
     def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:

@@ -343,7 +343,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     # ------------------------------------------------------------------ reload
     def _backward_reaches(self, group: FastGroup) -> None:
-        self._reap()  # first free what finished copies no longer need, then allocate reloads
+        if self._inflight:  # first free what finished copies no longer need, then allocate reloads
+            self._reap()
         if not self._start_reload(group):
             with self._lock:
                 rest, group.reload_rest = group.reload_rest, []
