@@ -29,9 +29,9 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property
 from itertools import accumulate, chain, count, islice
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -410,8 +410,10 @@ def _forward(forward_s: Iterable[float], out_s: Iterable[float | None], max_infl
     return -1, (c, tuple(copying))
 
 
-_CALM = 1e-9  # of compute's clock: a wait this close (or closer) to happening is replayed afresh
+_CALM = 1e-9  # of the step's clocks: a wait this close (or closer) to happening is replayed afresh
+_ROUNDING = 1e-11  # of a step's clocks: far above what rounding them can add up to (a step of <= 10^4 groups)
 _RUN = 8  # groups: a shorter run is replayed group by group (summing it at once costs more)
+_LONG = 64  # groups: a longer run is summed by numpy (which costs more to begin)
 
 
 class _Backward(NamedTuple):
@@ -434,8 +436,8 @@ class _Backward(NamedTuple):
         return self.compute[j], stream, self.ready[max(j - prefetch + 1, 0):j + 1]
 
 
-def _backward(backward_s: list[float], starts: list[float | None], reloaded: list[int], prefetch: int, j: int,
-              state: tuple[float, float, list[float]] | float, exact: list[int], margin: float,
+def _backward(backward_s: list[float], xs: np.ndarray, starts: list[float | None], reloaded: list[int], prefetch: int,
+              j: int, state: tuple[float, float, list[float]] | float, exact: list[int], margin: float,
               sync: tuple[int, _Backward] | None = None,
               record: tuple[list[float], list[int]] | None = None) -> tuple[int, float, list[float]]:
     """Backward time from group ``j`` down: a group's reload starts when backward reaches it
@@ -447,7 +449,8 @@ def _backward(backward_s: list[float], starts: list[float | None], reloaded: lis
 
     Where a plan alike but for a shift of every clock neither waited nor came close (all but
     the groups ``exact``, in order), no reload is waited for and each starts when reached:
-    compute's clock just adds up, and such a run is summed at once (the same additions).
+    compute's clock just adds up, and such a run is summed at once (the same additions; ``xs``
+    holds ``backward_s`` for numpy to sum long runs).
 
     Returns ``(-1, step seconds, ready times)``, or ``(j, 0.0, ready times)`` for a group
     ``j < below`` reached in the state another plan's backward (``sync = (below, that
@@ -466,32 +469,42 @@ def _backward(backward_s: list[float], starts: list[float | None], reloaded: lis
         c, h = state[0], state[1]
         ready[j + 1 - len(state[2]):j + 1] = state[2]
     below, other = sync or (0, None)
-    look = True  # for the other plan's state, below: at first, and while compute's clocks agree or after a wait
+    look = other is not None  # for the other plan's state, below: at first, while compute's clocks agree, after a wait
     e = bisect_right(exact, j) - 1  # exact[e]: the next group passed exactly
+    following = exact[e] if e >= 0 else -1
     while j >= 0:
-        if look and j < below and other is not None:
-            look = c == other.compute[j]
+        if look and j < below:
+            look = c == other.compute[j]  # type: ignore[union-attr]
             if look:
-                theirs = other.state(j, prefetch)
+                theirs = other.state(j, prefetch)  # type: ignore[union-attr]
                 if ((h == theirs[1] or (h <= c and theirs[1] <= c))
                         and ready[max(j - prefetch + 1, 0):j + 1] == theirs[2]):
                     return j, 0.0, ready
-        following = exact[e] if e >= 0 else -1
-        if following < j - _RUN and h <= c and max(ready[max(j - prefetch + 1, 0):j + 1], default=0.0) <= c:
+        if following < j - _RUN and h <= c and (not prefetch or ready[j] <= c) and (
+                prefetch < 2 or max(ready[max(j - prefetch + 1, 0):j + 1]) <= c):
             # no wait down to the next group passed exactly: compute's clock adds up
-            clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
-                                    initial=c))
+            clock: Sequence[float] | np.ndarray
+            if j - following > _LONG:  # numpy adds one after the other too, and sooner
+                clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0 else xs[j::-1])))
+                if record is not None:
+                    clock = clock.tolist()
+            else:
+                clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
+                                        initial=c))
             lowest, highest = bisect_left(reloaded, following + 1 - prefetch), bisect_right(reloaded, j - prefetch)
             # each reload started on the way starts when reached (the stream is idle); those
             # waited for later, and the last (the stream's clock), matter beyond the run
             for k in reloaded[lowest:highest if record is not None else min(highest, lowest + prefetch + 1)]:
-                ready[k] = clock[j - k - prefetch] + starts[k + prefetch]  # type: ignore[operator]
+                ready[k] = float(clock[j - k - prefetch]) + starts[k + prefetch]  # type: ignore[operator]
             if highest > lowest:
                 h = ready[reloaded[lowest]]
             if record is not None:
                 record[0].extend(clock[:-1])
-            c, j = clock[-1], following
+            c, j = float(clock[-1]), following
             continue
+        if following == j:
+            e -= 1
+            following = exact[e] if e >= 0 else -1
         t = starts[j]
         if record is not None:
             record[0].append(c)
@@ -507,8 +520,6 @@ def _backward(backward_s: list[float], starts: list[float | None], reloaded: lis
             c = r
             look = True
         c += backward_s[j]
-        if following == j:
-            e -= 1
         j -= 1
     return -1, c, ready
 
@@ -614,7 +625,7 @@ class Change:
     place from group ``i`` on. As run, the simulated plan's groups ``first .. end - 1``
     become ``run`` (a module recomputed whole runs as one group, so their number may change)."""
 
-    __slots__ = ("groups", "lo", "hi", "first", "end", "run", "cols", "checkpoints", "replay")
+    __slots__ = ("groups", "lo", "hi", "first", "end", "run", "cols", "checkpoints", "replay", "sums")
 
     def __init__(self, groups: tuple[GroupDecision, ...], lo: int, hi: int, first: int, end: int,
                  run: list[tuple[int, GroupProfile, GroupDecision]], cols: _Columns):
@@ -622,6 +633,7 @@ class Change:
         self.first, self.end, self.run, self.cols = first, end, run, cols
         self.checkpoints: tuple[list[_Piece], int, int, list[_Piece]] | None = None  # :meth:`Simulation.peak_after`'s
         self.replay: _Replay | None = None  # its step, replayed and kept (:meth:`Simulation.step_after`)
+        self.sums: tuple[float, float] | None = None  # :meth:`Simulation._sums_after`'s
 
 
 class _Replay(NamedTuple):
@@ -653,6 +665,11 @@ class Simulation:
     afresh, in the same order: the same bytes, and the same seconds to the last bit.
     """
 
+    __slots__ = ("profile", "groups", "max_inflight", "prefetch", "peak", "step_s", "_starts", "_run_of", "_cols",
+                 "_forward_bytes", "_backward_bytes", "_loss", "_end", "_grads_from", "_movers", "_memory_around",
+                 "_runs", "_starts_kept", "_fw", "_clock", "_forward_states", "_compute_end", "_copies_end",
+                 "_in_place", "_margin", "_work", "_copies", "_xs", "_backward")
+
     def __init__(self, profile: Profile, groups: Sequence[GroupDecision], max_inflight: int, prefetch: int):
         self.profile, self.groups = profile, tuple(groups)
         self.max_inflight, self.prefetch = max_inflight, prefetch
@@ -671,16 +688,29 @@ class Simulation:
         self._memory_around: _Around | None = None
         self._runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run, shared with the plans after
         self._starts_kept: list[float | None] | None = None
-        self._forward_states: list[_State] = []
-        _, (self._compute_end, self._copies_end) = _forward(cols.forward_s, cols.out_s, max_inflight, 0,
-                                                            (0.0, 0.0, ()), record=self._forward_states)
+        self._fw = np.array([(f, t or 0.0) for f, t in zip(cols.forward_s, cols.out_s)]).reshape(n, 2)
+        self._clock: np.ndarray | None = None
+        self._forward_states: list[_State] = []  # with a copy window (else the clock says all)
+        if max_inflight:
+            _, (self._compute_end, self._copies_end) = _forward(cols.forward_s, cols.out_s, max_inflight, 0,
+                                                                (0.0, 0.0, ()), record=self._forward_states)
+        else:
+            self._compute_end, self._copies_end = float(self._forward_clock()[-1]), ()
         reloaded = self._movers[:len(self._movers) - len(self._copies_end)]  # the others are used in place
         self._in_place = set(self._movers[len(reloaded):])
         start = self._compute_end + profile.outside_s
-        self._margin = _CALM * (start + sum(cols.backward_s))
+        # what compute's clock goes through whatever the waits (a lower bound of the step), and
+        # the copies' seconds (compute waits no longer than the copy streams run: with them, a
+        # bound of every clock)
+        self._work = (sum(cols.forward_s) + profile.outside_s + sum(cols.backward_s)
+                      + (0.0 if max_inflight else sum(t or 0.0 for t in cols.out_s)
+                         + (0.0 if prefetch else sum(t or 0.0 for t in cols.back_s))))
+        self._copies = sum(t or 0.0 for t in cols.out_s) + sum(t or 0.0 for t in cols.back_s)
+        self._margin = _CALM * (self._work + self._copies)
         passed: tuple[list[float], list[int]] = ([], [])
-        _, self.step_s, ready = _backward(cols.backward_s, _reloads(cols.back_s, self._in_place, prefetch), reloaded,
-                                          prefetch, n - 1, start, list(range(n)), self._margin, record=passed)
+        self._xs = np.array(cols.backward_s)
+        _, self.step_s, ready = _backward(cols.backward_s, self._xs, _reloads(cols.back_s, self._in_place, prefetch),
+                                          reloaded, prefetch, n - 1, start, list(range(n)), self._margin, record=passed)
         self._backward = _Backward(passed[0][::-1], ready, reloaded, start, passed[1][::-1])
         self.peak = self._peak()
 
@@ -693,6 +723,14 @@ class Simulation:
     def movers(self) -> int:
         """How many groups (as run) move bytes across the bus."""
         return len(self._movers)
+
+    def movers_with(self, i: int, move: Sequence[GroupDecision]) -> int:
+        """How many groups (as run) move bytes across the bus in the plan with ``move``'s
+        decisions in place of groups ``i ..``'s (:meth:`change`)."""
+        a = self._run_of[i]
+        if len(move) == 1 and not move[0].action.whole and self._starts[a + 1] == self._starts[a] + 1:
+            return len(self._movers) - (self._cols.rows[a][1] > 0) + (_row(move[0], self.profile.groups[i])[1] > 0)
+        return self.movers_after(self.change(i, move))
 
     def movers_after(self, ch: Change) -> int:
         """How many groups (as run) of the plan after ``ch`` move bytes across the bus."""
@@ -731,6 +769,29 @@ class Simulation:
         forward, loss, end, backward = ch.checkpoints
         return max(self.profile.base, loss, end, _most(forward), _most(backward))
 
+    def least_step_after(self, ch: Change) -> float:
+        """A step time the plan after ``ch`` cannot beat, costing next to nothing: compute's
+        clock goes through every forward and backward (and, without a copy window, waits for
+        every copy out, and without prefetch for every reload too), so a change adds at least
+        what it adds to those; less what this plan waits beyond them (a change may spare those
+        waits), and a margin far above rounding."""
+        work, copies = self._sums_after(ch)
+        return work - _CALM * (work + copies)
+
+    def _sums_after(self, ch: Change) -> tuple[float, float]:
+        """What compute's clock goes through whatever the waits in the plan after ``ch``, and
+        its copies' seconds (kept on ``ch``)."""
+        if ch.sums is not None:
+            return ch.sums
+        a, b, old, new = ch.first, ch.end, self._cols, ch.cols
+        work = sum(new.forward_s) + sum(new.backward_s) - sum(old.forward_s[a:b]) - sum(old.backward_s[a:b])
+        out = sum(t or 0.0 for t in new.out_s) - sum(t or 0.0 for t in old.out_s[a:b])
+        back = sum(t or 0.0 for t in new.back_s) - sum(t or 0.0 for t in old.back_s[a:b])
+        if not self.max_inflight:
+            work += out + (0.0 if self.prefetch else back)
+        ch.sums = self._work + work, self._copies + out + back
+        return ch.sums
+
     def step_after(self, ch: Change, keep: bool = False) -> float:
         """The modelled step time of the plan after ``ch`` (``keep``: what :meth:`after` needs
         of its replay kept on ``ch``, for a change likely taken)."""
@@ -757,6 +818,13 @@ class Simulation:
                                                   for _ in range(new._starts[a + k + 1] - new._starts[a + k])]
                            + [r + s for r in self._run_of[ch.hi:]])
         new._cols = self._cols.spliced(a, b, ch.cols)
+        if s:
+            new._xs = np.array(new._cols.backward_s)
+            new._fw = np.array([(f, t or 0.0) for f, t in zip(new._cols.forward_s, new._cols.out_s)]).reshape(-1, 2)
+        else:
+            new._xs, new._fw = self._xs.copy(), self._fw.copy()
+            new._xs[a] = ch.cols.backward_s[0]
+            new._fw[a] = ch.cols.forward_s[0], ch.cols.out_s[0] or 0.0
         forward, new._loss, new._end, backward = ch.checkpoints or self._checkpoints_after(ch)
         new._forward_bytes = _joined(forward, self._forward_bytes)
         new._backward_bytes = _joined(backward, self._backward_bytes)
@@ -769,8 +837,9 @@ class Simulation:
         replay = ch.replay or self._replay(ch, keep=True)
         new.step_s, new._compute_end, new._copies_end, new._in_place = replay[:4]
         synced, top, below = replay.synced, replay.top, replay.below
+        new._clock = None
         new._forward_states = (self._forward_states[:a] + replay.forward_states
-                               + (self._forward_states[synced - s:] if synced >= 0 else []))
+                               + (self._forward_states[synced - s:] if synced >= 0 else [])) if self.max_inflight else []
         # below where backward came back, and above where it was replayed from, this plan's
         was, kept, above = self._backward, below + 1, top - s + 1
         started = max(kept - self.prefetch, 0)  # reloads started in the replay: from group started on
@@ -780,7 +849,8 @@ class Simulation:
             was.ready[:started] + replay.ready[started:top + 1] + was.ready[above:], replay.reloaded,
             replay.start, was.close[:bisect_right(was.close, below)] + close[::-1]
             + [u + s for u in was.close[bisect_left(was.close, above):]])
-        new._margin = self._margin
+        new._margin = self._margin  # the groups found calm were found so by it
+        new._work, new._copies = self._sums_after(ch)
         new.peak = new._peak()
         return new
 
@@ -788,6 +858,13 @@ class Simulation:
         n = len(self._cols.rows)
         return max(self.profile.base, self._loss, self._end, int(self._forward_bytes.before[-1]) if n else _NONE,
                    int(self._backward_bytes.before[-1]) if n else _NONE)
+
+    def _forward_clock(self) -> np.ndarray:
+        """Without a copy window, compute's clock before each group (and at the end of
+        forward): it adds each group's forward, then its copy's (compute waits for every copy)."""
+        if self._clock is None:
+            self._clock = np.add.accumulate(np.concatenate(((0.0,), self._fw.ravel())))[::2]
+        return self._clock
 
     def _reload_starts(self) -> list[float | None]:
         """:func:`_reloads` of this plan, made once."""
@@ -814,22 +891,25 @@ class Simulation:
             return self._memory_around
         rows, movers, fwd, bwd = self._cols.rows, self._movers, self._forward_bytes, self._backward_bytes
         w, n, base = self.max_inflight, len(rows), self.profile.base
-        ka, kb = bisect_left(movers, a), bisect_left(movers, b)
-        flying = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(ka - w, 0):ka])))
-        flew = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(kb - w, 0):kb])))
-        flying += flying[-1:] * (w + 1 - len(flying))  # fewer moved before: the same bytes
-        flew += flew[-1:] * (w + 1 - len(flew))
+        flying = flew = [0]
         forward: list[tuple[int, int, int | None]] = []
-        start = b
-        for stop in [j + 1 for j in movers[kb:kb + w]] + [n]:  # the most of a suffix at hand, of others when needed
-            forward.append((start, stop, _NONE if start == stop else fwd.max(start, stop) if stop == n else None))
-            start = stop
+        start, ends = b, cast("list[int] | None", [])
+        if w:
+            ka, kb = bisect_left(movers, a), bisect_left(movers, b)
+            flying = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(ka - w, 0):ka])))
+            flew = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(kb - w, 0):kb])))
+            flying += flying[-1:] * (w + 1 - len(flying))  # fewer moved before: the same bytes
+            flew += flew[-1:] * (w + 1 - len(flew))
+            for stop in [j + 1 for j in movers[kb:kb + w]]:  # the most of these ranges when needed
+                forward.append((start, stop, None))
+                start = stop
+            ends = [j + a + 1 - b for j in movers[len(movers) - w:]] if len(movers) - kb >= w else None
+        forward.append((start, n, fwd.max(start, n) if start < n else _NONE))
         after = b + self.prefetch
         around = _Around(a, b, int(fwd.values[a]) - base - flying[w] - rows[a][3],
                          (int(fwd.values[b]) - rows[b][3] if b < n else self._end) - base - flew[w], flying, flew,
                          forward, fwd.max(0, a) if a else _NONE, bwd.max(0, a) if a else _NONE,
-                         bwd.max(after, n) if after < n else _NONE, self._grads_from[b],
-                         [j + a + 1 - b for j in movers[len(movers) - w:]] if len(movers) - kb >= w else None)
+                         bwd.max(after, n) if after < n else _NONE, self._grads_from[b], ends)
         self._memory_around = around
         return around
 
@@ -900,17 +980,27 @@ class Simulation:
         s = q - (b - a)
         old, new = self._cols, ch.cols
         forward_states: list[_State] = []
-        synced, (compute_end, copies_end) = _forward(chain(new.forward_s, islice(old.forward_s, b, None)),
-                                                     chain(new.out_s, islice(old.out_s, b, None)), w, a,
-                                                     self._forward_states[a], (a + q, s, self._forward_states),
-                                                     forward_states if keep else None)
+        if w:
+            synced, (compute_end, copies_end) = _forward(chain(new.forward_s, islice(old.forward_s, b, None)),
+                                                         chain(new.out_s, islice(old.out_s, b, None)), w, a,
+                                                         self._forward_states[a], (a + q, s, self._forward_states),
+                                                         forward_states if keep else None)
+        else:  # compute waits for each copy out: its clock adds each group's forward, then its copy's
+            clock = self._forward_clock()
+            c = float(clock[a]) + new.forward_s[0] + (new.out_s[0] or 0.0)
+            synced = a + 1 if b < len(old.rows) and c == clock[b] else -1
+            if synced < 0:
+                compute_end, copies_end = float(np.add.accumulate(np.concatenate(((c,), self._fw[b:].ravel())))[-1]), ()
         if synced >= 0:
             compute_end, copies_end = self._compute_end, self._copies_end
         movers, ka, kb = self._movers, bisect_left(self._movers, a), bisect_left(self._movers, b)
-        later = movers[kb:]
-        movers = movers[:ka] + [a + k for k, r in enumerate(new.rows) if r[1]] + ([j + s for j in later] if s else later)
-        reloaded = movers[:len(movers) - len(copies_end)]  # the others are used in place
-        in_place = set(movers[len(reloaded):])
+        if not s and (kb > ka) == (new.rows[0][1] > 0) and len(copies_end) == len(self._copies_end):
+            reloaded, in_place = self._backward.reloaded, self._in_place  # the same groups move, as before
+        else:
+            later = movers[kb:]
+            movers = movers[:ka] + ([a] if new.rows[0][1] else []) + ([j + s for j in later] if s else later)
+            reloaded = movers[:len(movers) - len(copies_end)]  # the others are used in place
+            in_place = set(movers[len(reloaded):])
         n = len(old.rows) + s
         was = self._backward
         state: tuple[float, float, list[float]] | float
@@ -929,26 +1019,32 @@ class Simulation:
         moved_in_place = in_place ^ {k + s if k >= b else k for k in self._in_place}
         if moved_in_place:
             exact = sorted(set(exact) | {k + d for k in moved_in_place for d in (0, pf)})
+        if _ROUNDING * sum(self._sums_after(ch)) > self._margin:  # clocks so long that rounding may tip a wait
+            exact = range(n)  # type: ignore[assignment]
         # below the change, where the same groups run in place, backward may come back to this plan's states
         same_below = not any(k < a for k in moved_in_place)
         passed: tuple[list[float], list[int]] = ([], [])
-        replay = partial(_backward, prefetch=pf, j=top, state=state, exact=exact, reloaded=reloaded,
-                         margin=self._margin, sync=(a if same_below else 0, was), record=passed if keep else None)
+        undo: list[tuple[int, float | None]] = []
         if s:  # a module now runs whole, or no longer: groups as run shift
             above = top - s + 1  # this plan's groups up to top
-            below, step, ready = replay(old.backward_s[:a] + new.backward_s + old.backward_s[b:above],
-                                        _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf))
+            backward_s = old.backward_s[:a] + new.backward_s + old.backward_s[b:above]
+            xs = np.array(backward_s)
+            starts = _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf)
         else:  # one group for one: this plan's lists, with the changed plan's entries while it is replayed
-            backward_s, starts = old.backward_s, self._reload_starts()
+            backward_s, xs, starts = old.backward_s, self._xs, self._reload_starts()
             undo = [(k + pf, starts[k + pf]) for k in moved_in_place | {a}]
-            was_s, backward_s[a] = backward_s[a], new.backward_s[0]
+            undo.append((-1, backward_s[a]))
+            backward_s[a] = xs[a] = new.backward_s[0]
             for k in moved_in_place | {a}:
                 starts[k + pf] = None if k in in_place else new.back_s[0] if k == a else old.back_s[k]
-            try:
-                below, step, ready = replay(backward_s, starts)
-            finally:
-                backward_s[a] = was_s
-                for k, value in undo:
+        try:
+            below, step, ready = _backward(backward_s, xs, starts, reloaded, pf, top, state, exact, self._margin,
+                                           (a if same_below else 0, was), passed if keep else None)
+        finally:
+            for k, value in undo:
+                if k < 0:
+                    backward_s[a] = xs[a] = value  # type: ignore[assignment]
+                else:
                     starts[k] = value
         return _Replay(self.step_s if below >= 0 else step, compute_end, copies_end, in_place, synced, top, below,
                        ready, reloaded, start, forward_states, passed)

@@ -11,6 +11,7 @@ alike, the one doing the least it cannot see goes first (:func:`simplest_first`)
 from __future__ import annotations
 
 import heapq
+from functools import partial
 from itertools import count
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -75,24 +76,42 @@ class _Shared:
         """The plan taking ``move`` at group ``i`` leads to (plans are numbered as reached)."""
         return self._plans.setdefault((plan, i, tuple(map(id, move))), len(self._plans) + 1)
 
-    def score(self, plan: int, i: int, move: Move, windows: tuple[int, int, int, int],
-              scored: Callable[[], float]) -> float:
-        """The score of ``move`` at group ``i`` of ``plan``, as ``scored`` gives it where no
-        path with the same ``windows`` (the plan's and the move's, as far as they matter)
-        scored it yet."""
-        key = (plan, i, *map(id, move), *windows)
+    def known(self, key: _Key) -> float | None:
+        """The score of a move (:func:`_key`) a path with the same windows worked out, else None."""
+        return self._scores.get(key)
+
+    def keep(self, key: _Key, score: float) -> None:
+        self._scores[key] = score
+
+    def score(self, key: _Key, scored: Callable[[], float]) -> float:
+        """The score of a move (:func:`_key`), as ``scored`` gives it where no path with the same
+        windows scored it yet."""
         if key not in self._scores:
             self._scores[key] = scored()
         return self._scores[key]
 
 
+# a move's (group, its decisions) at a plan (as numbered), and the windows the plan and the
+# plan after the move have, as far as they matter (:class:`_Shared`)
+_Key = tuple[int, ...]
+
+
+def _key(plan: int, i: int, move: Move, windows: tuple[int, int, int, int]) -> _Key:
+    return (plan, i) + tuple(map(id, move)) + windows
+
+
 class _Standing:
     """The moves with a standing score, best first, and among equal scores the one given its
     score first (what sorting a list of them stably each time does). Moves of the groups a
-    taken move changed are dropped (lazily: each group counts its changes)."""
+    taken move changed are dropped (lazily: each group counts its changes).
+
+    A move may stand with an upper bound of its score and the means to work the score out
+    (``exact``), done only once it comes first: a score standing first is then the best, as
+    every bound below it is (the order is the scores', and among equal ones the order given)."""
 
     def __init__(self, n: int):
-        self._heap: list[tuple[float, int, int, Move, int]] = []  # -score, order given, group, move, its change count
+        # -score, order given, group, move, its group's change count, how to work the score out
+        self._heap: list[tuple[float, int, int, Move, int, Callable[[], float] | None]] = []
         self._order = count()
         self._changes = [0] * n
         self._standing = [0] * n  # per group
@@ -101,23 +120,28 @@ class _Standing:
     def __bool__(self) -> bool:
         return self._size > 0
 
-    def add(self, score: float, i: int, move: Move) -> None:
-        heapq.heappush(self._heap, (-score, next(self._order), i, move, self._changes[i]))
+    def add(self, score: float, i: int, move: Move, exact: Callable[[], float] | None = None) -> None:
+        heapq.heappush(self._heap, (-score, next(self._order), i, move, self._changes[i], exact))
         self._standing[i] += 1
         self._size += 1
 
-    def _first(self) -> tuple[float, int, int, Move, int]:
+    def _first(self) -> tuple[float, int, int, Move, int, Callable[[], float] | None]:
         heap = self._heap
-        while heap[0][4] != self._changes[heap[0][2]]:
-            heapq.heappop(heap)  # found against a group's old decision
-        return heap[0]
+        while True:
+            first = heap[0]
+            if first[4] != self._changes[first[2]]:
+                heapq.heappop(heap)  # found against a group's old decision
+            elif first[5] is not None:  # a bound: the score, worked out, takes its place in order
+                heapq.heapreplace(heap, (-first[5](), *first[1:5], None))
+            else:
+                return first
 
     @property
     def best(self) -> float:
         return -self._first()[0]
 
     def pop(self) -> tuple[int, Move]:
-        _, _, i, move, _ = self._first()
+        _, _, i, move, _, _ = self._first()
         heapq.heappop(self._heap)
         self._standing[i] -= 1
         self._size -= 1
@@ -152,22 +176,44 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
     standing = _Standing(len(profile.groups))
     enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
 
+    def windows(i: int, move: Move) -> tuple[int, int, int, int]:
+        movers, after = sim.movers, sim.movers_with(i, move)
+        return min(w, movers), pf if movers else 0, min(w, after), pf if after else 0
+
     def score(i: int, move: Move, change: Change, likely_taken: bool = False) -> float:
         if shared is None:
             return costed(change, likely_taken)
-        movers, after = sim.movers, sim.movers_after(change)
-        windows = (min(w, movers), pf if movers else 0, min(w, after), pf if after else 0)
-        return shared.score(plan, i, move, windows, lambda: costed(change, likely_taken))
+        return shared.score(_key(plan, i, move, windows(i, move)), lambda: costed(change, likely_taken))
 
     def costed(change: Change, likely_taken: bool) -> float:
         saved = sim.peak - sim.peak_after(change)
         return saved / max(sim.step_after(change, likely_taken) - sim.step_s, 1e-9) if saved > 0 else 0.0
 
     def find(i: int) -> None:
+        """Put the moves from group ``i`` that save memory among the standing, each with its
+        score, or with a bound of it where its time (the costly part) is yet to be worked out."""
         for m in moves(profile, sim.groups, i):
-            s = score(i, m, sim.change(i, m))
-            if s > 0:
-                standing.add(s, i, m)
+            key = _key(plan, i, m, windows(i, m)) if shared is not None else None
+            known = shared.known(key) if shared is not None and key is not None else None
+            if known is not None:
+                if known > 0:
+                    standing.add(known, i, m)
+                continue
+            change = sim.change(i, m)
+            saved = sim.peak - sim.peak_after(change)
+            if saved <= 0:
+                if shared is not None and key is not None:
+                    shared.keep(key, 0.0)
+                continue
+            bound = saved / max(sim.least_step_after(change) - sim.step_s, 1e-9)
+            standing.add(bound, i, m, partial(exact, sim, change, saved, key))
+
+    def exact(base: Simulation, change: Change, saved: int, key: _Key | None) -> float:
+        """A move's score against the plan it was found at (``base``; ``key``: where shared)."""
+        found = saved / max(base.step_after(change) - base.step_s, 1e-9)
+        if shared is not None and key is not None:
+            shared.keep(key, found)
+        return found
 
     def every_move() -> None:
         for i in range(len(profile.groups)):
