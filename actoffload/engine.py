@@ -389,7 +389,8 @@ class Engine(Generic[GroupT, MovedT]):
             needed.append(earlier)
             uses.append(len(span.members))
             saved_at.append(min(span.members))
-        group.moved, group.uses, group.saved_at = needed, uses, saved_at
+        # (tuples: the collector stops walking those of plain numbers, and a step keeps one per group)
+        group.moved, group.uses, group.saved_at = tuple(needed), tuple(uses), tuple(saved_at)
         group.state = GroupState.COMMITTED
         if group.guard_inputs:
             for s in group.saved:

@@ -34,9 +34,10 @@ class Finalizers:
 
     def __init__(self) -> None:
         self._pending: dict[weakref.ref, tuple[Callable[..., None], tuple]] = {}
+        self._fire_when_freed = self._fire  # (one bound method for every reference, not one each)
 
     def add(self, obj: object, fn: Callable[..., None], *args: object) -> None:
-        self._pending[weakref.ref(obj, self._fire)] = (fn, args)
+        self._pending[weakref.ref(obj, self._fire_when_freed)] = (fn, args)
 
     def _fire(self, ref: weakref.ref) -> None:
         entry = self._pending.pop(ref, None)
@@ -122,6 +123,7 @@ class HostMemory:
         self._lock = threading.Lock()
         self.allocated = 0  # bytes of live buffers from this object
         self._freed = Finalizers()
+        self._uncount = self._count  # (one bound method for every buffer's finalizer, not one each)
         # PyTorch's own allocators give what they are asked for; an injected one is checked
         self._trusted = allocator in (exact_host_allocator, cached_host_allocator)
 
@@ -156,7 +158,7 @@ class HostMemory:
         except BaseException:
             self._count(-nbytes)
             raise
-        self._freed.add(host, self._count, -nbytes)
+        self._freed.add(host, self._uncount, -nbytes)
         return host
 
 

@@ -162,10 +162,10 @@ class Group:
     plan_state: Any = None  # the plan's own record of this group (``Plan.opened``)
     # once committed: the spans its buffers are rebuilt from (its own and earlier groups'),
     # how many of its buffers each one serves, and each span's first save in the group
-    # (forward order). A commit assigns lists of its own; these empty ones are only read.
-    moved: list[Moved] = []
-    uses: list[int] = []
-    saved_at: list[int] = []
+    # (forward order).
+    moved: tuple[Moved, ...] = ()
+    uses: tuple[int, ...] = ()
+    saved_at: tuple[int, ...] = ()
     # the group before it, where it looks for its link (graph.py): only there
     prev: weakref.ref[Group] | None = None
     # its saved buffers until it is decided; then none (each lives as long as its handle)

@@ -188,6 +188,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = threading.Lock()
         self._finalizers = Finalizers()  # pool blocks back when a copy dies; sources when a group does
+        # (one bound method each for every commit's finalizers, not one a commit)
+        self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -256,7 +258,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         packed = [m for m in moved if m.nbytes < self.pack_below] if offsets else []
         large = [m for m in moved if m.nbytes >= self.pack_below] if offsets else moved
         rec.blocks = allocate_all(sizes, self._pool.get, self._pool.put)  # all host memory first (R10)
-        self._finalizers.add(rec, self._pool.put_all, rec.blocks)  # (the list, not rec: rec must die)
+        self._finalizers.add(rec, self._put_blocks_back, rec.blocks)  # (the list, not rec: rec must die)
         for m, off in zip(packed, offsets):
             m.copied, m.packed_offset = rec, off
             m.host = rec.blocks[0].tensor[off : off + m.nbytes]
@@ -291,7 +293,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
-        self._finalizers.add(group, self._group_freed, weakref.ref(rec))
+        self._finalizers.add(group, self._on_group_freed, weakref.ref(rec))
         with self._inflight_lock:
             # the sources (kept alive through each span's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))
