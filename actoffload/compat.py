@@ -14,9 +14,15 @@ import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
-from torch._dynamo.eval_frame import skip_code as _skip_code
 from torch.multiprocessing.reductions import StorageWeakRef
+
+try:  # (not_traced: where torch lacks any of these, every call goes through disable's wrapper)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+
+    _SEES_DYNAMO = hasattr(torch.compiler, "_is_compiling_flag")
+except ImportError:  # pragma: no cover - an older torch
+    _SEES_DYNAMO = False
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,6 +169,8 @@ def not_traced(fn: F) -> F:
     breaks the graph at it, as at any disabled function. Positional arguments only: taking
     keywords would cost a dict a call."""
     untraced = torch.compiler.disable(fn, recursive=True)
+    if not _SEES_DYNAMO:  # pragma: no cover - an older torch
+        return untraced
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
