@@ -4,11 +4,13 @@ its promises hold on many random profiles (CPU only; neither touches a device)."
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
-from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Simulation, Whole, simulate, unmodelled_work
+from actoffload.budget.costmodel import (GroupProfile, MemoryPlan, Profile, Simulation, Whole, moves_bytes, simulate,
+                                         simulate_each, unmodelled_work)
 from actoffload.budget.search import BudgetTooSmall, candidates, choose, fastest, simplest_first
 from actoffload.budget.tolerances import TIE
 
@@ -198,3 +200,145 @@ def test_search_examples_in_its_docstrings_hold():
     import doctest
 
     assert doctest.testmod(search).failed == 0
+
+
+# ---------------------------------------------------------------- the fast search against a plain one
+def _varied(seed: int) -> Profile:
+    """A small random profile: recomputed times and host pace, modules of parts, a bus from
+    far too slow to far too fast (where waits dominate, clocks grow long)."""
+    rng = random.Random(seed)
+    profile = _profile(rng)
+    groups = tuple(replace(g, recompute_s=g.forward_s * rng.uniform(0.2, 1.0) if rng.random() < 0.5 else None,
+                           host_s=g.forward_s * rng.uniform(0.5, 1.5) if rng.random() < 0.3 else None,
+                           recompute_extra=rng.randint(0, 16) * MiB) for g in profile.groups)
+    bw = 10 ** rng.uniform(3, 12)
+    return replace(profile, groups=groups, d2h_bps=bw, h2d_bps=bw * rng.uniform(0.5, 2.0),
+                   outside_extra=rng.randint(0, 64) * MiB)
+
+
+def _plain_candidates(profile: Profile) -> list[MemoryPlan]:
+    """:func:`candidates` the plain way: every plan simulated afresh (:func:`simulate`), the
+    standing moves a list sorted stably by score each time, every family plan on its own."""
+
+    def plan(groups, w, pf):
+        peak, step = simulate(profile, groups, w, pf)
+        moves = moves_bytes(profile, groups)
+        return MemoryPlan(tuple(groups), w if moves else 0, pf if moves else 0, peak, step)
+
+    def path(w, pf):
+        current, out = plan(keep_all, w, pf), []
+
+        def scored(i, move):
+            trial = plan(current.groups[:i] + move + current.groups[i + len(move):], w, pf)
+            saved = current.peak - trial.peak
+            return saved / max(trial.step_s - current.step_s, 1e-9) if saved > 0 else 0.0
+
+        def every_move():
+            return [(s, i, m) for i in range(n) for m in search.moves(profile, current.groups, i)
+                    for s in [scored(i, m)] if s > 0]
+
+        standing = every_move()
+        while standing:
+            standing.sort(key=lambda s: -s[0])
+            _, i, move = standing.pop(0)
+            s = scored(i, move)
+            if s <= 0 or (standing and s < standing[0][0]):
+                if s > 0:
+                    standing.append((s, i, move))
+                elif not standing:
+                    standing = every_move()
+                continue
+            current = plan(current.groups[:i] + move + current.groups[i + len(move):], w, pf)
+            out.append(current)
+            changed = set(range(i, i + len(move)))
+            changed |= {m.first for m in profile.wholes if changed & set(range(m.first, m.first + m.parts))}
+            standing = [t for t in standing if not changed & set(range(t[1], t[1] + len(t[2])))]
+            standing += [(s, j, m) for j in sorted(changed) for m in search.moves(profile, current.groups, j)
+                         for s in [scored(j, m)] if s > 0]
+            if not standing:
+                standing = every_move()
+        return out
+
+    def firsts(start, decision, at, windows):
+        made, current = [], list(start)
+        for j in at:
+            current[j] = decision
+            made.append(tuple(current))
+        return [[plan(groups, w, pf) for groups in made] for w, pf in windows]
+
+    def with_wholes(actions):
+        groups = list(keep_all)
+        for m in profile.wholes:
+            if m.first in actions:
+                groups[m.first:m.first + m.parts] = [search._decision(actions[m.first])] + [search.INSIDE] * (m.parts - 1)
+        return tuple(groups)
+
+    n = len(profile.groups)
+    keep_all = (search.KEEP,) * n
+    out = [plan(keep_all, 0, 0)] + [p for w in (0, 1, 2) for pf in (0, 1, 2) for p in path(w, pf)]
+    recomputable = [i for i, g in enumerate(profile.groups) if g.inputs is not None]
+    R, RO, OFF = (search._decision(a) for a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.OFFLOAD))
+    for plans in zip(*firsts(keep_all, R, recomputable, [(0, 0)]), *firsts(keep_all, RO, recomputable, [(1, 1), (2, 2)])):
+        out += plans
+    everything = tuple(R if g.inputs is not None else search.KEEP for g in profile.groups)
+    for plans in zip(*firsts(everything, RO, recomputable[:-1], [(1, 1), (2, 2)])):
+        out += plans
+    firsts_whole = [m.first for m in profile.wholes]
+    for k in range(1, len(firsts_whole) + 1):
+        out.append(plan(with_wholes(dict.fromkeys(firsts_whole[:k], Action.RECOMPUTE_WHOLE)), 0, 0))
+        out += [plan(with_wholes(dict.fromkeys(firsts_whole[:k], Action.RECOMPUTE_WHOLE_OFFLOAD)), w, pf)
+                for w, pf in ((1, 1), (2, 2))]
+        if k < len(firsts_whole):
+            actions = {f: Action.RECOMPUTE_WHOLE_OFFLOAD if f in firsts_whole[:k] else Action.RECOMPUTE_WHOLE
+                       for f in firsts_whole}
+            out += [plan(with_wholes(actions), w, pf) for w, pf in ((1, 1), (2, 2))]
+    start = tuple(OFF if g.inputs is None else RO for g in profile.groups)
+    for plans in zip(*firsts(start, OFF, range(n), [(0, 0), (1, 1)])):
+        out += plans
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_search_fast_candidates_are_the_plain_ones_to_the_last_bit(seed):
+    # the search costs plans next to one another, sums calm runs of the clock, shares scores
+    # between paths, scores found moves lazily and simulates families at once: the same plans,
+    # the same bytes and seconds, in the same order, as simulating every plan afresh
+    profile = _varied(seed)
+    fast, plain = candidates(profile), _plain_candidates(profile)
+    assert [(p.key, p.peak, p.step_s) for p in fast] == [(p.key, p.peak, p.step_s) for p in plain]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_search_a_plan_costed_next_to_another_is_the_plan_simulated_afresh(seed):
+    # chains of moves, each costed next to the plan before (peak, step) and simulated next to
+    # it (Simulation.after), against simulate() of the same plan
+    rng = random.Random(seed)
+    profile = _varied(100 + seed)
+    n = len(profile.groups)
+    for w, pf in ((0, 0), (0, 2), (1, 1), (2, 0), (2, 2)):
+        sim = Simulation(profile, (search.KEEP,) * n, w, pf)
+        for _ in range(2 * n):
+            i = rng.randrange(n)
+            options = search.moves(profile, sim.groups, i)
+            if not options:
+                continue
+            move = rng.choice(options)
+            change = sim.change(i, move)
+            groups = sim.groups[:i] + move + sim.groups[i + len(move):]
+            assert (sim.peak_after(change), sim.step_after(change)) == simulate(profile, groups, w, pf)
+            sim = sim.after(change)
+            assert (sim.peak, sim.step_s) == simulate(profile, groups, w, pf)
+
+
+def test_search_families_simulated_at_once_are_each_simulated_afresh():
+    rng = random.Random(7)
+    decisions = [search.KEEP] + [search._decision(a) for a in (Action.OFFLOAD, Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD)]
+    for seed in range(6):
+        profile = _varied(200 + seed)
+        n = len(profile.groups)
+        plans = np.array([[rng.randrange(len(decisions)) if profile.groups[j].inputs is not None else rng.randrange(2)
+                           for j in range(n)] for _ in range(5)])
+        for w, pf in ((0, 1), (1, 0), (2, 2)):
+            peaks, steps, _ = simulate_each(profile, decisions, plans, w, pf)
+            for row, peak, step in zip(plans, peaks, steps):
+                assert (peak, step) == simulate(profile, [decisions[d] for d in row], w, pf)
