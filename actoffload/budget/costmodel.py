@@ -535,11 +535,6 @@ def _reloads(back_s: list[float | None], in_place: Iterable[int], prefetch: int)
     return starts
 
 
-def _tail(values: list[int], k: int) -> int:
-    """The sum of the last ``k`` values (none for ``k <= 0``)."""
-    return sum(values[-k:]) if k > 0 else 0
-
-
 _NONE = int(np.iinfo(np.int64).min)  # the most bytes of no checkpoint
 
 
@@ -594,10 +589,6 @@ def _joined(pieces: list[_Piece], was: _Maxima) -> _Maxima:
                 out[lo:hi] += shift
             at = hi
     return _Maxima(out)
-
-
-def _afresh(values: list[int]) -> _Piece:
-    return values, 0, 0, 0, max(values, default=_NONE)
 
 
 class _Around(NamedTuple):
@@ -872,17 +863,17 @@ class Simulation:
             self._starts_kept = _reloads(self._cols.back_s, self._in_place, self.prefetch)
         return self._starts_kept
 
-    def _last_movers(self, ch: Change, count: int) -> list[int]:
-        """The last ``count`` groups (as run) of the plan after ``ch`` that move bytes."""
-        if count <= 0:
+    def _last_movers(self, ch: Change, last: int) -> list[int]:
+        """The ``last`` groups (as run) of the plan after ``ch`` that move bytes."""
+        if last <= 0:
             return []
         a, b, movers = ch.first, ch.end, self._movers
         s = a + 1 - b
-        out = [j + s for j in movers[max(bisect_left(movers, b), len(movers) - count):]]
-        if len(out) < count and ch.cols.rows[0][1]:
+        out = [j + s for j in movers[max(bisect_left(movers, b), len(movers) - last):]]
+        if len(out) < last and ch.cols.rows[0][1]:
             out.insert(0, a)
-        if len(out) < count:
-            out = movers[:bisect_left(movers, a)][len(out) - count:] + out
+        if len(out) < last:
+            out = movers[:bisect_left(movers, a)][len(out) - last:] + out
         return out
 
     def _around(self, a: int, b: int) -> _Around:
@@ -1024,28 +1015,25 @@ class Simulation:
         # below the change, where the same groups run in place, backward may come back to this plan's states
         same_below = not any(k < a for k in moved_in_place)
         passed: tuple[list[float], list[int]] = ([], [])
-        undo: list[tuple[int, float | None]] = []
         if s:  # a module now runs whole, or no longer: groups as run shift
             above = top - s + 1  # this plan's groups up to top
             backward_s = old.backward_s[:a] + new.backward_s + old.backward_s[b:above]
             xs = np.array(backward_s)
             starts = _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf)
-        else:  # one group for one: this plan's lists, with the changed plan's entries while it is replayed
+        else:  # one group for one: this plan's lists, the changed plan's entries in them while replayed
             backward_s, xs, starts = old.backward_s, self._xs, self._reload_starts()
-            undo = [(k + pf, starts[k + pf]) for k in moved_in_place | {a}]
-            undo.append((-1, backward_s[a]))
+            seconds, reloads = backward_s[a], {k: starts[k + pf] for k in moved_in_place | {a}}
             backward_s[a] = xs[a] = new.backward_s[0]
-            for k in moved_in_place | {a}:
+            for k in reloads:
                 starts[k + pf] = None if k in in_place else new.back_s[0] if k == a else old.back_s[k]
         try:
             below, step, ready = _backward(backward_s, xs, starts, reloaded, pf, top, state, exact, self._margin,
                                            (a if same_below else 0, was), passed if keep else None)
         finally:
-            for k, value in undo:
-                if k < 0:
-                    backward_s[a] = xs[a] = value  # type: ignore[assignment]
-                else:
-                    starts[k] = value
+            if not s:  # this plan's entries back
+                backward_s[a] = xs[a] = seconds
+                for k, t in reloads.items():
+                    starts[k + pf] = t
         return _Replay(self.step_s if below >= 0 else step, compute_end, copies_end, in_place, synced, top, below,
                        ready, reloaded, start, forward_states, passed)
 
@@ -1062,19 +1050,28 @@ def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: n
     operations in the same order for each plan, so the same bytes and seconds to the last bit."""
     if any(d.action.whole for d in decisions):
         raise ValueError("plans recomputing a module whole run other groups: simulate them one by one")
-    groups, w, pf = profile.groups, max_inflight, prefetch
-    n, count = len(groups), plans.shape[0]
-    if not count:
-        return [], [], []
-    table = [_columns(profile, [(j, g, d) for j, g in enumerate(groups)]) for d in decisions]
-    at = (plans, np.arange(n))  # each plan's figure of each group, from the table
+    if not len(plans) or not profile.groups:  # no plans, or only the empty one
+        peak, step = simulate(profile, (), max_inflight, prefetch)
+        return [peak] * len(plans), [step] * len(plans), [False] * len(plans)
+    table = [_columns(profile, [(j, g, d) for j, g in enumerate(profile.groups)]) for d in decisions]
+    at = (plans, np.arange(len(profile.groups)))  # each plan's figure of each group, from the table
     rows = np.array([c.rows for c in table], dtype=np.int64)
+    moved = rows[at + (1,)]
+    peaks = _peaks_each(profile, rows, at, max_inflight, prefetch)
+    steps = _steps_each(profile, table, at, moved > 0, max_inflight, prefetch)
+    return peaks.tolist(), steps.tolist(), (moved > 0).any(axis=1).tolist()
+
+
+def _peaks_each(profile: Profile, rows: np.ndarray, at: tuple[np.ndarray, np.ndarray], w: int,
+                pf: int) -> np.ndarray:
+    """:func:`_checkpoints`' peak of each plan (:func:`simulate_each`): ``rows`` are
+    :data:`_Row` by decision and group."""
     resident, moved, own_forward, own_backward = (rows[at + (k,)] for k in (0, 1, 3, 4))
     grads = rows[0, :, 5]  # a group's gradients, whatever its decision
-    mover = moved > 0
+    many, n = moved.shape
     # the last w groups that moved before each group (-1: none), and those when backward begins
-    last = np.maximum.accumulate(np.where(mover, np.arange(n), -1), axis=1)
-    before = [np.concatenate((np.full((count, 1), -1), last[:, :-1]), axis=1)]
+    last = np.maximum.accumulate(np.where(moved > 0, np.arange(n), -1), axis=1)
+    before = [np.concatenate((np.full((many, 1), -1), last[:, :-1]), axis=1)]
     ends = [last[:, -1:]]
     for _ in range(1, w):
         before.append(np.where(before[-1] >= 0, np.take_along_axis(before[0], np.maximum(before[-1], 0), 1), -1))
@@ -1083,26 +1080,31 @@ def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: n
     def moved_at(index: np.ndarray) -> np.ndarray:
         return np.where(index >= 0, np.take_along_axis(moved, np.maximum(index, 0), 1), 0)
 
-    in_flight = sum((moved_at(b) for b in before[:w]), np.zeros((count, n), dtype=np.int64))
+    in_flight = sum((moved_at(b) for b in before[:w]), np.zeros((many, n), dtype=np.int64))
     held = np.cumsum(resident, axis=1) - resident  # by the groups before each
     forward = profile.base + held + in_flight + own_forward
     end = profile.base + held[:, -1] + resident[:, -1] + sum((moved_at(e)[:, 0] for e in ends[:w]), 0)
     # sources in flight when backward begins are held until their backward, not counted reloaded ahead
-    kept = np.zeros((count, n), dtype=bool)
+    kept = np.zeros((many, n), dtype=bool)
     for e in ends[:w]:
         kept |= (np.arange(n) == e) & (e >= 0)
     resident_then = resident + np.where(kept, moved, 0)
-    ahead = np.concatenate((np.zeros((count, pf + 1), dtype=np.int64),
+    ahead = np.concatenate((np.zeros((many, pf + 1), dtype=np.int64),
                             np.cumsum(np.where(kept, 0, moved), axis=1)), axis=1)
     backward = (profile.base + np.cumsum(resident_then, axis=1) - resident_then + ahead[:, pf:pf + n] - ahead[:, :n]
                 + (np.cumsum(grads[::-1])[::-1] - grads) + own_backward)
     peaks = np.maximum(np.maximum(end + profile.outside_extra, end), profile.base)
-    if n:
-        peaks = np.maximum(peaks, np.maximum(forward.max(axis=1), backward.max(axis=1)))
-    # forward time
+    return np.maximum(peaks, np.maximum(forward.max(axis=1), backward.max(axis=1))) if n else peaks
+
+
+def _steps_each(profile: Profile, table: list[_Columns], at: tuple[np.ndarray, np.ndarray], mover: np.ndarray,
+                w: int, pf: int) -> np.ndarray:
+    """:func:`_forward` and :func:`_backward`'s step seconds of each plan
+    (:func:`simulate_each`): ``table`` holds the columns by decision."""
+    many, n = mover.shape
     out_s = np.array([[t or 0.0 for t in c.out_s] for c in table])[at]
-    compute, stream = np.zeros(count), np.zeros(count)
-    copies = np.full((count, w + 1), np.inf)  # ends of copies out not known done, oldest first
+    compute, stream = np.zeros(many), np.zeros(many)
+    copies = np.full((many, w + 1), np.inf)  # ends of copies out not known done, oldest first
     for k, f in enumerate(table[0].forward_s):  # a group's forward, whatever its decision
         compute = compute + f
         starts = mover[:, k]
@@ -1112,17 +1114,18 @@ def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: n
         stream = np.where(starts, np.maximum(compute, stream) + out_s[:, k], stream)
         copies[:, w] = np.where(starts, stream, np.inf)
         copies = np.sort(np.where(copies <= compute[:, None], np.inf, copies), axis=1)  # done: sources freed
-        over = copies[:, w] < np.inf  # compute waits for the oldest copy
-        compute = np.where(over, np.maximum(compute, copies[:, 0]), compute)
-        copies[:, 0] = np.where(over, np.inf, copies[:, 0])
-        copies.sort(axis=1)
-    # backward time: copies still running are used in place (the last ones moved)
+        over = copies[:, w] < np.inf
+        if over.any():  # compute waits for the oldest copy
+            compute = np.where(over, np.maximum(compute, copies[:, 0]), compute)
+            copies[:, 0] = np.where(over, np.inf, copies[:, 0])
+            copies.sort(axis=1)
+    # backward: copies still running are used in place (the last ones moved)
     running = (copies < np.inf).sum(axis=1)
     reloads = mover & (np.cumsum(mover[:, ::-1], axis=1)[:, ::-1] > running[:, None])
     back_s = np.where(reloads, np.array([[t or 0.0 for t in c.back_s] for c in table])[at], 0.0)
     backward_s = np.array([c.backward_s for c in table])[at]
     compute = compute + profile.outside_s
-    stream, ready = compute.copy(), np.zeros((count, n))
+    stream, ready = compute.copy(), np.zeros((many, n))
 
     def reload(k: int) -> None:
         nonlocal stream
@@ -1135,7 +1138,7 @@ def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: n
         if j >= pf:
             reload(j - pf)
         compute = np.maximum(compute, ready[:, j]) + backward_s[:, j]
-    return [int(p) for p in peaks], compute.tolist(), mover.any(axis=1).tolist()
+    return compute
 
 
 _AS_GROUP = {Action.RECOMPUTE_WHOLE: GroupDecision(Action.RECOMPUTE),
