@@ -21,7 +21,11 @@ actions (:class:`~.actions.Action`):
 :func:`simulate` is the model: device memory over the step phase by phase, and the step
 time from the compute stream, the two copy streams and the ordering between them.
 :func:`recompute_time` is the one place that says what running a group's forward again
-costs.
+costs. Planning costs thousands of plans, so the model also comes in two faster forms, for
+the search: a :class:`Simulation` keeps a simulated plan, and costs a plan one move away
+from where the two differ; :func:`simulate_each` simulates many plans that run the same
+groups at once. Both do :func:`simulate`'s arithmetic in the same order: the same bytes,
+and the same seconds to the last bit (tests/test_budget_search.py holds them to it).
 """
 
 from __future__ import annotations
@@ -661,7 +665,10 @@ class Simulation:
                  "_runs", "_starts_kept", "_fw", "_clock", "_forward_states", "_compute_end", "_copies_end",
                  "_in_place", "_margin", "_work", "_copies", "_xs", "_backward")
 
-    def __init__(self, profile: Profile, groups: Sequence[GroupDecision], max_inflight: int, prefetch: int):
+    def __init__(self, profile: Profile, groups: Sequence[GroupDecision], max_inflight: int, prefetch: int,
+                 runs: dict[tuple[int, ...], tuple] | None = None):
+        """``runs``: changes' groups as run (:meth:`change`), shared by the plans simulated
+        for one search (a module recomputed whole is merged once)."""
         self.profile, self.groups = profile, tuple(groups)
         self.max_inflight, self.prefetch = max_inflight, prefetch
         run = _run(profile, self.groups)
@@ -677,7 +684,7 @@ class Simulation:
         self._grads_from = list(accumulate((r[5] for r in reversed(cols.rows)), initial=0))[::-1]  # of groups k ..
         self._movers = [k for k, r in enumerate(cols.rows) if r[1]]
         self._memory_around: _Around | None = None
-        self._runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run, shared with the plans after
+        self._runs = {} if runs is None else runs  # changes' groups as run, shared with the plans after
         self._starts_kept: list[float | None] | None = None
         self._fw = np.array([(f, t or 0.0) for f, t in zip(cols.forward_s, cols.out_s)]).reshape(n, 2)
         self._clock: np.ndarray | None = None

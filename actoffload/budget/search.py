@@ -71,6 +71,7 @@ class _Shared:
     def __init__(self) -> None:
         self._plans: dict[tuple[int, int, tuple[int, ...]], int] = {}  # (plan, group, move): the plan after
         self._scores: dict[tuple[int, ...], float] = {}
+        self.runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run (:class:`~.costmodel.Simulation`)
 
     def plan_after(self, plan: int, i: int, move: Move) -> int:
         """The plan taking ``move`` at group ``i`` leads to (plans are numbered as reached)."""
@@ -170,7 +171,7 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
 
     ``shared``: scores shared with the other paths of a search (:class:`_Shared`), all from
     the same ``current``."""
-    sim = Simulation(profile, current.groups, w, pf)
+    sim = Simulation(profile, current.groups, w, pf, shared.runs if shared is not None else None)
     plan = 0  # the plan the path stands at, as numbered in shared
     path: list[MemoryPlan] = []
     standing = _Standing(len(profile.groups))
@@ -308,9 +309,10 @@ def _wholes(profile: Profile) -> list[MemoryPlan]:
     the one before."""
     out: list[MemoryPlan] = []
     keep_all = (KEEP,) * len(profile.groups)
+    runs: dict[tuple[int, ...], tuple] = {}
 
     def families(groups: tuple[GroupDecision, ...], windows: Sequence[tuple[int, int]]) -> list[Simulation]:
-        return [Simulation(profile, groups, w, pf) for w, pf in windows]
+        return [Simulation(profile, groups, w, pf, runs) for w, pf in windows]
 
     def then(sims: list[Simulation], i: int, decisions: Sequence[GroupDecision]) -> list[Simulation]:
         """Each plan with module ``i`` on taking ``decisions``, added to the plans made."""
