@@ -9,6 +9,8 @@ import contextlib
 import functools
 from unittest import mock
 
+import torch
+
 import sys
 
 from actoffload import marks, multibuffer
@@ -19,14 +21,16 @@ from actoffload.records import MultiHandle, SavedBuffer
 
 @contextlib.contextmanager
 def free_source_before_copy_done():
-    """(a) Release a copy's sources as soon as it is enqueued, with no wait."""
+    """(a) Release a copy's sources as soon as it is enqueued, with no wait, and without
+    telling the allocator that the copy stream still reads them."""
 
     def reap(self):
         with self._inflight_lock:
             while self._inflight:
                 self._release_sources(self._inflight.popleft())
 
-    with mock.patch.object(FastOffloader, "_reap", reap):
+    with mock.patch.object(FastOffloader, "_reap", reap), \
+            mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None):
         yield
 
 
