@@ -292,6 +292,11 @@ class _Columns(NamedTuple):
                         self.back_s[:first] + new.back_s + self.back_s[end:])
 
 
+def _forward_pairs(cols: _Columns) -> np.ndarray:
+    """Per group as run: its forward's seconds and its copy out's (0.0: none)."""
+    return np.array([(f, t or 0.0) for f, t in zip(cols.forward_s, cols.out_s)], dtype=np.float64).reshape(-1, 2)
+
+
 def _columns(profile: Profile, run: list[tuple[int, GroupProfile, GroupDecision]]) -> _Columns:
     cols = _Columns([], [], [], [], [])
     rows, forward_s, backward_s, out_s, back_s = cols
@@ -595,6 +600,14 @@ def _joined(pieces: list[_Piece], was: _Maxima) -> _Maxima:
     return _Maxima(out)
 
 
+def _in_flight(rows: list[_Row], movers: list[int], k: int, w: int) -> list[int]:
+    """[j]: the bytes moved by the last j of ``movers[:k]``, j = 0 .. w (fewer moved: all)."""
+    out = [0]
+    for j in range(k - 1, k - 1 - w, -1):
+        out.append(out[-1] + rows[movers[j]][1] if j >= 0 else out[-1])
+    return out
+
+
 class _Around(NamedTuple):
     """A simulated plan's memory around its groups ``first .. end - 1`` (as run), whatever
     one group a change puts in their place (the search tries a group's moves in a row)."""
@@ -686,7 +699,7 @@ class Simulation:
         self._memory_around: _Around | None = None
         self._runs = {} if runs is None else runs  # changes' groups as run, shared with the plans after
         self._starts_kept: list[float | None] | None = None
-        self._fw = np.array([(f, t or 0.0) for f, t in zip(cols.forward_s, cols.out_s)]).reshape(n, 2)
+        self._fw = _forward_pairs(cols)
         self._clock: np.ndarray | None = None
         self._forward_states: list[_State] = []  # with a copy window (else the clock says all)
         if max_inflight:
@@ -782,9 +795,14 @@ class Simulation:
         if ch.sums is not None:
             return ch.sums
         a, b, old, new = ch.first, ch.end, self._cols, ch.cols
-        work = sum(new.forward_s) + sum(new.backward_s) - sum(old.forward_s[a:b]) - sum(old.backward_s[a:b])
-        out = sum(t or 0.0 for t in new.out_s) - sum(t or 0.0 for t in old.out_s[a:b])
-        back = sum(t or 0.0 for t in new.back_s) - sum(t or 0.0 for t in old.back_s[a:b])
+        if b == a + 1 and len(new.rows) == 1:  # the sums below, of one group each
+            work = new.forward_s[0] + new.backward_s[0] - old.forward_s[a] - old.backward_s[a]
+            out = (new.out_s[0] or 0.0) - (old.out_s[a] or 0.0)
+            back = (new.back_s[0] or 0.0) - (old.back_s[a] or 0.0)
+        else:
+            work = sum(new.forward_s) + sum(new.backward_s) - sum(old.forward_s[a:b]) - sum(old.backward_s[a:b])
+            out = sum(t or 0.0 for t in new.out_s) - sum(t or 0.0 for t in old.out_s[a:b])
+            back = sum(t or 0.0 for t in new.back_s) - sum(t or 0.0 for t in old.back_s[a:b])
         if not self.max_inflight:
             work += out + (0.0 if self.prefetch else back)
         ch.sums = self._work + work, self._copies + out + back
@@ -817,8 +835,8 @@ class Simulation:
                            + [r + s for r in self._run_of[ch.hi:]])
         new._cols = self._cols.spliced(a, b, ch.cols)
         if s:
-            new._xs = np.array(new._cols.backward_s)
-            new._fw = np.array([(f, t or 0.0) for f, t in zip(new._cols.forward_s, new._cols.out_s)]).reshape(-1, 2)
+            new._xs = np.concatenate((self._xs[:a], ch.cols.backward_s, self._xs[b:]))
+            new._fw = np.concatenate((self._fw[:a], _forward_pairs(ch.cols), self._fw[b:]))
         else:
             new._xs, new._fw = self._xs.copy(), self._fw.copy()
             new._xs[a] = ch.cols.backward_s[0]
@@ -894,10 +912,7 @@ class Simulation:
         start, ends = b, cast("list[int] | None", [])
         if w:
             ka, kb = bisect_left(movers, a), bisect_left(movers, b)
-            flying = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(ka - w, 0):ka])))
-            flew = [0] + list(accumulate(rows[j][1] for j in reversed(movers[max(kb - w, 0):kb])))
-            flying += flying[-1:] * (w + 1 - len(flying))  # fewer moved before: the same bytes
-            flew += flew[-1:] * (w + 1 - len(flew))
+            flying, flew = _in_flight(rows, movers, ka, w), _in_flight(rows, movers, kb, w)
             for stop in [j + 1 for j in movers[kb:kb + w]]:  # the most of these ranges when needed
                 forward.append((start, stop, None))
                 start = stop

@@ -181,37 +181,55 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
         movers, after = sim.movers, sim.movers_with(i, move)
         return min(w, movers), pf if movers else 0, min(w, after), pf if after else 0
 
-    def score(i: int, move: Move, change: Change, likely_taken: bool = False) -> float:
-        if shared is None:
-            return costed(change, likely_taken)
-        return shared.score(_key(plan, i, move, windows(i, move)), lambda: costed(change, likely_taken))
+    def key_of(i: int, move: Move) -> _Key | None:
+        return _key(plan, i, move, windows(i, move)) if shared is not None else None
 
-    def costed(change: Change, likely_taken: bool) -> float:
-        saved = sim.peak - sim.peak_after(change)
-        return saved / max(sim.step_after(change, likely_taken) - sim.step_s, 1e-9) if saved > 0 else 0.0
+    def saved_by(change: Change) -> int:
+        return sim.peak - sim.peak_after(change)
+
+    def bound(change: Change, saved: int) -> float:
+        return saved / max(sim.least_step_after(change) - sim.step_s, 1e-9)
 
     def find(i: int) -> None:
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
         for m in moves(profile, sim.groups, i):
-            key = _key(plan, i, m, windows(i, m)) if shared is not None else None
+            key = key_of(i, m)
             known = shared.known(key) if shared is not None and key is not None else None
             if known is not None:
                 if known > 0:
                     standing.add(known, i, m)
                 continue
             change = sim.change(i, m)
-            saved = sim.peak - sim.peak_after(change)
+            saved = saved_by(change)
             if saved <= 0:
                 if shared is not None and key is not None:
                     shared.keep(key, 0.0)
                 continue
-            bound = saved / max(sim.least_step_after(change) - sim.step_s, 1e-9)
-            standing.add(bound, i, m, partial(exact, sim, change, saved, key))
+            standing.add(bound(change, saved), i, m, partial(exact, sim, change, saved, key))
 
-    def exact(base: Simulation, change: Change, saved: int, key: _Key | None) -> float:
-        """A move's score against the plan it was found at (``base``; ``key``: where shared)."""
-        found = saved / max(base.step_after(change) - base.step_s, 1e-9)
+    def rescored(i: int, move: Move, change: Change) -> float | None:
+        """The score at the current plan of the move just taken from the standing (its time
+        kept: it is likely taken); None where a bound of it falls below the best standing:
+        it stands again with that bound, as it would with its score (judged in its turn)."""
+        key = key_of(i, move)
+        known = shared.known(key) if shared is not None and key is not None else None
+        if known is not None:
+            return known
+        saved = saved_by(change)
+        if saved <= 0:
+            return exact(sim, change, saved, key)
+        if standing:
+            least = bound(change, saved)
+            if least < standing.best:
+                standing.add(least, i, move, partial(exact, sim, change, saved, key))
+                return None
+        return exact(sim, change, saved, key, keep=True)
+
+    def exact(base: Simulation, change: Change, saved: int, key: _Key | None, keep: bool = False) -> float:
+        """A move's score against the plan it was found at (``base``; ``key``: where shared;
+        ``keep``: its replay kept, for a move likely taken); 0 where it saves nothing."""
+        found = saved / max(base.step_after(change, keep) - base.step_s, 1e-9) if saved > 0 else 0.0
         if shared is not None and key is not None:
             shared.keep(key, found)
         return found
@@ -224,7 +242,9 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
     while standing:
         i, move = standing.pop()
         change = sim.change(i, move)
-        s = score(i, move, change, likely_taken=True)
+        s = rescored(i, move, change)
+        if s is None:
+            continue
         if s <= 0 or (standing and s < standing.best):
             if s > 0:
                 standing.add(s, i, move)  # no longer first: judged again in its turn
