@@ -171,3 +171,49 @@ def test_a_saved_fact_covers_the_bytes_the_tensor_can_touch(make):
     fact = policy.fact_of(t, torch.device("cpu"), False)
     assert (fact.start, fact.end) == policy.byte_extent(t)
     assert fact.storage_bytes == t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("pattern", ["regional", "whole_model"])
+def test_torch_compile_compiles_no_frame_of_the_offloader(impl, pattern):
+    """While compiled code runs, Dynamo's callback sees every Python frame called: the calls that
+    dispatch around torch.compiler.disable are skipped, and send every call they see then
+    through it, so Dynamo compiles none of the offloader's frames (a wrapper that only asked
+    torch.compiler.is_compiling() had its hook frames compiled, once per saved tensor's shape)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+                                 for _ in range(3))
+    off = _offloader(impl, keep_last=1, min_offload_bytes=0)
+    if pattern == "regional":
+        compiled = [torch.compile(b, backend="eager") for b in blocks]
+
+        def forward(x):
+            for i, b in enumerate(compiled):
+                with off.group(str(i)):
+                    x = x + b(x)
+            return x
+    else:
+        handle = ao.wrap(blocks, off)
+
+        def step(x):
+            for b in blocks:
+                x = x + b(x)
+            return x
+
+        forward = torch.compile(step, backend="eager")
+    try:
+        for n in (4, 6, 8):  # new shapes: a frame compiled per shape would show
+            x = torch.randn(n, 16, requires_grad=True)
+            forward(x * 1).sum().backward()
+        assert off.stats()["offloaded_bytes"] > 0
+        compiled_here = [f"{f.__module__}.{f.__qualname__}" for f in gc.get_objects()
+                         if type(f).__name__ == "function" and (f.__module__ or "").startswith("actoffload")
+                         and torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
+        assert compiled_here == []
+    finally:
+        if pattern == "whole_model":
+            handle.remove()
+        torch._dynamo.reset()
