@@ -274,7 +274,7 @@ class Engine(Generic[GroupT, MovedT]):
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:
             return
-        del _open_on[threading.get_ident()]
+        _open_on.pop(threading.get_ident(), None)
         compat.pop_saved_tensors_hooks()
         self._open_group = None
         if self._prefetches:
