@@ -488,7 +488,7 @@ class Engine(Generic[GroupT, MovedT]):
                 obs.on_save(group.name, t)
         return s
 
-    def _pack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
+    def _pack_kept(self, group: GroupT, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A save of a group that keeps everything: autograd holds it; only its bytes are counted
         (each storage once), so that a memory plan notices when the workload changes."""
         if group.link_tries and not t.is_leaf:
@@ -499,7 +499,7 @@ class Engine(Generic[GroupT, MovedT]):
             group.kept_storages[id(t)] = t.nbytes
         group.summary["saved"] += 1
         group.summary["kept"]["budget"] = group.summary["saved"]
-        return t
+        return t, t._version  # autograd checks no version of what saved-tensor hooks hand back (R6)
 
     def _backward_begins(self) -> None:
         """A backward pass is running (it unpacked a save of this step, or checkpointing runs a
@@ -509,12 +509,15 @@ class Engine(Generic[GroupT, MovedT]):
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
 
-    def _unpack_kept(self, group: GroupT, t: torch.Tensor) -> torch.Tensor:
+    def _unpack_kept(self, group: GroupT, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        t, version = packed
         if compat.in_backward():
             if not self._backward_began:
                 self._backward_begins()
             if not group.reached:  # its first unpack (each later one costs nothing)
                 self._reached(group)
+        if t._version != version:
+            raise modified_error(group, t.shape, version, t._version)
         return t
 
     def _unpack(self, handle: Handle | MultiHandle | DelegatedHandle) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import actoffload as ao
 from helpers import DEVICES, IMPLS, off_for
 
 
@@ -67,3 +68,35 @@ def test_R6_inplace_before_save_is_fine(impl):
         z = y.exp()
     z.sum().backward()
     assert torch.equal(x.grad, (x.detach() + 1).exp())
+
+
+class _SavesItsOwn(torch.nn.Module):
+    """Saves a tensor of its own making (``a``, twice by the product), kept for a test to write."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.made = None
+
+    def forward(self, h):
+        self.made = a = self.linear(h)
+        return (a * a).sum(-1, keepdim=True) * h
+
+
+def test_R6_a_budget_that_keeps_the_first_group_whole_still_raises_for_a_write_after_the_save():
+    """A plan keeping everything leaves the first group its hooks (to see the workload), which hand
+    autograd its own tensors back: autograd checks no version of those, so the offloader does."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_SavesItsOwn() for _ in range(3))
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    ao.wrap(blocks, off)
+    for step in range(4):
+        h = torch.randn(4, 16, requires_grad=True)
+        for block in blocks:
+            h = block(h)
+        if step < 3:
+            h.sum().backward()
+    assert [g["action"] for g in off.stats()["plan"]["groups"]] == ["keep"] * 3
+    blocks[0].made.mul_(2)
+    with pytest.raises(RuntimeError, match=r"offload group '0'.*modified by an in-place operation"):
+        h.sum().backward()
