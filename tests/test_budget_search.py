@@ -102,7 +102,7 @@ def test_search_greedy_path_ends_where_no_single_move_saves_memory(seed):
     from actoffload.budget.search import _greedy_path, evaluated, moves
     profile = PROFILES[seed]
     start = evaluated(profile, tuple(GroupDecision() for _ in profile.groups), 1, 1)
-    path = _greedy_path(profile, start, 1, 1)
+    path = _greedy_path(profile, start.groups, 1, 1)
     end = path[-1] if path else start
     assert all(a.peak > b.peak for a, b in zip([start] + path, path))  # every step saves memory
     for i in range(len(profile.groups)):

@@ -571,10 +571,12 @@ class _Maxima:
 _Piece = tuple[_Maxima | list[int], int, int, int, int | None]
 
 
-def _most(pieces: list[_Piece]) -> int:
-    """The most bytes at any of the checkpoints (a range's most found only where its suffix's
-    could beat those found)."""
-    found = max(most + shift for _, _, _, shift, most in pieces if most is not None)
+def _most(pieces: list[_Piece], found: int) -> int:
+    """The most bytes at any of the checkpoints, or ``found`` (a range's most found only
+    where its suffix's could beat those found)."""
+    for _, _, _, shift, most in pieces:
+        if most is not None and most + shift > found:
+            found = most + shift
     for values, lo, hi, shift, most in pieces:
         if most is None and values.after[lo] + shift > found:  # type: ignore[union-attr]
             found = max(found, values.max(lo, hi) + shift)  # type: ignore[union-attr]
@@ -639,7 +641,7 @@ class Change:
                  run: list[tuple[int, GroupProfile, GroupDecision]], cols: _Columns):
         self.groups, self.lo, self.hi = groups, lo, hi  # the decisions of groups lo .. hi - 1
         self.first, self.end, self.run, self.cols = first, end, run, cols
-        self.checkpoints: tuple[list[_Piece], int, int, list[_Piece]] | None = None  # :meth:`Simulation.peak_after`'s
+        self.checkpoints: tuple[list[_Piece], int, int, list[_Piece]] | None = None  # kept by :meth:`Simulation.peak_after`
         self.replay: _Replay | None = None  # its step, replayed and kept (:meth:`Simulation.step_after`)
         self.sums: tuple[float, float] | None = None  # :meth:`Simulation._sums_after`'s
 
@@ -735,18 +737,13 @@ class Simulation:
         """How many groups (as run) move bytes across the bus."""
         return len(self._movers)
 
-    def movers_with(self, i: int, move: Sequence[GroupDecision]) -> int:
-        """How many groups (as run) move bytes across the bus in the plan with ``move``'s
-        decisions in place of groups ``i ..``'s (:meth:`change`)."""
-        a = self._run_of[i]
-        if len(move) == 1 and not move[0].action.whole and self._starts[a + 1] == self._starts[a] + 1:
-            return len(self._movers) - (self._cols.rows[a][1] > 0) + (_row(move[0], self.profile.groups[i])[1] > 0)
-        return self.movers_after(self.change(i, move))
-
     def movers_after(self, ch: Change) -> int:
         """How many groups (as run) of the plan after ``ch`` move bytes across the bus."""
-        movers = self._movers
-        return len(movers) - bisect_left(movers, ch.end) + bisect_left(movers, ch.first) + (ch.cols.rows[0][1] > 0)
+        a, b, movers = ch.first, ch.end, self._movers
+        moves = ch.cols.rows[0][1] > 0
+        if b == a + 1:  # one group in place of one
+            return len(movers) - (self._cols.rows[a][1] > 0) + moves
+        return len(movers) - bisect_left(movers, b) + bisect_left(movers, a) + moves
 
     def plan(self) -> MemoryPlan:
         """The plan, costed (one that moves no bytes has one copy window: none)."""
@@ -774,11 +771,14 @@ class Simulation:
             known = self._runs[key] = (groups, run, _columns(self.profile, run))
         return Change(known[0], lo, hi, first, end, known[1], known[2])
 
-    def peak_after(self, ch: Change) -> int:
-        """The modelled peak of the plan after ``ch`` (its checkpoints kept on ``ch``)."""
-        ch.checkpoints = self._checkpoints_after(ch)
-        forward, loss, end, backward = ch.checkpoints
-        return max(self.profile.base, loss, end, _most(forward), _most(backward))
+    def peak_after(self, ch: Change, keep: bool = False) -> int:
+        """The modelled peak of the plan after ``ch`` (``keep``: its checkpoints kept on ``ch``,
+        for a change likely taken: :meth:`after` needs them)."""
+        checkpoints = self._checkpoints_after(ch)
+        if keep:
+            ch.checkpoints = checkpoints
+        forward, loss, end, backward = checkpoints
+        return _most(backward, _most(forward, max(self.profile.base, loss, end)))
 
     def least_step_after(self, ch: Change) -> float:
         """A step time the plan after ``ch`` cannot beat, costing next to nothing: compute's
@@ -903,8 +903,9 @@ class Simulation:
 
     def _around(self, a: int, b: int) -> _Around:
         """This plan's memory around its groups ``a .. b - 1`` (as run), the latest kept."""
-        if self._memory_around is not None and self._memory_around[:2] == (a, b):
-            return self._memory_around
+        known = self._memory_around
+        if known is not None and known.first == a and known.end == b:
+            return known
         rows, movers, fwd, bwd = self._cols.rows, self._movers, self._forward_bytes, self._backward_bytes
         w, n, base = self.max_inflight, len(rows), self.profile.base
         flying = flew = [0]
@@ -913,9 +914,9 @@ class Simulation:
         if w:
             ka, kb = bisect_left(movers, a), bisect_left(movers, b)
             flying, flew = _in_flight(rows, movers, ka, w), _in_flight(rows, movers, kb, w)
-            for stop in [j + 1 for j in movers[kb:kb + w]]:  # the most of these ranges when needed
-                forward.append((start, stop, None))
-                start = stop
+            for j in movers[kb:kb + w]:  # the most of these ranges when needed
+                forward.append((start, j + 1, None))
+                start = j + 1
             ends = [j + a + 1 - b for j in movers[len(movers) - w:]] if len(movers) - kb >= w else None
         forward.append((start, n, fwd.max(start, n) if start < n else _NONE))
         after = b + self.prefetch
@@ -968,15 +969,17 @@ class Simulation:
             shift += more + (new[1] if a in ends else 0) - sum(rows[j][1] for j in was if a <= j < b)
             held += sum(rows[j][1] for j in ends if j < a)
         # the change's group and the prefetch after it (what they reload ahead) afresh
+        lo = max(a - pf, 0)
+        near = rows[lo:a] + [new] + rows[b:b + pf]  # the plan after's groups lo ..
         grads = around.grads + new[5]
         changed_back = []
-        for t in range(a, min(n + s, a + 1 + pf)):
-            r = new if t == a else rows[t - s]
+        for t in range(a, lo + len(near)):
+            r = near[t - lo]
             grads -= r[5]
             ahead = 0
             for u in range(max(t - pf, 0), t):
                 if u not in ends:
-                    ahead += (rows[u] if u < a else new if u == a else rows[u - s])[1]
+                    ahead += near[u - lo][1]
             changed_back.append(base + held + ahead + grads + r[4])
             held += r[0] + (r[1] if t in ends else 0)
         backward += [(changed_back, 0, 0, 0, max(changed_back)), (bwd, b + pf, n, shift, around.backward_from)]

@@ -54,7 +54,7 @@ def candidates(profile: Profile) -> list[MemoryPlan]:
     shared = _Shared()
     for w in WINDOWS:
         for pf in PREFETCHES:
-            out += _greedy_path(profile, evaluated(profile, keep_all, w, pf), w, pf, shared)
+            out += _greedy_path(profile, keep_all, w, pf, shared)
     out += _families(profile)
     return out
 
@@ -155,10 +155,10 @@ class _Standing:
             self._changes[i] += 1
 
 
-def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
+def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf: int,
                  shared: _Shared | None = None) -> list[MemoryPlan]:
-    """From ``current``, take the move with the best score (modelled peak saved per second
-    added) until no move saves memory.
+    """From the plan taking ``start``'s decisions, take the move with the best score
+    (modelled peak saved per second added) until no move saves memory.
 
     Scores are evaluated lazily: a move's score against an earlier plan stands in for its
     current one until the move comes first; then it is evaluated again, and taken if it
@@ -170,22 +170,23 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
     where it saves memory (else its score is 0 whatever its time).
 
     ``shared``: scores shared with the other paths of a search (:class:`_Shared`), all from
-    the same ``current``."""
-    sim = Simulation(profile, current.groups, w, pf, shared.runs if shared is not None else None)
+    the same ``start``."""
+    sim = Simulation(profile, start, w, pf, shared.runs if shared is not None else None)
     plan = 0  # the plan the path stands at, as numbered in shared
     path: list[MemoryPlan] = []
     standing = _Standing(len(profile.groups))
     enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
 
-    def windows(i: int, move: Move) -> tuple[int, int, int, int]:
-        movers, after = sim.movers, sim.movers_with(i, move)
-        return min(w, movers), pf if movers else 0, min(w, after), pf if after else 0
+    def key_of(i: int, move: Move, change: Change) -> _Key | None:
+        """Where the move's score is shared (:func:`_key`): the windows of the plan and of the
+        plan after it, as far as they matter."""
+        if shared is None:
+            return None
+        movers, after = sim.movers, sim.movers_after(change)
+        return _key(plan, i, move, (min(w, movers), pf if movers else 0, min(w, after), pf if after else 0))
 
-    def key_of(i: int, move: Move) -> _Key | None:
-        return _key(plan, i, move, windows(i, move)) if shared is not None else None
-
-    def saved_by(change: Change) -> int:
-        return sim.peak - sim.peak_after(change)
+    def saved_by(change: Change, likely_taken: bool = False) -> int:
+        return sim.peak - sim.peak_after(change, keep=likely_taken)
 
     def bound(change: Change, saved: int) -> float:
         return saved / max(sim.least_step_after(change) - sim.step_s, 1e-9)
@@ -194,13 +195,13 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
         for m in moves(profile, sim.groups, i):
-            key = key_of(i, m)
+            change = sim.change(i, m)
+            key = key_of(i, m, change)
             known = shared.known(key) if shared is not None and key is not None else None
             if known is not None:
                 if known > 0:
                     standing.add(known, i, m)
                 continue
-            change = sim.change(i, m)
             saved = saved_by(change)
             if saved <= 0:
                 if shared is not None and key is not None:
@@ -212,11 +213,11 @@ def _greedy_path(profile: Profile, current: MemoryPlan, w: int, pf: int,
         """The score at the current plan of the move just taken from the standing (its time
         kept: it is likely taken); None where a bound of it falls below the best standing:
         it stands again with that bound, as it would with its score (judged in its turn)."""
-        key = key_of(i, move)
+        key = key_of(i, move, change)
         known = shared.known(key) if shared is not None and key is not None else None
         if known is not None:
             return known
-        saved = saved_by(change)
+        saved = saved_by(change, likely_taken=True)
         if saved <= 0:
             return exact(sim, change, saved, key)
         if standing:
