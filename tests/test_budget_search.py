@@ -338,7 +338,7 @@ def test_search_families_simulated_at_once_are_each_simulated_afresh():
         n = len(profile.groups)
         plans = np.array([[rng.randrange(len(decisions)) if profile.groups[j].inputs is not None else rng.randrange(2)
                            for j in range(n)] for _ in range(5)])
-        for w, pf in ((0, 1), (1, 0), (2, 2)):
-            peaks, steps, _ = simulate_each(profile, decisions, plans, w, pf)
+        windows = ((0, 1), (1, 0), (2, 2))
+        for (w, pf), (peaks, steps, _) in zip(windows, simulate_each(profile, decisions, plans, windows)):
             for row, peak, step in zip(plans, peaks, steps):
                 assert (peak, step) == simulate(profile, [decisions[d] for d in row], w, pf)

@@ -1064,11 +1064,12 @@ class Simulation:
 
 
 # ---------------------------------------------------------------- many plans at once
-def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: np.ndarray, max_inflight: int,
-                  prefetch: int) -> tuple[list[int], list[float], list[bool]]:
+def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: np.ndarray,
+                  windows: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[float], list[bool]]]:
     """:func:`simulate` of many plans at once: in plan ``m``, group ``j`` takes
     ``decisions[plans[m, j]]`` (none recomputing a module whole: all plans run the same
-    groups). Returns each plan's modelled peak, step seconds, and whether it moves bytes.
+    groups). For each copy window (max_inflight, prefetch), returns each plan's modelled
+    peak, step seconds, and whether it moves bytes.
 
     Memory is :func:`_checkpoints` as sums over the groups; time is :func:`_forward` and
     :func:`_backward` group by group, each step taken for every plan at once: the same
@@ -1076,26 +1077,40 @@ def simulate_each(profile: Profile, decisions: Sequence[GroupDecision], plans: n
     if any(d.action.whole for d in decisions):
         raise ValueError("plans recomputing a module whole run other groups: simulate them one by one")
     if not len(plans) or not profile.groups:  # no plans, or only the empty one
-        peak, step = simulate(profile, (), max_inflight, prefetch)
-        return [peak] * len(plans), [step] * len(plans), [False] * len(plans)
-    table = [_columns(profile, [(j, g, d) for j, g in enumerate(profile.groups)]) for d in decisions]
-    at = (plans, np.arange(len(profile.groups)))  # each plan's figure of each group, from the table
-    rows = np.array([c.rows for c in table], dtype=np.int64)
-    moved = rows[at + (1,)]
-    peaks = _peaks_each(profile, rows, at, max_inflight, prefetch)
-    steps = _steps_each(profile, table, at, moved > 0, max_inflight, prefetch)
-    return peaks.tolist(), steps.tolist(), (moved > 0).any(axis=1).tolist()
+        out = []
+        for w, pf in windows:
+            peak, step = simulate(profile, (), w, pf)
+            out.append(([peak] * len(plans), [step] * len(plans), [False] * len(plans)))
+        return out
+    figures = _Figures(profile, decisions, plans)
+    moving = figures.mover.any(axis=1).tolist()
+    return [(_peaks_each(profile, figures, w, pf).tolist(), _steps_each(profile, figures, w, pf).tolist(), moving)
+            for w, pf in windows]
 
 
-def _peaks_each(profile: Profile, rows: np.ndarray, at: tuple[np.ndarray, np.ndarray], w: int,
-                pf: int) -> np.ndarray:
-    """:func:`_checkpoints`' peak of each plan (:func:`simulate_each`): ``rows`` are
-    :data:`_Row` by decision and group."""
-    resident, moved, own_forward, own_backward = (rows[at + (k,)] for k in (0, 1, 3, 4))
-    grads = rows[0, :, 5]  # a group's gradients, whatever its decision
+class _Figures:
+    """What the model reads of each group in each plan of :func:`simulate_each` (plan by group),
+    whatever the copy window."""
+
+    def __init__(self, profile: Profile, decisions: Sequence[GroupDecision], plans: np.ndarray):
+        table = [_columns(profile, [(j, g, d) for j, g in enumerate(profile.groups)]) for d in decisions]
+        at = (plans, np.arange(len(profile.groups)))  # each plan's figure of each group, from the table
+        rows = np.array([c.rows for c in table], dtype=np.int64)  # decision, group, _Row
+        self.resident, self.moved, self.own_forward, self.own_backward = (rows[at + (k,)] for k in (0, 1, 3, 4))
+        self.grads = rows[0, :, 5]  # a group's gradients, whatever its decision
+        self.mover = self.moved > 0
+        self.forward_s = table[0].forward_s  # a group's forward, whatever its decision
+        self.backward_s = np.array([c.backward_s for c in table])[at]
+        self.out_s = np.array([[t or 0.0 for t in c.out_s] for c in table])[at]
+        self.back_s = np.array([[t or 0.0 for t in c.back_s] for c in table])[at]
+
+
+def _peaks_each(profile: Profile, figures: _Figures, w: int, pf: int) -> np.ndarray:
+    """:func:`_checkpoints`' peak of each plan (:func:`simulate_each`)."""
+    resident, moved, grads = figures.resident, figures.moved, figures.grads
     many, n = moved.shape
     # the last w groups that moved before each group (-1: none), and those when backward begins
-    last = np.maximum.accumulate(np.where(moved > 0, np.arange(n), -1), axis=1)
+    last = np.maximum.accumulate(np.where(figures.mover, np.arange(n), -1), axis=1)
     before = [np.concatenate((np.full((many, 1), -1), last[:, :-1]), axis=1)]
     ends = [last[:, -1:]]
     for _ in range(1, w):
@@ -1107,7 +1122,7 @@ def _peaks_each(profile: Profile, rows: np.ndarray, at: tuple[np.ndarray, np.nda
 
     in_flight = sum((moved_at(b) for b in before[:w]), np.zeros((many, n), dtype=np.int64))
     held = np.cumsum(resident, axis=1) - resident  # by the groups before each
-    forward = profile.base + held + in_flight + own_forward
+    forward = profile.base + held + in_flight + figures.own_forward
     end = profile.base + held[:, -1] + resident[:, -1] + sum((moved_at(e)[:, 0] for e in ends[:w]), 0)
     # sources in flight when backward begins are held until their backward, not counted reloaded ahead
     kept = np.zeros((many, n), dtype=bool)
@@ -1117,53 +1132,61 @@ def _peaks_each(profile: Profile, rows: np.ndarray, at: tuple[np.ndarray, np.nda
     ahead = np.concatenate((np.zeros((many, pf + 1), dtype=np.int64),
                             np.cumsum(np.where(kept, 0, moved), axis=1)), axis=1)
     backward = (profile.base + np.cumsum(resident_then, axis=1) - resident_then + ahead[:, pf:pf + n] - ahead[:, :n]
-                + (np.cumsum(grads[::-1])[::-1] - grads) + own_backward)
+                + (np.cumsum(grads[::-1])[::-1] - grads) + figures.own_backward)
     peaks = np.maximum(np.maximum(end + profile.outside_extra, end), profile.base)
     return np.maximum(peaks, np.maximum(forward.max(axis=1), backward.max(axis=1))) if n else peaks
 
 
-def _steps_each(profile: Profile, table: list[_Columns], at: tuple[np.ndarray, np.ndarray], mover: np.ndarray,
-                w: int, pf: int) -> np.ndarray:
-    """:func:`_forward` and :func:`_backward`'s step seconds of each plan
-    (:func:`simulate_each`): ``table`` holds the columns by decision."""
+def _steps_each(profile: Profile, figures: _Figures, w: int, pf: int) -> np.ndarray:
+    """:func:`_forward` and :func:`_backward`'s step seconds of each plan (:func:`simulate_each`)."""
+    mover, out_s = figures.mover, figures.out_s
     many, n = mover.shape
-    out_s = np.array([[t or 0.0 for t in c.out_s] for c in table])[at]
     compute, stream = np.zeros(many), np.zeros(many)
-    copies = np.full((many, w + 1), np.inf)  # ends of copies out not known done, oldest first
-    for k, f in enumerate(table[0].forward_s):  # a group's forward, whatever its decision
+    copies = [np.full(many, np.inf)] * (w + 1)  # ends of copies out not known done, oldest first
+    for k, f in enumerate(figures.forward_s):
         compute = compute + f
         starts = mover[:, k]
         if not w:  # compute waits for each copy: its clock adds the copy's time
             compute = np.where(starts, compute + out_s[:, k], compute)
             continue
         stream = np.where(starts, np.maximum(compute, stream) + out_s[:, k], stream)
-        copies[:, w] = np.where(starts, stream, np.inf)
-        copies = np.sort(np.where(copies <= compute[:, None], np.inf, copies), axis=1)  # done: sources freed
-        over = copies[:, w] < np.inf
+        copies[w] = np.where(starts, stream, np.inf)
+        copies = _sorted([np.where(c <= compute, np.inf, c) for c in copies])  # done: sources freed
+        over = copies[w] < np.inf
         if over.any():  # compute waits for the oldest copy
-            compute = np.where(over, np.maximum(compute, copies[:, 0]), compute)
-            copies[:, 0] = np.where(over, np.inf, copies[:, 0])
-            copies.sort(axis=1)
+            compute = np.where(over, np.maximum(compute, copies[0]), compute)
+            copies = _sorted([np.where(over, np.inf, copies[0])] + copies[1:])
     # backward: copies still running are used in place (the last ones moved)
-    running = (copies < np.inf).sum(axis=1)
+    running = np.sum([c < np.inf for c in copies], axis=0)
     reloads = mover & (np.cumsum(mover[:, ::-1], axis=1)[:, ::-1] > running[:, None])
-    back_s = np.where(reloads, np.array([[t or 0.0 for t in c.back_s] for c in table])[at], 0.0)
-    backward_s = np.array([c.backward_s for c in table])[at]
+    back_s = np.where(reloads, figures.back_s, 0.0)
+    backward_s = figures.backward_s
     compute = compute + profile.outside_s
     stream, ready = compute.copy(), np.zeros((many, n))
+    reloaded = reloads.any(axis=0).tolist()  # by group: whether any plan reloads it (else nothing to wait for)
 
     def reload(k: int) -> None:
         nonlocal stream
-        stream = np.where(reloads[:, k], np.maximum(compute, stream) + back_s[:, k], stream)
-        ready[:, k] = np.where(reloads[:, k], stream, 0.0)
+        if reloaded[k]:
+            stream = np.where(reloads[:, k], np.maximum(compute, stream) + back_s[:, k], stream)
+            ready[:, k] = np.where(reloads[:, k], stream, 0.0)
 
     for k in range(n - 1, max(n - 1 - pf, -1), -1):  # reaching the last group: prefetch's reloads
         reload(k)
     for j in range(n - 1, -1, -1):
         if j >= pf:
             reload(j - pf)
-        compute = np.maximum(compute, ready[:, j]) + backward_s[:, j]
+        compute = (np.maximum(compute, ready[:, j]) if reloaded[j] else compute) + backward_s[:, j]
     return compute
+
+
+def _sorted(columns: list[np.ndarray]) -> list[np.ndarray]:
+    """The few columns of a copy window sorted row by row (oldest first), by compare-exchanges
+    between them (np.sort of a few columns costs per row)."""
+    for last in range(len(columns) - 1, 0, -1):
+        for k in range(last):
+            columns[k], columns[k + 1] = np.minimum(columns[k], columns[k + 1]), np.maximum(columns[k], columns[k + 1])
+    return columns
 
 
 _AS_GROUP = {Action.RECOMPUTE_WHOLE: GroupDecision(Action.RECOMPUTE),

@@ -317,12 +317,9 @@ def _firsts(profile: Profile, start: tuple[GroupDecision, ...], decision: GroupD
         plans[k:, j] = taken
         current[j] = decision
         made.append(tuple(current))
-    out = []
-    for w, pf in windows:
-        peaks, steps, moving = simulate_each(profile, decisions, plans, w, pf)
-        out.append([MemoryPlan(g, w if m else 0, pf if m else 0, peak, step)
-                    for g, peak, step, m in zip(made, peaks, steps, moving)])
-    return out
+    return [[MemoryPlan(g, w if m else 0, pf if m else 0, peak, step)
+             for g, peak, step, m in zip(made, peaks, steps, moving)]
+            for (w, pf), (peaks, steps, moving) in zip(windows, simulate_each(profile, decisions, plans, windows))]
 
 
 def _wholes(profile: Profile) -> list[MemoryPlan]:
