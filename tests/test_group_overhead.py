@@ -209,8 +209,10 @@ def test_torch_compile_compiles_no_frame_of_the_offloader(impl, pattern):
             x = torch.randn(n, 16, requires_grad=True)
             forward(x * 1).sum().backward()
         assert off.stats()["offloaded_bytes"] > 0
+        # (the offloader's own frames: actoffload.tools holds models that other tests compile)
         compiled_here = [f"{f.__module__}.{f.__qualname__}" for f in gc.get_objects()
                          if type(f).__name__ == "function" and (f.__module__ or "").startswith("actoffload")
+                         and not f.__module__.startswith("actoffload.tools")
                          and torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)]
         assert compiled_here == []
     finally:
