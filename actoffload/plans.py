@@ -49,9 +49,10 @@ class Opening:
     through the module then needs the first to keep the graph). ``keep_all``: it keeps
     everything it saves and only counts the bytes (a plan noticing a new workload).
     ``guard_inputs`` (a recomputed group): its module's inputs are copied when its forward
-    ends, before any later work can write them in place (those too small to move are
-    cloned), so that the recomputation reads what the forward read (``h += block(h)`` is
-    allowed where autograd saved no ``h``); ``False`` lets their copies run alongside
+    ends, before any later work can write them in place (small ones too; those that may
+    not move, a vetoed one say, are cloned), so that the recomputation reads what the
+    forward read (``h += block(h)`` is allowed where autograd saved no ``h``); ``False``
+    lets their copies run alongside
     compute, for a plan that saw no such write (the engine reports one to
     :meth:`Plan.inputs_written`).
     """
