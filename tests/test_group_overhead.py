@@ -61,12 +61,9 @@ def test_a_group_keeps_few_objects_alive_while_its_graph_lives(impl, saves, most
     del y
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_eager_groups_go_around_torch_compiler_disable(impl, monkeypatch):
-    """Outside torch.compile, a group's boundaries and its hooks call the offloader directly:
-    torch.compiler.disable's wrapper (which sets Dynamo's frame callback twice a call) runs for
-    none of them. tests/test_compile.py checks that compiled code still never traces in."""
-    calls = Counter()
+def _count_set_eval_frame(monkeypatch) -> Counter:
+    """Counts calls of Dynamo's set_eval_frame (torch.compiler.disable's wrapper makes two a call)."""
+    calls: Counter = Counter()
     set_eval_frame = torch._dynamo.eval_frame.set_eval_frame
 
     def counting(callback):
@@ -74,6 +71,15 @@ def test_eager_groups_go_around_torch_compiler_disable(impl, monkeypatch):
         return set_eval_frame(callback)
 
     monkeypatch.setattr(torch._dynamo.eval_frame, "set_eval_frame", counting)
+    return calls
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_eager_groups_go_around_torch_compiler_disable(impl, monkeypatch):
+    """Outside torch.compile, a group's boundaries and its hooks call the offloader directly:
+    torch.compiler.disable's wrapper (which sets Dynamo's frame callback twice a call) runs for
+    none of them. tests/test_compile.py checks that compiled code still never traces in."""
+    calls = _count_set_eval_frame(monkeypatch)
     off = _offloader(impl)
     _forward(off, torch.randn(32, requires_grad=True), saves=True).sum().backward()
     assert calls["set_eval_frame"] == 0
@@ -83,14 +89,7 @@ def test_not_traced_goes_through_the_disabling_wrapper_while_dynamo_may_see_the_
     seen = []
     fn = compat.not_traced(lambda x: seen.append(torch._C._dynamo.eval_frame.get_eval_frame_callback()) or x)
     assert fn(3) == 3 and seen == [None]
-    calls = Counter()
-    set_eval_frame = torch._dynamo.eval_frame.set_eval_frame
-
-    def counting(callback):
-        calls["set_eval_frame"] += 1
-        return set_eval_frame(callback)
-
-    monkeypatch.setattr(torch._dynamo.eval_frame, "set_eval_frame", counting)
+    calls = _count_set_eval_frame(monkeypatch)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # as while Dynamo compiles
     assert fn(4) == 4 and seen == [None, None]  # run with Dynamo's callback off, as before
     assert calls["set_eval_frame"] >= 2
