@@ -71,7 +71,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._window: dict[str, dict[str, Any]] = {}
         self._repeats: dict[str, int] = {}  # name -> the last "#k" given to it in the window
         self._backward_began = False
-        self._step_begun = False  # a step began and no group opened yet (a module's parts will)
+        self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
         self._observers: list[Observer] = []
@@ -182,7 +182,7 @@ class Engine(Generic[GroupT, MovedT]):
                 return None
         if self._pending:  # (a group is only added by this thread: read without the lock)
             self._advance_schedule(opening=True)
-        if self._backward_began or not self._step_begun and not self._window:  # (read again under the lock)
+        if self._backward_began or not self._in_step:  # (read again under the lock)
             self._begin_step_if_new()
         if self._tells_opening:
             self._group_opening()
@@ -190,7 +190,6 @@ class Engine(Generic[GroupT, MovedT]):
             opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else OFFLOAD
             if not opening.hooked:
                 return None  # autograd holds what it saves, as without an offloader
-        self._step_begun = False
         unique = name
         if name in self._window:  # "name#k": counted on from the last k given, not from 2
             k = self._repeats.get(name, 1)
@@ -238,7 +237,7 @@ class Engine(Generic[GroupT, MovedT]):
     def _begin_step_if_new(self) -> None:
         """A group opening after a backward pass began (or the first ever) begins a step."""
         with self._lock:
-            new_step = self._backward_began or (not self._window and not self._step_begun)
+            new_step = self._backward_began or not self._in_step
             if self._backward_began:
                 self._window.clear()
                 self._repeats.clear()
@@ -248,7 +247,7 @@ class Engine(Generic[GroupT, MovedT]):
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
             self._asks = self.plan.acts_at()
             with self._lock:
-                self._step_begun = True
+                self._in_step = True
 
     def _delegating_hooks(self, group: GroupT, outer: tuple[Callable, Callable]) -> tuple[Callable, Callable]:
         """A group opened inside saved-tensor hooks that must see every save (activation
@@ -286,7 +285,12 @@ class Engine(Generic[GroupT, MovedT]):
             group.state = GroupState.ABORTED
             self._window.pop(group.name, None)
             return
-        self._window[group.name] = group.summary
+        if group.saved or group.summary["saved"]:
+            self._window[group.name] = group.summary
+        else:
+            # It saved nothing (frozen, or only ops that save nothing): not listed, so that steps
+            # whose backward never reaches a group (it has nothing to unpack) add nothing either.
+            self._window.pop(group.name, None)
         if group.state is GroupState.INERT:
             return
         group.state = GroupState.PENDING

@@ -3,7 +3,8 @@
 Each case runs in a fresh subprocess (so its memory is its own): a chain of ``--groups`` tiny
 steps (``h = h * 1.0001``, which saves nothing: an empty group; or ``h = h.sin()``, which saves
 ``h``: a tiny group), each step its own group, forward and backward, several times. It prints
-the median CPU time of a step against the same steps without an offloader, and how much the
+the mean CPU time of a step (the mean: the garbage collector's full collections come every few steps, and
+their cost is part of the price) against the same steps without an offloader, and how much the
 process grew while the graph of one forward lived (RSS), for:
 
 - ``empty``: groups that save nothing;
@@ -12,6 +13,14 @@ process grew while the graph of one forward lived (RSS), for:
 - ``tiny-moved``: the same with ``min_offload_bytes=0`` (every save moves: 10,000 groups of
   32 floats move 1.25 MiB);
 - ``one-name``: tiny groups all opened under one name (``name``, ``name#2``, ...).
+
+Beside ``ref`` and ``fast``, ``--impls`` takes two references: ``save_on_cpu`` (PyTorch's own
+hooks, entered per group) and ``least``: per group a pair of saved-tensor hooks holding
+each save as ``(alias, version, group)``, about the least any offloader written in Python
+can keep (a version for R6, a group for backward to reach). Each object that lives until
+backward is one more that the garbage collector's full collections walk, and those come
+more often the more such objects a step leaves: at 10,000 groups that cost is a large part of
+every implementation's time.
 
 CPU time, not wall time: the ratio should not depend on what else the machine runs.
 
@@ -45,18 +54,36 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 off = None
-if impl != "none":
+if impl in ("ref", "fast"):
     kw = {{"min_offload_bytes": 0}} if case == "tiny-moved" else {{}}
     if impl == "fast":
         kw["warmup"] = "offload"
     off = ao.Offloader(impl=impl, device="cpu", **kw)
 names = ["g"] * groups if case == "one-name" else [str(i) for i in range(groups)]
 
+class _Group:  # the least a group can be: a name, and whether backward reached it
+    __slots__ = ("name", "reached")
+    def __init__(self, name):
+        self.name, self.reached = name, False
+
+def _least_hooks(name):  # each save held as (alias, version, group): what R6 and stats need at least
+    group = _Group(name)
+    def pack(t):
+        return t.detach(), t._version, group
+    def unpack(packed):
+        packed[2].reached = True
+        return packed[0]
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
 def forward(x):
     h = x * 1
     if off is None:
-        for _ in range(groups):
-            h = h * 1.0001 if case == "empty" else h.sin()
+        for name in names:
+            if impl == "none":
+                h = h * 1.0001 if case == "empty" else h.sin()
+                continue
+            with (_least_hooks(name) if impl == "least" else torch.autograd.graph.save_on_cpu()):
+                h = h * 1.0001 if case == "empty" else h.sin()
         return h
     for name in names:
         with off.group(name):
@@ -79,7 +106,7 @@ for step in range(steps):
     t3 = time.process_time()
     if step:  # the first step allocates what the later ones reuse
         times.append((t1 - t0) + (t3 - t2))
-print(json.dumps({{"step_s": statistics.median(times), "grew": grew, "moved": moved,
+print(json.dumps({{"step_s": statistics.fmean(times), "grew": grew, "moved": moved,
                    "host": off.stats()["host_bytes_in_use"] if off is not None else 0}}))
 """
 
@@ -94,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=10_000)
     p.add_argument("--floats", type=int, default=32, help="floats in each tiny group's saved tensor")
-    p.add_argument("--steps", type=int, default=4, help="forward+backward steps per case (the first not timed)")
+    p.add_argument("--steps", type=int, default=9, help="forward+backward steps per case (the first not timed)")
     p.add_argument("--impls", nargs="+", default=["ref", "fast"])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--root", default=ROOT, help="the checkout whose actoffload runs (to compare commits)")
     args = p.parse_args(argv)
     rows = []
-    print(f"{args.groups:,} groups, {args.floats} floats per tiny save, median of {args.steps - 1} steps (CPU time)")
+    print(f"{args.groups:,} groups, {args.floats} floats per tiny save, mean of {args.steps - 1} steps (CPU time)")
     print(f"{'case':11s} {'impl':5s} {'step':>9s} {'x none':>7s} {'RSS grew':>10s} {'moved':>10s}")
     for case in args.cases:
         base = run_case("none", case, args.groups, args.floats, args.steps, args.root)

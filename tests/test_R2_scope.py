@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import actoffload as ao
+
 from helpers import DEVICES, IMPLS, off_for
 
 
@@ -31,7 +33,30 @@ def test_R2_no_grad_and_inference_mode_do_nothing(impl, device, mode):
     with ctx, off.group("g"):
         x.exp().sin()
     s = off.stats()
-    assert s["groups"]["g"]["saved"] == 0 and s["offloaded_bytes"] == 0 and s["host_bytes_in_use"] == 0
+    assert s["groups"] == {} and s["offloaded_bytes"] == 0 and s["host_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R2_forwards_that_save_nothing_add_nothing(impl):
+    # evaluation forwards under no_grad, and steps whose groups save nothing (so backward never
+    # unpacks one of them), leave no entry behind: the stats window stays one step long
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    off = off_for(impl, "cpu")
+    ao.wrap(model, off)
+    x = torch.randn(2, 8, requires_grad=True)
+    model(x).sum().backward()
+    trained = off.stats()["groups"]
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+    assert len(off._window) == 0  # (the evaluation began a step: it saved nothing)
+    model(x).sum().backward()
+    assert set(off.stats()["groups"]) == set(trained)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _ in range(4):  # frozen, input needing no grad: nothing saved, backward never seen
+        h = model(torch.randn(2, 8))
+    assert len(off._window) == 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)

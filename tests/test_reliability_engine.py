@@ -298,7 +298,7 @@ def test_many_groups_hold_a_bounded_amount_of_python_state_per_group(impl, case)
     """1,000 groups in one forward, empty or saving 128 bytes each (too few to move): no host
     memory, and per group at most a few objects the garbage collector tracks and a bounded
     number of bytes while the graph lives (before: 14 objects and 1.8 KiB for a tiny group,
-    now 7 and 1.1-1.2 KiB; an empty group holds its stats() entry: 1 and 433 bytes)."""
+    now 7 and 1.1-1.2 KiB; an empty group holds nothing once closed)."""
     import tracemalloc
 
     n = 1000
@@ -316,17 +316,19 @@ def test_many_groups_hold_a_bounded_amount_of_python_state_per_group(impl, case)
         tracemalloc.stop()
     tracked = len(gc.get_objects()) - objects
     s = off.stats()
-    # (backward never unpacks an empty group: the offloader cannot tell that a step ended)
-    assert s["host_bytes_in_use"] == 0 and s["offloaded_bytes"] == 0 and len(s["groups"]) == n * (1 + (case == "empty"))
+    # (a group that saved nothing is not listed: backward never unpacks one, so nothing would
+    # tell the offloader that its step ended)
+    assert s["host_bytes_in_use"] == 0 and s["offloaded_bytes"] == 0 and len(s["groups"]) == (n if case == "tiny" else 0)
     if impl == "fast":
         assert s["host_allocations"] == 0
-    most_objects, most_bytes = (1, 512) if case == "empty" else (8, 1400)
+    most_objects, most_bytes = (0, 64) if case == "empty" else (8, 1400)
     assert tracked <= most_objects * n + 10, tracked / n  # (+ the input and output of the chain)
     assert held <= most_bytes * n, held / n
     y.sum().backward()
     del y, s
     gc.collect()
-    assert len(gc.get_objects()) - objects <= n + 10  # what stays: the stats() entry of each group
+    # what stays: the stats() entry of each group that saved something
+    assert len(gc.get_objects()) - objects <= (n if case == "tiny" else 0) + 10
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -337,7 +339,7 @@ def test_ten_thousand_groups_with_one_name_are_numbered_in_linear_time(impl):
     h = x * 1
     for _ in range(10_000):
         with off.group("g"):
-            h = h * 1.0001
+            h = h.sin()  # (saves h: a group that saved nothing is not listed)
     names = list(off.stats()["groups"])
     assert names[:3] == ["g", "g#2", "g#3"] and names[-1] == "g#10000" and len(names) == 10_000
     h.sum().backward()
