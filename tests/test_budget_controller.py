@@ -41,6 +41,7 @@ class FakeProbe:
         self.now = 0.0
         self.allocated_bytes = allocated
         self.peak_bytes = 0
+        self.cached_bytes = 0  # what the allocator holds beyond the allocated peak
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
@@ -60,6 +61,9 @@ class FakeProbe:
 
     def peak(self) -> int:
         return self.peak_bytes
+
+    def peak_reserved(self) -> int:
+        return self.peak_bytes + self.cached_bytes
 
     def reset_peak(self) -> None:
         pass
@@ -446,7 +450,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
     assert set(s) == {"memory_budget", "margin", "state", "settled", "groups", "max_inflight", "prefetch",
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
-                      "measured_step_s"}
+                      "measured_reserved_peak_bytes", "measured_step_s"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -457,3 +461,18 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
     c = _controller(1 << 40)
     with pytest.raises(ValueError, match="one decision per group"):
         c.force((GroupDecision(Action.RECOMPUTE),) * 3)
+
+
+def test_controller_reports_what_the_allocator_held_at_the_step_peak():
+    """The plan bounds the allocated peak; what the caching allocator reserved meanwhile is
+    reported beside it (on a GPU), so a run shows how far the two are apart."""
+    probe = FakeProbe()
+    c = _controller(1 << 40, probe=probe)
+    probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
+    _run(c, 3, lambda p: p.step_s)
+    s = c.stats()
+    assert s["measured_peak_bytes"] == BASE + 100 * MiB
+    assert s["measured_reserved_peak_bytes"] == BASE + 130 * MiB
+    cpu = _controller(1 << 40)
+    _run(cpu, 3, lambda p: p.step_s)
+    assert cpu.stats()["measured_reserved_peak_bytes"] is None

@@ -152,6 +152,8 @@ class BudgetController:
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
+        # and what the allocator held at most meanwhile (reported; the plan bounds the allocated peak)
+        self.measured_reserved_peak: int | None = None
         self.measured_step_s: float | None = None
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
@@ -529,6 +531,7 @@ class BudgetController:
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
             return
         self.measured_peak = self._probe.peak()
+        self.measured_reserved_peak = self._probe.peak_reserved()
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -773,6 +776,7 @@ class BudgetController:
                        profile=asdict(profile),
                        profiled_peak_bytes=self.profiled_peak if cuda else None)
         out.update(measured_peak_bytes=self.measured_peak if cuda else None,
+                   measured_reserved_peak_bytes=self.measured_reserved_peak if cuda else None,
                    measured_step_s=self.last_step_s if cuda else None)
         return out
 

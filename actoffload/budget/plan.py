@@ -196,7 +196,7 @@ class BudgetPlan(Plan):
         if self.workloads is None:  # a share of the device's memory, not read yet (no step began)
             return {"plan": {"memory_budget": None, "memory_budget_setting": self.memory_budget, "margin": None,
                              "state": "profiling", "settled": False, "measured_peak_bytes": None,
-                             "measured_step_s": None}}
+                             "measured_reserved_peak_bytes": None, "measured_step_s": None}}
         out = self.controller.stats()
         if not isinstance(self.memory_budget, int):
             out["memory_budget_setting"] = self.memory_budget

@@ -43,6 +43,11 @@ class Probe:
         """The most bytes allocated since the last :meth:`reset_peak`."""
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
 
+    def peak_reserved(self) -> int:
+        """The most bytes the caching allocator held from the device since the last
+        :meth:`reset_peak` (what runs out: allocated bytes, its rounding, and its cache)."""
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else 0
+
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

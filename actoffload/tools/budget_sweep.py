@@ -8,7 +8,9 @@ group, or the whole block where its plan recomputes it) at five levels from the
 smallest peak it can reach to the peak without offloading (plus one just under the
 peak of checkpointing every block). Each figure is a pair: median step time
 (forward + backward) and peak device memory allocated during the step, everything
-included. Every method's gradients are compared with no offloading, bit for bit.
+included; beside it the most the caching allocator reserved (``reserved_peak_bytes``, each
+method starting from an emptied cache). Every method's gradients are compared with no
+offloading, bit for bit.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class _Runner:
         self.w, self.method, self.device = w, method, device
         self.off = method.offloader() if method.offloader is not None else None
         self._call = _checkpointed(method.checkpointed) if method.checkpointed else _plain
+        self.reserved = 0  # the latest step's reserved peak
 
     def warming_up(self) -> bool:
         """Whether the offloader still recomputes while it pins (its warm-up on CUDA)."""
@@ -204,6 +207,8 @@ class _Runner:
         finally:
             if handle is not None:
                 handle.remove()
+        # what the caching allocator held at most (its rounding and cache on top of what is allocated)
+        self.reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
         return elapsed, torch.cuda.max_memory_allocated(self.device) if cuda else 0
 
 
@@ -224,20 +229,24 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     offloader reports; and the runner, for more steps of the same method. ``settle``: warm
     up until a memory budget's plan is final too."""
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # and their cached device blocks: each method's reserved peak is its own
     run = _Runner(w, method, device)
-    times, peaks = [], []
+    times, peaks, reserved = [], [], []
     warming = _warm_up(run, 0, warmup, settle)
     early, early_peaks = [t for t, _ in warming], [0] + [p for _, p in warming]
     for step in range(len(warming), len(warming) + steps):
         elapsed, peak = run.step(step)
         times.append(elapsed)
         peaks.append(peak)
+        reserved.append(run.reserved)
         if len(times) >= 3 and sum(times) > SLOW_S:
             break
     early = early or times[:1]
     # kept on the host: a copy on the device would raise every later method's peak
     grads = [t.grad.detach().to("cpu") for t in w.trainable if t.grad is not None]
     out: dict[str, Any] = {"method": method.label, "step_ms": statistics.median(times) * 1e3, "peak_bytes": max(peaks),
+                           "reserved_peak_bytes": max(reserved),
                            "first_step_ms": early[0] * 1e3, "early_steps_ms": [t * 1e3 for t in early],
                            # the steps before: a warm-up, a budget's profiling and the plans it tried
                            "early_peak_bytes": max(early_peaks),
@@ -328,7 +337,8 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
 
     def keep(r: dict[str, Any]) -> dict[str, Any]:
         r["bitwise"] = _same(r.pop("grads"), base["grads"])
-        log(f"  {w.name}: {r['method']}: {r['step_ms']:.1f} ms, {r['peak_bytes'] / GiB:.2f} GiB, "
+        log(f"  {w.name}: {r['method']}: {r['step_ms']:.1f} ms, {r['peak_bytes'] / GiB:.2f} GiB "
+            f"({r['reserved_peak_bytes'] / GiB:.2f} reserved), "
             f"bitwise {r['bitwise']}")
         return r
 
