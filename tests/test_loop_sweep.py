@@ -1,0 +1,149 @@
+"""The loop sweep (actoffload.tools.loop_sweep) on the CPU: one small run of both loops,
+checked for what a GPU run's figures rest on (the same lengths for every method, gradients
+compared bit for bit, four forwards per optimizer step), and its measuring parts alone."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from actoffload.tools import loop_sweep
+
+STEPS, OPT_STEPS = 12, 5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loops") / "loops.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = loop_sweep.main(["--small", "--steps", str(STEPS), "--opt-steps", str(OPT_STEPS), "--out", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text()), out.getvalue()
+
+
+def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
+    doc, printed = run
+    assert {"gpu", "torch", "date", "commit"} <= set(doc["env"]) and doc["env"]["gpu"] == "cpu"
+    assert [w["workload"] for w in doc["workloads"]] == ["llama", "gpt_moe"] == list(doc["verdicts"])
+    for w in doc["workloads"]:
+        assert "error" not in w
+        var, acc = w["variable_length"], w["accumulation"]
+        assert set(var["methods"]) == set(acc["methods"]) == {"none", "none_again", "checkpoint_all"}
+        assert [b["level"] for b in var["budgets"]] == ["checkpoint_all_peak", "halfway", "none_peak",
+                                                        "checkpoint_all_peak_x1.25", "smallest_reachable"]
+        assert [b["level"] for b in acc["budgets"]] == ["checkpoint_all_peak", "halfway", "none_peak"]
+        assert all("error" not in b and "skipped" not in b for b in var["budgets"] + acc["budgets"])
+        assert var["smallest_reachable"]["bytes"] == var["budgets"][4]["budget_bytes"] - (1 << 20)  # + the CPU's margin
+        # a fresh offloader per budget, each budget its own
+        assert len({b["budget_bytes"] for b in var["budgets"][:3]}) == 3
+        v = doc["verdicts"][w["workload"]]
+        for loop in ("variable_length", "accumulation"):
+            for cell in v[loop]["budgets"]:
+                assert {"budget_bytes", "max_step_reserved_bytes", "max_step_allocated_bytes", "steps_over_budget",
+                        "steps_over_budget_allocated", "total_s", "vs_checkpoint_all", "bitwise", "plan_state",
+                        "plan_settled", "steps_to_settle"} <= set(cell)
+                assert cell["max_step_reserved_bytes"] is None and cell["steps_over_budget"] is None  # no allocator
+                assert cell["total_s"] > 0 and cell["vs_checkpoint_all"] > 0 and cell["plan_state"]
+                assert cell["steps_to_settle"] and all(n is None or n >= 1 for n in cell["steps_to_settle"].values())
+        assert set(v["asks"]) >= {"variable_length_no_step_over_budget", "variable_length_at_halfway_within_ask",
+                                  "variable_length_vs_checkpoint_all_at_its_peak", "accumulation_bitwise"}
+    assert "asks:" in printed and "budget halfway" in printed
+
+
+def test_every_method_runs_the_same_lengths(run):
+    doc, _ = run
+    for w in doc["workloads"]:
+        var = w["variable_length"]
+        lengths = var["lengths"]
+        assert len(lengths) == STEPS and set(lengths) <= {w["seq_len"] * q // 4 for q in (1, 2, 3, 4)}
+        assert lengths == loop_sweep.draw_lengths(w["seq_len"], STEPS, seed=0)
+        for r in [*var["methods"].values(), *var["budgets"]]:
+            assert r["lengths"] == lengths and len(r["steps_s"]) == len(r["fingerprints"]) == STEPS
+        # a budget's plan saw a signature per length
+        assert var["budgets"][0]["plan_steps"][0]["tokens"] == w["batch"] * lengths[0]
+        settling = doc["verdicts"][w["workload"]]["variable_length"]["budgets"][0]["steps_to_settle"]
+        assert len(settling) == len(set(lengths))
+
+
+def test_gradients_are_compared_bit_for_bit_and_equal_on_the_cpu(run):
+    doc, _ = run
+    for w in doc["workloads"]:
+        v = doc["verdicts"][w["workload"]]
+        none = w["variable_length"]["methods"]["none"]["fingerprints"]
+        assert len(set(none)) == STEPS  # each step's gradients differ: a fingerprint sees them
+        assert v["variable_length"]["none_repeats_bitwise"] and v["accumulation"]["none_repeats_bitwise"]
+        for loop in ("variable_length", "accumulation"):
+            cells = list(v[loop]["methods"].values()) + v[loop]["budgets"]
+            assert all(c["bitwise"] is True for c in cells)
+        for c in v["accumulation"]["budgets"]:
+            assert c["bitwise_gradients_steps"] == OPT_STEPS
+            assert c["bitwise_parameters_at_end"] and c["bitwise_eval_losses"]
+        assert v["asks"]["variable_length_bitwise"] and v["asks"]["accumulation_bitwise"]
+
+
+def test_accumulation_runs_four_forwards_per_optimizer_step_and_evaluates(run):
+    doc, _ = run
+    for w in doc["workloads"]:
+        acc = w["accumulation"]
+        for r in [*acc["methods"].values(), *acc["budgets"]]:
+            assert r["forwards_per_optimizer_step"] == [4] * OPT_STEPS
+            assert r["eval_forwards"] == [1] * (OPT_STEPS // 5) and len(r["eval_losses"]) == OPT_STEPS // 5
+            kinds = [x["kind"] for x in r["records"]]
+            assert kinds == (["micro"] * 4 + ["optimizer"]) * (OPT_STEPS - 1) + ["micro"] * 4 + ["optimizer", "eval"]
+            assert len(r["grad_fingerprints"]) == OPT_STEPS
+        # the gradients of successive optimizer steps differ (the parameters moved)
+        assert len(set(acc["methods"]["none"]["grad_fingerprints"])) == OPT_STEPS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fingerprint_changes_with_any_one_bit_and_with_a_swap(dtype):
+    fp = loop_sweep.Fingerprint(torch.device("cpu"), chunk=16)  # several chunks a tensor
+    a = torch.randn(7, 9, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(50).to(dtype)
+    base = fp([a, None, b])
+    assert fp([a.clone(), None, b.clone()]) == base
+    words = torch.int32 if dtype == torch.float32 else torch.int16
+    for index in (0, 40, 62):
+        flipped = a.clone()
+        flipped.view(-1).view(words)[index] ^= 1  # one unit in the last place
+        assert fp([flipped, None, b]) != base
+    swapped = b.clone()
+    swapped[[3, 30]] = b[[30, 3]]
+    assert fp([a, None, swapped]) != base
+    assert fp([a, b]) != base and fp([a.view(9, 7), None, b]) != base  # what is missing, and shapes, count
+
+
+def test_peaks_read_the_counters_before_each_reset_inside_a_step():
+    counters = {"reserved": 0, "allocated": 0}
+    resets = []
+
+    class FakeCuda:
+        @staticmethod
+        def reset_peak_memory_stats(device=None):
+            resets.append(device)
+            counters.update(reserved=0, allocated=0)
+
+    fake = FakeCuda()
+    original = fake.reset_peak_memory_stats
+    with loop_sweep.Peaks(torch.device("cpu"), read_peaks=lambda: (counters["reserved"], counters["allocated"]),
+                          module=fake) as peaks:
+        peaks.start()
+        counters.update(reserved=900, allocated=700)  # the step's first part
+        fake.reset_peak_memory_stats("dev")  # the offloader resets within the step
+        counters.update(reserved=500, allocated=400)
+        assert peaks.read() == (900, 700)
+        peaks.start()  # the next step starts afresh
+        counters.update(reserved=300, allocated=200)
+        assert peaks.read() == (300, 200)
+    assert fake.reset_peak_memory_stats == original and resets[1] == "dev"
+    assert loop_sweep.Peaks(torch.device("cpu")).read() == (None, None)  # the CPU: nothing to read
+
+
+def test_steps_to_settle_counts_each_signatures_steps():
+    readings = [{"signature": "a", "settled": False}, {"signature": "b", "settled": True},
+                {"signature": "a", "settled": False}, {"signature": "a", "settled": True},
+                {"signature": "a", "settled": False}, {"signature": "c", "settled": False}]
+    assert loop_sweep.steps_to_settle(readings) == {"a": 3, "b": 1, "c": None}
