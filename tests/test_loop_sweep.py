@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actoffload.tools import loop_sweep
+from actoffload.tools.peaks import Peaks
 
 STEPS, OPT_STEPS = 12, 5
 
@@ -128,7 +129,7 @@ def test_peaks_read_the_counters_before_each_reset_inside_a_step():
 
     fake = FakeCuda()
     original = fake.reset_peak_memory_stats
-    with loop_sweep.Peaks(torch.device("cpu"), read_peaks=lambda: (counters["reserved"], counters["allocated"]),
+    with Peaks(torch.device("cpu"), read_peaks=lambda: (counters["reserved"], counters["allocated"]),
                           module=fake) as peaks:
         peaks.start()
         counters.update(reserved=900, allocated=700)  # the step's first part
@@ -139,7 +140,7 @@ def test_peaks_read_the_counters_before_each_reset_inside_a_step():
         counters.update(reserved=300, allocated=200)
         assert peaks.read() == (300, 200)
     assert fake.reset_peak_memory_stats == original and resets[1] == "dev"
-    assert loop_sweep.Peaks(torch.device("cpu")).read() == (None, None)  # the CPU: nothing to read
+    assert Peaks(torch.device("cpu")).read() == (None, None)  # the CPU: nothing to read
 
 
 def test_steps_to_settle_counts_each_signatures_steps():

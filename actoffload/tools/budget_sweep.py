@@ -30,6 +30,7 @@ import actoffload as ao
 from actoffload import compat, hostmem
 from actoffload.budget.controller import PROFILE_STEPS
 from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
+from .peaks import Peaks
 
 GiB = 1 << 30
 LEVELS = 5
@@ -194,22 +195,24 @@ class _Runner:
                   if self.off is not None else None)
         try:
             _sync(self.device)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            ctx = (torch.autograd.graph.save_on_cpu(pin_memory=cuda) if self.method.save_on_cpu
-                   else contextlib.nullcontext())
-            t0 = time.perf_counter()
-            with ctx:
-                loss = w.loss(self._call, step)
-            loss.backward()
-            _sync(self.device)
-            elapsed = time.perf_counter() - t0
+            # the step's peaks across the resets a budget makes inside it (while it profiles)
+            with Peaks(self.device) as peaks:
+                peaks.start()
+                ctx = (torch.autograd.graph.save_on_cpu(pin_memory=cuda) if self.method.save_on_cpu
+                       else contextlib.nullcontext())
+                t0 = time.perf_counter()
+                with ctx:
+                    loss = w.loss(self._call, step)
+                loss.backward()
+                _sync(self.device)
+                elapsed = time.perf_counter() - t0
+                reserved, allocated = peaks.read()
         finally:
             if handle is not None:
                 handle.remove()
         # what the caching allocator held at most (its rounding and cache on top of what is allocated)
-        self.reserved = torch.cuda.max_memory_reserved(self.device) if cuda else 0
-        return elapsed, torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        self.reserved = reserved or 0
+        return elapsed, allocated or 0
 
 
 def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int]]:

@@ -74,6 +74,7 @@ from actoffload.budget import BudgetTooSmall
 from actoffload.budget.tolerances import least_margin
 
 from .models import GPT, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
+from .peaks import Peaks
 
 GiB = 1 << 30
 QUARTERS = (1, 2, 3, 4)  # a step's length: this many quarters of the full length
@@ -173,72 +174,6 @@ def draw_lengths(full: int, steps: int, seed: int = 0) -> list[int]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _cuda_peaks(device: torch.device) -> tuple[int, int]:
-    s = torch.cuda.memory_stats_as_nested_dict(device)
-    return (s.get("reserved_bytes", {}).get("all", {}).get("peak", 0),
-            s.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
-
-
-class Peaks:
-    """A window's peak reserved and allocated device memory (a step's), on CUDA; ``None`` on
-    the CPU. The offloader resets the allocator's peak counters inside a step, where its budget
-    measures its own window; within ``with Peaks(device)``, ``torch.cuda.reset_peak_memory_stats``
-    reads the counters before it resets them, so the window's peak is the highest of those
-    readings and the last.
-
-    Example::
-
-        with Peaks(device) as peaks:
-            peaks.start()
-            ...                          # a step (the offloader may reset the counters)
-            reserved, allocated = peaks.read()
-    """
-
-    def __init__(self, device: torch.device, read_peaks: Callable[[], tuple[int, int]] | None = None,
-                 module: Any = None):
-        self.device = device
-        self.cuda = device.type == "cuda" or read_peaks is not None
-        self._read_peaks = read_peaks or (lambda: _cuda_peaks(device))
-        self._modules: list[Any] = [module] if module is not None else [torch.cuda, torch.cuda.memory]
-        self._original: list[Callable[..., Any]] = []
-        self.reserved = self.allocated = 0
-
-    def __enter__(self) -> Peaks:
-        if self.cuda:
-            self._original = [m.reset_peak_memory_stats for m in self._modules]
-            reset = self._original[0]
-
-            def reading_first(device: Any = None) -> Any:
-                self._fold()
-                return reset(device)
-
-            for m in self._modules:
-                m.reset_peak_memory_stats = reading_first
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for m, original in zip(self._modules, self._original):
-            m.reset_peak_memory_stats = original
-        self._original = []
-
-    def _fold(self) -> None:
-        reserved, allocated = self._read_peaks()
-        self.reserved, self.allocated = max(self.reserved, reserved), max(self.allocated, allocated)
-
-    def start(self) -> None:
-        """The window begins: the counters reset."""
-        self.reserved = self.allocated = 0
-        if self.cuda:
-            self._original[0](self.device)
-
-    def read(self) -> tuple[int | None, int | None]:
-        """The window's peaks so far: ``(reserved, allocated)`` bytes, ``(None, None)`` on the CPU."""
-        if not self.cuda:
-            return None, None
-        self._fold()
-        return self.reserved, self.allocated
 
 
 class Fingerprint:
