@@ -58,7 +58,7 @@ from .search import BudgetTooSmall
 from .tolerances import base_tolerance, least_margin, new_workload, overshoot_margin
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
-EXPLORE = 4  # plans beyond the model's first choice that may run to find a faster one
+EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (after its first, which pins host memory)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 
@@ -607,7 +607,13 @@ class BudgetController:
         already); the profiled plan last."""
         assert self._profile is not None
         self._plans = search.candidates(self._profile) if plans is None else list(plans)
+        # a plan that ran stays a candidate, should the search no longer propose it (the
+        # profile was calibrated): what it measured still stands
         profiled = costmodel.profiled_plan(self._profile)
+        known = {p.key for p in self._plans} | {(profiled, 0, 0)}
+        for groups, max_inflight, prefetch in [k for k in self._runs if k not in known]:
+            self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
+                                          *simulate(self._profile, groups, max_inflight, prefetch)))
         self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
 
     def _choose(self) -> None:
@@ -677,32 +683,30 @@ class BudgetController:
         return plan
 
     def _fastest(self, fitting: list[MemoryPlan]) -> MemoryPlan:
-        """Among plans that fit: the fastest measured one, unless the model promises a faster
-        one not yet measured and fewer than ``EXPLORE`` others were tried (each runs
-        ``TIMINGS`` + 1 steps: its first pins host memory), and the fastest plan that moves
-        no bytes is measured too. The model misses costs it cannot see (hooks, packing,
-        contention, a step that waits on the host); measuring finds them."""
+        """Among plans that fit: the fastest measured one, unless one more may run (at most
+        ``EXPLORE`` beyond the model's first choice, each ``TIMINGS`` + 1 steps: its first pins
+        host memory). First, where the fastest measured plan moves bytes, the fastest plan
+        that moves none (what checkpointing by hand gives): the bus and recomputation are both
+        modelled from the profiling steps, and an error in either must not keep the slower.
+        Then a plan the model rates faster than the fastest measured. The model misses costs
+        it cannot see (hooks, packing, contention, a step that waits on the host); measuring
+        finds them, and few tries keep the first steps few."""
         assert self._profile is not None
         profile = self._profile
         by_model = search.simplest_first(profile, fitting)
         first = next(by_model)  # the model's choice, should nothing be measured
         timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
-        for p in itertools.chain((first,), by_model):
-            if self._timed(p) or (best is not None and p.step_s >= self._time_of(best)):
+        still = None
+        if best is not None and moves_bytes(profile, best.groups):
+            still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
+            still = search.fastest(profile, still_plans) if still_plans else None
+        for p in itertools.chain((first,), (still,) if still is not None else (), by_model):
+            if self._timed(p) or (p is not still and best is not None and p.step_s >= self._time_of(best)):
                 continue  # measured, or the model promises nothing faster than what was
             if p.key in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
                 return p
             break
-        # The bus and recomputation are both modelled from the profiling steps; where the
-        # model prefers moving bytes, the fastest plan that moves none (what checkpointing by
-        # hand would give) is measured too, once, so an error in either cannot keep the
-        # slower one.
-        still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
-        still = search.fastest(profile, still_plans) if still_plans else None
-        if (best is not None and moves_bytes(profile, best.groups) and still is not None
-                and not self._timed(still) and (still.key in self._runs or len(self._runs) <= EXPLORE + 1)):
-            return still
         return best if best is not None else first
 
     def _timed(self, plan: MemoryPlan) -> bool:
