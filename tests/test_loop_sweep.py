@@ -141,6 +141,19 @@ def test_peaks_read_the_counters_before_each_reset_inside_a_step():
         assert peaks.read() == (300, 200)
     assert fake.reset_peak_memory_stats == original and resets[1] == "dev"
     assert Peaks(torch.device("cpu")).read() == (None, None)  # the CPU: nothing to read
+    with pytest.raises(RuntimeError, match="outside `with Peaks"):
+        Peaks(torch.device("cpu"), read_peaks=lambda: (0, 0), module=fake).start()
+
+
+def test_each_method_reads_its_peaks_inside_the_peaks_context(monkeypatch):
+    """On a GPU every step's peaks go through Peaks.start(), which needs the context entered:
+    the loop enters it for each method (checked here with a device that only pretends)."""
+    w = loop_sweep.llama(torch.device("cpu"), small=True)
+    loop = loop_sweep._Loop(w, log=lambda s: None)
+    loop.peaks = Peaks(torch.device("cpu"), read_peaks=lambda: (0, 0), module=type("M", (), {
+        "reset_peak_memory_stats": staticmethod(lambda device=None: None)})())
+    with loop.method(loop_sweep.Method("none")):
+        loop.timed(lambda: None)
 
 
 def test_steps_to_settle_counts_each_signatures_steps():

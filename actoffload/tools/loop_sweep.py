@@ -279,7 +279,8 @@ class _Loop:
             off = ao.Offloader(impl="fast", device=self.device, memory_budget=m.budget)
         handle = ao.wrap(w.blocks, off, parts=block_parts) if off is not None else None
         try:
-            yield off
+            with self.peaks:  # its steps' peaks, read across the budget's own resets
+                yield off
         finally:
             if handle is not None:
                 handle.remove()

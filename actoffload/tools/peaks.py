@@ -65,6 +65,9 @@ class Peaks:
         """The window begins: the counters reset."""
         self.reserved = self.allocated = 0
         if self.cuda:
+            if not self._original:
+                raise RuntimeError("Peaks.start() outside `with Peaks(...)`: the resets inside the step "
+                                   "would go unread; enter the Peaks first")
             self._original[0](self.device)
 
     def read(self) -> tuple[int | None, int | None]:
