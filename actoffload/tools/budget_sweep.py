@@ -2,20 +2,39 @@
 
 For each workload, measured side by side in one run on one card: no offloading,
 activation checkpointing of every block, the best hand-picked selective checkpointing
-(the fewest checkpointed blocks that fit each budget), ``save_on_cpu``, ref and fast
-offloading everything, and fast with a ``memory_budget`` (each block's three parts a
-group, or the whole block where its plan recomputes it) at five levels from the
-smallest peak it can reach to the peak without offloading (plus one just under the
-peak of checkpointing every block). Each figure is a pair: median step time
+(the fewest checkpointed blocks that fit each budget), torch's selective activation
+checkpointing (every block checkpointed, the outputs of its matmuls and attention kept:
+``sac``), checkpointing every block with its saved input moved to host memory
+(``checkpoint_offload``, what transformers' offloaded checkpointing and Unsloth's do),
+``save_on_cpu``, ref and fast offloading everything, and fast with a ``memory_budget`` at
+five levels from the smallest peak it can reach to the peak without offloading (plus one
+just under the peak of checkpointing every block). A budget gets this repository's blocks
+with their three parts each a group (or the whole block where its plan recomputes it), and
+transformers' layers whole, as users wrap them. Each figure is a pair: median step time
 (forward + backward) and peak device memory allocated during the step, everything
 included; beside it the most the caching allocator reserved (``reserved_peak_bytes``, each
 method starting from an emptied cache). Every method's gradients are compared with no
-offloading, bit for bit.
+offloading, bit for bit; for transformers' models no offloading also runs twice, which
+tells whether the step is deterministic at all (SDPA's backward may not be). Each budget is
+judged against the fastest of the alternatives whose peak fits it.
+
+The workloads (:mod:`.sweep_models`): ``--models default`` (this repository's decoder, MoE
+and plain stacks), ``--models hf`` (transformers' ``LlamaForCausalLM``, eager and SDPA, and
+8B-shaped layers at 8k and 32k tokens: measured for less long, three budget levels; skipped
+with a message where transformers is not installed) or ``--models all``; ``--only`` picks by
+name from any set.
+
+Example::
+
+    python -m actoffload.tools.budget_sweep --out sweep.json --plot sweep.png
+    python -m actoffload.tools.budget_sweep --models hf --out sweep-hf.json
+    python -m actoffload.tools.budget_sweep --only hf_llama_eager --small   # the CPU: tiny models
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import sys
@@ -29,8 +48,11 @@ import torch.utils.checkpoint
 import actoffload as ao
 from actoffload import compat, hostmem
 from actoffload.budget.controller import PROFILE_STEPS
-from .models import GPT, Block, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 from .peaks import Peaks
+from .sweep_models import (MODEL_SETS, Call, Scale, Workload, have_transformers, plain, workload_names,
+                           workloads)
+
+__all__ = ["Method", "Scale", "Workload", "measure", "paired", "sweep", "sweep_workload", "verdicts", "workloads"]
 
 GiB = 1 << 30
 LEVELS = 5
@@ -41,109 +63,49 @@ PAIRED_MAX_S = 24.0  # or the rounds took this long
 SLOW_S = 6.0  # a method whose measured steps take this long stops after 3 (it is far from the front)
 
 
-@dataclass
-class Workload:
-    """A model with ``blocks``, and a step: loss of one batch, backward.
-
-    Checkpointing and offloading everything work block by block, as users set them up; a
-    memory budget gets each block with its three parts (:func:`block_parts`), so that its
-    plan can go below checkpointing every block (where backward holds a whole block's
-    recomputed activations at once) and still recompute a whole block where that is faster."""
-
-    name: str
-    model: torch.nn.Module
-    blocks: torch.nn.ModuleList
-    loss: Callable[[Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor], int], torch.Tensor]
-    trainable: list[torch.Tensor]  # what gradients are compared for (parameters and the input)
-
-
-def _stack(name: str, d: int, layers: int, batch: int, seq: int, device: torch.device, dtype: torch.dtype) -> Workload:
-    torch.manual_seed(0)
-    cfg = GPTConfig(d_model=d, n_heads=max(1, d // 128), n_layers=layers, seq_len=seq, attention="eager",
-                    embedding=False)
-    blocks = torch.nn.ModuleList(Block(cfg) for _ in range(layers)).to(device=device, dtype=dtype)
-    x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    leaf = x.requires_grad_(True)
-
-    def loss(call, step):
-        h = leaf * 1  # the first block sees an activation
-        for i, b in enumerate(blocks):
-            h = call(i, b, h)
-        return h.float().square().mean()
-
-    return Workload(name, blocks, blocks, loss, [leaf, *blocks.parameters()])
-
-
-def _tokens(model: torch.nn.Module, vocab: int, batch: int, seq: int, device: torch.device) -> Workload | Any:
-    gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
-
-
-def _gpt_moe(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512 if small else 8192, seq_len=32 if small else 1024, d_model=64 if small else 1024,
-                    n_heads=4 if small else 16, n_layers=2 if small else 8, attention="eager",
-                    n_experts=4 if small else 8, top_k=2)
-    model = GPT(cfg).to(device=device, dtype=dtype)
-    # 16 sequences: with 8, each expert's GEMMs were so short that the host (reading the
-    # routing back every block) set the pace of nearly the whole step, which then drifted by
-    # 10-20% within seconds on an H200's host; with 16 the steps hold within 3%
-    batch = _tokens(model, cfg.vocab_size, 2 if small else 16, cfg.seq_len, device)
-
-    def loss(call, step):
-        x, y = batch[:, :-1], batch[:, 1:]
-        h = model.embed(x) + model.pos[: x.shape[1]]
-        for i, b in enumerate(model.blocks):
-            h = call(i, b, h)
-        return next_token_loss(model.head(model.ln_f(h)).float(), y)
-
-    return Workload("gpt_moe", model, model.blocks, loss, list(model.parameters()))
-
-
-def _llama(device: torch.device, dtype: torch.dtype, small: bool) -> Workload:
-    torch.manual_seed(0)
-    cfg = (LlamaConfig(seq_len=32, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn=172) if small else
-           LlamaConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=8, ffn=5632))
-    model = Llama(cfg).to(device=device, dtype=dtype)
-    batch = _tokens(model, cfg.vocab_size, 2 if small else 4, cfg.seq_len, device)
-
-    def loss(call, step):
-        x, y = batch[:, :-1], batch[:, 1:]
-        h = model.embed(x)
-        for i, b in enumerate(model.blocks):
-            h = call(i, b, h)
-        return next_token_loss(model.head(model.norm(h)).float(), y)
-
-    return Workload("llama", model, model.blocks, loss, list(model.parameters()))
-
-
-def workloads(device: torch.device, small: bool) -> list[Callable[[], Workload]]:
-    """The sweep's workloads, built one at a time (each frees the last)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if small:
-        return [lambda: _stack("stack_small", 64, 3, 2, 32, device, dtype),
-                lambda: _gpt_moe(device, dtype, True), lambda: _llama(device, dtype, True)]
-    return [  # the decoder first: its first-step figure matters most
-        lambda: _llama(device, dtype, False),
-        lambda: _stack("d2048_L8", 2048, 8, 8, 2048, device, dtype),
-        lambda: _gpt_moe(device, dtype, False),
-        lambda: _stack("d4096_L4", 4096, 4, 4, 4096, device, dtype),
-        lambda: _stack("d8192_L4", 8192, 4, 2, 4096, device, dtype),
-    ]
-
-
 # ---------------------------------------------------------------- one method, measured
-def _plain(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return b(h)
+# ops whose outputs torch's selective activation checkpointing keeps (the rest is recomputed):
+# the matmuls and the fused attention kernels, those this torch has
+SAC_SAVED_OPS = tuple(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
 
 
-def _checkpointed(first: int) -> Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor]:
-    """Call blocks ``0 .. first-1`` under activation checkpointing, the others plainly."""
+def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective activation checkpointing's choice for ``op``: keep the outputs of matmuls and
+    fused attention, recompute everything else."""
+    CheckpointPolicy = torch.utils.checkpoint.CheckpointPolicy
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in SAC_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def call(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if i < first:
-            return torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
-        return b(h)
+
+# a fresh pair of contexts for each checkpointed call
+_sac_context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, sac_policy)
+
+
+CHECKPOINT_KINDS = ("plain", "selective", "offload")
+
+
+def _checkpointed(first: int, kind: str = "plain", pin: bool = False) -> Call:
+    """Call blocks ``0 .. first-1`` under activation checkpointing (non-reentrant), the others
+    plainly. ``kind``: ``plain`` recomputes the whole block; ``selective`` keeps what
+    :func:`sac_policy` keeps; ``offload`` moves the checkpoint's saved inputs to host memory
+    (``save_on_cpu`` around the checkpoint: what it saves itself, the recomputation's
+    inputs, moves; what the block saves is its checkpoint's to drop)."""
+    if kind not in CHECKPOINT_KINDS:
+        raise ValueError(f"checkpoint kind {kind!r}: one of {CHECKPOINT_KINDS}")
+
+    def call(i: int, b: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if i >= first:
+            return b(*args, **kwargs)
+        if kind == "selective":
+            return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, context_fn=_sac_context,
+                                                     **kwargs)
+        if kind == "offload":
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, **kwargs)
 
     return call
 
@@ -155,15 +117,17 @@ def _sync(device: torch.device) -> None:
 
 @dataclass
 class Method:
-    """How a step runs: plainly, with the first ``checkpointed`` blocks checkpointed, under
-    ``save_on_cpu``, or with an offloader (made once by ``offloader``) wrapping the blocks,
-    their parts with ``parts``."""
+    """How a step runs: plainly, with the first ``checkpointed`` blocks checkpointed (the
+    ``checkpoint`` kind: see :func:`_checkpointed`), under ``save_on_cpu``, or with an
+    offloader (made once by ``offloader``) wrapping the blocks, with the workload's parts
+    where ``parts``."""
 
     label: str
     checkpointed: int = 0
     save_on_cpu: bool = False
     offloader: Callable[[], ao.Offloader] | None = None
     parts: bool = False
+    checkpoint: str = "plain"
 
 
 class _Runner:
@@ -174,7 +138,8 @@ class _Runner:
     def __init__(self, w: Workload, method: Method, device: torch.device):
         self.w, self.method, self.device = w, method, device
         self.off = method.offloader() if method.offloader is not None else None
-        self._call = _checkpointed(method.checkpointed) if method.checkpointed else _plain
+        self._call = (_checkpointed(method.checkpointed, method.checkpoint, pin=device.type == "cuda")
+                      if method.checkpointed else plain)
         self.reserved = 0  # the latest step's reserved peak
 
     def warming_up(self) -> bool:
@@ -191,7 +156,7 @@ class _Runner:
         for t in w.trainable:
             t.grad = None
         gc.collect()
-        handle = (ao.wrap(w.blocks, self.off, parts=block_parts if self.method.parts else None)
+        handle = (ao.wrap(w.blocks, self.off, parts=w.parts if self.method.parts else None)
                   if self.off is not None else None)
         try:
             _sync(self.device)
@@ -272,19 +237,22 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return v[k], v[len(v) - 1 - k]
 
 
-def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, Any]:
+def paired(a: _Runner, b: _Runner, warmup: int, first_step: int, scale: Scale | None = None) -> dict[str, Any]:
     """``a`` against ``b`` in alternating steps (``b`` warmed up first): the host's state
     drifts over seconds (a MoE waits on the host in every block), so two methods measured
     one after the other can differ by more than the difference asked about; alternating
     steps see the same drift. As many rounds as fill about ``PAIRED_S`` seconds (short,
     noisy steps get more), then more while the median ratio is not known within
-    ``PAIRED_PRECISION`` and the rounds took less than ``PAIRED_MAX_S``. Step numbers go on
-    from ``first_step`` (the workload's data may depend on them)."""
+    ``PAIRED_PRECISION`` and the rounds took less than ``PAIRED_MAX_S`` (a workload's
+    ``scale`` may set shorter ones). Step numbers go on from ``first_step`` (the workload's
+    data may depend on them)."""
+    paired_s, (least, most), max_s = ((scale.paired_s, scale.paired_rounds, scale.paired_max_s) if scale else
+                                      (PAIRED_S, PAIRED_ROUNDS, PAIRED_MAX_S))
     warming = _warm_up(b, first_step, max(1, warmup))  # its last step times a round
     step = first_step + len(warming)
     pair_s = a.step(step)[0] + warming[-1][0]
     step += 1
-    rounds = max(PAIRED_ROUNDS[0], min(PAIRED_ROUNDS[1], round(PAIRED_S / pair_s)))
+    rounds = max(least, min(most, round(paired_s / pair_s)))
     ta: list[float] = []
     tb: list[float] = []
 
@@ -300,11 +268,11 @@ def paired(a: _Runner, b: _Runner, warmup: int, first_step: int) -> dict[str, An
 
     more(rounds)
     r = ratios()
-    while sum(ta) + sum(tb) < PAIRED_MAX_S:
+    while sum(ta) + sum(tb) < max_s:
         lo, hi = median_interval(r)
         if hi - lo <= 2 * PAIRED_PRECISION * statistics.median(r):
             break
-        more(PAIRED_ROUNDS[0])
+        more(least)
         r = ratios()
     ma, mb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
     return {"against": b.method.label, "rounds": len(ta), "step_ms": ma, "against_step_ms": mb,
@@ -316,27 +284,58 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+# what users pick instead of a budget, each judged by its peak and step time (ref is not
+# among them: fast offloads the same, faster), and the kinds of checkpointing every block
+ALTERNATIVES = ("none", "checkpoint_all", "sac", "checkpoint_offload", "save_on_cpu", "fast")
+
+
 def _fastest_fitting(workload: dict[str, Any], budget: int) -> dict[str, Any] | None:
-    """The fastest of what users would pick instead (offloading everything included, ref
-    not: fast is the faster of the two) whose peak fits ``budget``; ``None`` if none does."""
+    """The fastest of what users would pick instead (:data:`ALTERNATIVES` and the selective
+    first-k checkpointing; a method that failed or that an older sweep did not run is left
+    out) whose peak fits ``budget``; ``None`` if none does."""
     m = workload["methods"]
-    alternatives = [m[k] for k in ("none", "checkpoint_all", "save_on_cpu", "fast")] + workload["selective"]
-    fitting = [a for a in alternatives if a["peak_bytes"] <= budget]
+    alternatives = [m[k] for k in ALTERNATIVES if k in m] + workload["selective"]
+    fitting = [a for a in alternatives if "error" not in a and a["peak_bytes"] <= budget]
     return min(fitting, key=lambda a: a["step_ms"]) if fitting else None
 
 
-def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, log=print) -> dict[str, Any]:
-    """Every method on one workload, then the budget levels, each paired with the fastest
-    alternative that fits it (and the level under checkpointing with checkpointing)."""
-    methods = {"none": Method("none"), "checkpoint_all": Method("checkpoint_all", checkpointed=len(w.blocks)),
+def _methods(w: Workload, device: torch.device) -> dict[str, Method]:
+    n = len(w.blocks)
+    methods = {"none": Method("none"), "none_repeat": Method("none_repeat"),
+               "checkpoint_all": Method("checkpoint_all", checkpointed=n),
+               "sac": Method("sac", checkpointed=n, checkpoint="selective"),
+               "checkpoint_offload": Method("checkpoint_offload", checkpointed=n, checkpoint="offload"),
                "save_on_cpu": Method("save_on_cpu", save_on_cpu=True),
                "ref": Method("ref", offloader=lambda: ao.Offloader(impl="ref", device=device)),
                "fast": Method("fast", offloader=lambda: ao.Offloader(impl="fast", device=device)),
                "fast_offload_first": Method("fast_offload_first", offloader=lambda: ao.Offloader(
                    impl="fast", device=device, warmup="offload"))}
-    methods.update({f"checkpoint_{k}": Method(f"checkpoint_{k}", checkpointed=k) for k in range(1, len(w.blocks))})
+    methods.update({f"checkpoint_{k}": Method(f"checkpoint_{k}", checkpointed=k) for k in range(1, n)})
+    return methods
+
+
+def _empty_caches(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, log=print) -> dict[str, Any]:
+    """Every method on one workload, then the budget levels, each paired with the fastest
+    alternative that fits it (and the level under checkpointing with checkpointing). A
+    workload's ``scale`` sets its steps, warm-up, levels and alternating rounds instead."""
+    scale = w.scale
+    if scale is not None:
+        steps, warmup = scale.steps, scale.warmup
+    n_levels = scale.levels if scale is not None else LEVELS
+    methods = _methods(w, device)
     base, _ = measure(w, methods["none"], device, steps, warmup)
-    res: dict[str, Any] = {"workload": w.name, "blocks": len(w.blocks), "methods": {}, "budgets": []}
+    res: dict[str, Any] = {"workload": w.name, "blocks": len(w.blocks), "config": w.info,
+                           "budget_parts": w.parts is not None, "methods": {}, "budgets": []}
+    if scale is not None:
+        res["scale"] = {"steps": scale.steps, "warmup": scale.warmup, "levels": scale.levels,
+                        "paired_s": scale.paired_s, "paired_rounds": list(scale.paired_rounds),
+                        "paired_max_s": scale.paired_max_s}
 
     def keep(r: dict[str, Any]) -> dict[str, Any]:
         r["bitwise"] = _same(r.pop("grads"), base["grads"])
@@ -345,9 +344,23 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
             f"bitwise {r['bitwise']}")
         return r
 
+    def attempt(name: str) -> dict[str, Any]:
+        """A method that may not run on every workload or torch: its error is its result."""
+        try:
+            return keep(measure(w, methods[name], device, steps, warmup)[0])
+        except Exception as e:  # noqa: BLE001  recorded, and left out of the fastest fitting
+            log(f"  {w.name}: {name} failed: {type(e).__name__}: {e}")
+            return {"method": name, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            _empty_caches(device)
+
     res["methods"]["none"] = keep(dict(base, grads=base["grads"]))
-    for name in ("checkpoint_all", "save_on_cpu", "ref", "fast", "fast_offload_first"):
-        res["methods"][name] = keep(measure(w, methods[name], device, steps, warmup)[0])
+    if w.repeat_none:  # whether the step itself is deterministic: every bitwise figure rests on it
+        res["methods"]["none_repeat"] = attempt("none_repeat")
+        res["none_vs_none_bitwise"] = res["methods"]["none_repeat"].get("bitwise")
+    for name in ("checkpoint_all", "sac", "checkpoint_offload", "save_on_cpu", "ref", "fast", "fast_offload_first"):
+        res["methods"][name] = (attempt(name) if name in ("sac", "checkpoint_offload") else
+                                keep(measure(w, methods[name], device, steps, warmup)[0]))
     res["selective"] = [keep(measure(w, methods[f"checkpoint_{k}"], device, steps, warmup)[0])
                         for k in range(1, len(w.blocks))]
     # the least a plan reaches: the profiling steps run the least-memory plan
@@ -364,7 +377,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         # the allocator's step-to-step variation)
         low = int(min(least["profiled_peak_bytes"], least["smallest_reachable_bytes"]) * 1.01)
         res["smallest_reachable_bytes"] = low
-        levels = [int(low + (high - low) * k / (LEVELS - 1)) for k in range(LEVELS)]
+        levels = [int(low + (high - low) * k / (n_levels - 1)) for k in range(n_levels)]
         under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
     # a budget's first steps profile, then it may try a few plans the model rates fastest and
@@ -385,7 +398,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
         rival = res["methods"]["checkpoint_all"] if r["under_checkpoint_all"] else _fastest_fitting(res, budget)
         if rival is not None:
             r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), warmup,
-                                 len(r["early_steps_ms"]) + len(r["steps_ms"]))
+                                 len(r["early_steps_ms"]) + len(r["steps_ms"]), scale)
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
                 f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
@@ -418,29 +431,35 @@ def _compile_kernels(device: torch.device) -> None:
 
 
 def sweep(device: torch.device, small: bool, log=print, done=lambda results: None,
-          only: set[str] | None = None, skip: set[str] = frozenset()) -> list[dict[str, Any]]:
-    """Every workload in turn; ``done(results so far)`` after each (to save partial results).
-    A workload that fails is reported with its error and the sweep goes on."""
+          only: set[str] | None = None, skip: set[str] = frozenset(), models: str = "default") -> list[dict[str, Any]]:
+    """Every workload of ``models`` (``default``, ``hf`` or ``all``; with ``only``, those
+    named, from any set) in turn; ``done(results so far)`` after each (to save partial
+    results). A workload that fails is reported with its error and the sweep goes on; one
+    of transformers' where it is not installed is reported as skipped."""
     steps, warmup = (2, 1) if small else (8, 2)
     _compile_kernels(device)
     out: list[dict[str, Any]] = []
-    for build in workloads(device, small):
+    for name, build in workloads(device, small, "all" if only else models):
+        if (only and name not in only) or name in skip:
+            continue
+        if name.startswith("hf_") and not have_transformers():
+            log(f"budget sweep: {name} skipped: transformers is not installed")
+            out.append({"workload": name, "skipped": True, "error": "skipped: transformers is not installed"})
+            done(out)
+            continue
+        w = None
         try:
             w = build()
-            if (only and w.name not in only) or w.name in skip:
-                continue
             log(f"budget sweep: {w.name} ({len(w.blocks)} blocks)")
             gc.freeze()  # the model and torch stay: each step's collection walks only its own garbage
             out.append(sweep_workload(w, device, steps, warmup, log))
         except Exception as e:  # noqa: BLE001  report it, keep what the others measure
-            log(f"budget sweep: a workload failed: {type(e).__name__}: {e}")
-            out.append({"workload": getattr(locals().get("w"), "name", "?"), "error": f"{type(e).__name__}: {e}"})
+            log(f"budget sweep: {name} failed: {type(e).__name__}: {e}")
+            out.append({"workload": name, "error": f"{type(e).__name__}: {e}"})
         finally:
             w = None
             gc.unfreeze()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _empty_caches(device)
         done(out)
     return out
 
@@ -492,11 +511,19 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
             "vs_predicted_alone": b["step_ms"] / predicted if predicted else None,
             "bitwise": b["bitwise"],
         })
+    # every method's figures, side by side (a method that failed: its error)
+    table = {name: ({"error": r["error"]} if "error" in r else
+                    {k: r.get(k) for k in ("step_ms", "peak_bytes", "reserved_peak_bytes", "bitwise")})
+             for name, r in [*m.items(), *((r["method"], r) for r in workload["selective"])]}
     under = [b for b in workload["budgets"] if b.get("under_checkpoint_all") and "error" not in b]
     ckpt = m["checkpoint_all"]
     under_time = _ratio(under[0], ckpt)[0] if under else None
     return {
         "cells": cells,
+        "methods": table,
+        # no offloading against itself (transformers' models): False where the step is not
+        # deterministic (SDPA's backward may not be), and then no bitwise figure says much
+        "none_vs_none_bitwise": workload.get("none_vs_none_bitwise"),
         "below_checkpoint_all": bool(under) and under[0]["peak_bytes"] < ckpt["peak_bytes"] and under_time <= 1.10,
         "below_checkpoint_all_time_ratio": under_time,
         # fast's peak over every step, its warm-up's included
@@ -527,7 +554,10 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False)
     for ax, wres in zip(axes[0], results):
         m = wres["methods"]
-        for key, marker in (("none", "o"), ("checkpoint_all", "s"), ("save_on_cpu", "v"), ("ref", "^"), ("fast", "D")):
+        for key, marker in (("none", "o"), ("checkpoint_all", "s"), ("sac", "P"), ("checkpoint_offload", "X"),
+                            ("save_on_cpu", "v"), ("ref", "^"), ("fast", "D")):
+            if key not in m or "error" in m[key]:
+                continue
             ax.scatter(m[key]["peak_bytes"] / GiB, m[key]["step_ms"], marker=marker, label=key, zorder=3)
         sel = wres["selective"]
         if sel:
@@ -551,7 +581,8 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m actoffload.tools.budget_sweep [--small] [--out FILE.json] [--plot FILE.png]``"""
+    """``python -m actoffload.tools.budget_sweep [--small] [--models default|hf|all] [--only NAMES]
+    [--out FILE.json] [--plot FILE.png] [--include EARLIER.json]``"""
     import argparse
     import json
 
@@ -562,7 +593,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="tiny workloads (the CPU always uses them)")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--plot", help="peak memory against step time, as a PNG")
-    p.add_argument("--only", default="", help="comma-separated workloads to run (default: all)")
+    p.add_argument("--models", choices=MODEL_SETS, default="default",
+                   help="which workloads: this repository's models (default), transformers' LlamaForCausalLM "
+                        "(hf: hf_llama_eager, hf_llama_sdpa, hf_8b_8k, hf_8b_32k), or all")
+    p.add_argument("--only", default="", help="comma-separated workloads to run, from any set (default: all of --models)")
     p.add_argument("--include", action="append", default=[], metavar="JSON",
                    help="results of an earlier run on the same GPU: its workloads join these (and are not run "
                         "again), so a sweep can be split over several sessions")
@@ -575,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--include {path}: not a budget sweep's results ({e})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    small = args.small or device.type != "cuda"
+    only = {name for name in args.only.split(",") if name}
+    unknown = only - set(workload_names(small))
+    if unknown:
+        p.error(f"--only: no workload {', '.join(sorted(unknown))}{' with --small' if small else ''}; "
+                f"valid: {', '.join(workload_names(small))}")
     use_deterministic(True)
     env = describe(device)
     pinning = host_pinning_ms_per_gib() if device.type == "cuda" else None
@@ -588,9 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(doc, indent=1, default=float))
         return doc
 
-    only = {name for name in args.only.split(",") if name}
-    results = sweep(device, args.small or device.type != "cuda", log=lambda s: print(s, file=sys.stderr, flush=True),
-                    done=save, only=only, skip={r["workload"] for r in earlier})
+    results = sweep(device, small, log=lambda s: print(s, file=sys.stderr, flush=True),
+                    done=save, only=only, skip={r["workload"] for r in earlier}, models=args.models)
     doc = save(results)
     print(json.dumps(doc["verdicts"], indent=1, default=float))
     if args.plot:
