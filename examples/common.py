@@ -12,12 +12,14 @@ how one training step runs; :func:`main` does the rest on every rank:
 - deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``), so modes compare bit for bit;
 - modes, each on a fresh model: ``none``; ``offload`` (``ao.wrap`` on the blocks; impl
   ``fast`` on CUDA, ``ref`` on the CPU, or ``--impl``); ``checkpoint`` (activation
-  checkpointing of each block, for reference; on CUDA by default);
+  checkpointing of each block, for reference; on CUDA by default); ``budget`` (``ao.wrap``
+  with ``fast`` and ``--memory-budget``, each rank its own budget: every step's peak must stay
+  within it on CUDA; run where ``--memory-budget`` is given);
 - per step: time of forward + backward (synchronize + ``perf_counter``; the optimizer step is
   not timed), a digest of every local gradient (the shard a rank holds), the loss;
-  per mode: peak device memory (``torch.cuda.max_memory_allocated``, reset per mode; not
-  measured on the CPU), bytes offloaded per step, and an audit of every committed group
-  (:class:`ActivationAudit`);
+  per step and mode: peak device memory (``torch.cuda.max_memory_allocated``, read across the
+  resets a budget makes inside a step; not measured on the CPU), bytes offloaded per step, and
+  an audit of every committed group (:class:`ActivationAudit`, offload mode);
 - a table on rank 0, a results JSON (``--out``), and exit code 1 when any mode's gradients
   or losses differ from ``none`` on any rank, the audit finds more than activations moved
   or a parameter not kept, or an example's own check fails.
@@ -56,11 +58,13 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 import actoffload as ao  # noqa: E402
 from actoffload.tools.determinism import set_cublas_workspace  # noqa: E402
 from actoffload.tools.models import GPTConfig  # noqa: E402
+from actoffload.settings import parse_memory_budget  # noqa: E402
+from actoffload.tools.peaks import Peaks  # noqa: E402
 
 set_cublas_workspace()  # before any CUDA work here or in the ranks this module starts
 from actoffload.tools.provenance import describe  # noqa: E402
 
-MODES = ("none", "offload", "checkpoint")
+MODES = ("none", "offload", "checkpoint", "budget")
 MiB = 1 << 20
 
 
@@ -121,8 +125,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn when not run by torchrun")
     p.add_argument("--steps", type=int, default=3, help="training steps per mode; the first is not timed")
     p.add_argument("--modes", default=None,
-                   help="comma-separated, of none,offload,checkpoint (default: none,offload on the CPU, "
-                        "all three on CUDA)")
+                   help="comma-separated, of none,offload,checkpoint,budget (default: none,offload on the CPU, "
+                        "none,offload,checkpoint on CUDA; and budget where --memory-budget is given)")
+    p.add_argument("--memory-budget", default=None,
+                   help="the budget mode's memory_budget, each rank's own: bytes, '20GiB', '90%%' or 'auto'")
     p.add_argument("--impl", choices=list(ao.IMPLS), default=None,
                    help="offloader (default: fast on CUDA, ref on the CPU)")
     p.add_argument("--keep-last", type=int, default=1, help="groups kept on the device at the end of a forward")
@@ -146,10 +152,18 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     """Resolve the defaults that depend on the device."""
     cuda = args.device == "cuda"
-    args.modes = args.modes.split(",") if args.modes else (list(MODES) if cuda else ["none", "offload"])
+    default = ["none", "offload", "checkpoint"] if cuda else ["none", "offload"]
+    args.modes = args.modes.split(",") if args.modes else default + (["budget"] if args.memory_budget else [])
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if "budget" in args.modes and not args.memory_budget:
+        raise SystemExit("mode 'budget' needs --memory-budget (bytes, '20GiB', '90%' or 'auto')")
+    if args.memory_budget:
+        try:  # a bad size fails here, before any process starts
+            parse_memory_budget("--memory-budget", args.memory_budget)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if "none" not in args.modes:
         args.modes.insert(0, "none")  # the reference every other mode is compared with
     args.impl = args.impl or ("fast" if cuda else "ref")
@@ -309,32 +323,45 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
             unwrap()
             unwatch()
 
+    elif mode == "budget":
+        off = ao.Offloader(impl="fast", device=ctx.device, keep_last=args.keep_last,
+                           min_offload_bytes=args.min_offload_bytes, memory_budget=args.memory_budget)
+        trainee.on_offloader(off)
+        undo = ao.wrap(trainee.blocks, off, names=trainee.block_names).remove
     elif mode == "checkpoint":
         undo = checkpoint_each(trainee.blocks)
     else:
         def undo() -> None:
             pass
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-        torch.cuda.reset_peak_memory_stats(ctx.device)
+    _sync(ctx.device)
     step_ms: list[float] = []
+    step_peaks: list[int] = []
     offloaded: list[int] = []
     losses: list[float | None] = []
     loss_digests: list[str | None] = []
     grads: list[dict[str, str | None]] = []
     audits: list[dict[str, Any]] = []
+    peaks = Peaks(ctx.device)  # (a budget resets the peak counters inside its steps)
     for i in range(args.steps):
         dist.barrier()  # every rank starts the step together: times are of the step, not of skew
         _sync(ctx.device)
-        t0 = time.perf_counter()
-        loss = trainee.step(i)
-        _sync(ctx.device)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        with peaks:
+            peaks.start()
+            t0 = time.perf_counter()
+            loss = trainee.step(i)
+            _sync(ctx.device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            allocated = peaks.read()[1]
+        if allocated is not None:
+            step_peaks.append(allocated)
         if off is not None and audit is not None:
             off.synchronize()
             step_audit = audit.take_step()
             audits.append(step_audit)
             offloaded.append(step_audit["offloaded_bytes"])
+        elif off is not None:  # a budget: what its plan moved this step
+            off.synchronize()
+            offloaded.append(off.stats()["offloaded_bytes"])
         else:
             offloaded.append(0)
         losses.append(None if loss is None else float(loss.detach().float().mean()))  # mean of micro-batches
@@ -342,11 +369,23 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
         grads.append({name: None if p.grad is None else digest(p.grad) for name, p in trainee.named_params})
         trainee.optimizer.step()
         trainee.optimizer.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+    peak = max(step_peaks) if step_peaks else None
     extra = trainee.report(off)
+    if mode == "budget":
+        assert off is not None
+        plan = off.stats()["plan"]
+        extra["budget"] = {"memory_budget": plan["memory_budget"], "state": plan["state"],
+                           "settled": plan["settled"], "step_peak_bytes": step_peaks,
+                           "actions": [g["action"] for g in plan.get("groups", [])]}
+        if step_peaks:  # (the CPU has no allocator to read: the budget counts what the groups save)
+            checks = extra.setdefault("checks", {})
+            checks["within_budget_every_step"] = max(step_peaks) <= plan["memory_budget"]
+        extra.setdefault("summary", []).append(
+            f"budget {plan['memory_budget'] / MiB:,.1f} MiB, plan {plan['state']}"
+            + (f", step peaks up to {max(step_peaks) / MiB:,.1f} MiB" if step_peaks else ""))
     undo()
     timed = step_ms[1:] or step_ms  # the first step warms up
-    return ModeResult(mode, args.impl if mode == "offload" else None, step_ms, statistics.median(timed), peak,
+    return ModeResult(mode, args.impl if mode == "offload" else "fast" if mode == "budget" else None, step_ms, statistics.median(timed), peak,
                       offloaded, merge_audits(audits) if audits else {}, losses, loss_digests, grads, extra)
 
 

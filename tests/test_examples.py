@@ -62,11 +62,30 @@ def assert_bitwise_and_audited(report: dict[str, Any]) -> None:
 
 
 def test_fsdp2_offloads_activations_only_and_gradient_shards_are_bitwise_equal(run_example):
-    report = run_example("fsdp2", TINY)
+    # with a memory budget too: each rank plans its own (on a GPU every step's peak is checked)
+    report = run_example("fsdp2", [*TINY, "--steps", "4", "--memory-budget", "256KiB"])
     assert_bitwise_and_audited(report)
     for row in offload_rows(report):
         # the unsharded weights each block's ops save were kept, every one of them
         assert row["audit"]["kept_parameter"] == row["audit"]["held_saves"] > 0
+    assert report["bitwise_equal_to_none"]["budget"] == [True, True]
+    for rank in report["ranks"]:
+        budget = rank["modes"]["budget"]
+        assert budget["impl"] == "fast" and budget["extra"]["budget"]["memory_budget"] == 256 << 10
+        assert budget["extra"]["budget"]["state"] != "profiling"  # two steps profiled, then planned
+
+
+def test_the_budget_mode_needs_a_budget_and_a_bad_one_fails_before_any_process_starts():
+    import common
+
+    args = common.parser("x").parse_args(["--device", "cpu", "--modes", "none,budget"])
+    with pytest.raises(SystemExit, match="needs --memory-budget"):
+        common.finish_args(args)
+    args = common.parser("x").parse_args(["--device", "cpu", "--memory-budget", "lots"])
+    with pytest.raises(SystemExit, match="is not a size"):
+        common.finish_args(args)
+    args = common.finish_args(common.parser("x").parse_args(["--device", "cpu", "--memory-budget", "auto"]))
+    assert args.modes == ["none", "offload", "budget"]
 
 
 def test_ddp_offloads_activations_only_and_gradients_are_bitwise_equal_also_with_checkpointing(run_example):
