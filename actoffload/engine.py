@@ -242,6 +242,7 @@ class Engine(Generic[GroupT, MovedT]):
                 self._window.clear()
                 self._repeats.clear()
                 self._backward_began = False
+                self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
         if new_step:
             marks.new_step()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
