@@ -481,3 +481,23 @@ def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     cpu = _controller(1 << 40)
     _run(cpu, 3, lambda p: p.step_s)
     assert cpu.stats()["measured_reserved_peak_bytes"] is None
+
+
+def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():
+    """(review) Where the measured first choice moves bytes, the one more plan that runs is
+    the fastest moving none, even while the model promises another plan faster than the
+    measured one (docs/budgets.md: settling)."""
+    profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
+                      d2h_bps=50e9, h2d_bps=50e9)
+    plans = search.candidates(profile)
+    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
+                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
+    c = _controller(budget, probe=FakeProbe(), profile=profile)
+    first = c.plan
+    assert moves_bytes(profile, first.groups)
+    _run(c, TIMINGS + 2, lambda p: 3.0 * p.step_s)  # first measured: slower than every promise
+    fitting = [p for p in c.plans if p.peak + c.margin <= budget and p.key != first.key]
+    assert any(moves_bytes(profile, p.groups) and p.step_s < 3.0 * first.step_s for p in fitting)
+    assert c.plan.key != first.key and not moves_bytes(profile, c.plan.groups)
+    _run(c, 4 * (TIMINGS + 1), lambda p: 3.0 * p.step_s)
+    assert c.settled and len(c.measured_plans()) == EXPLORE + 1
