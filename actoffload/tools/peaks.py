@@ -37,10 +37,12 @@ class Peaks:
         self._read_peaks = read_peaks or (lambda: _cuda_peaks(device))
         self._modules: list[Any] = [module] if module is not None else [torch.cuda, torch.cuda.memory]
         self._original: list[Callable[..., Any]] = []
+        self._entered = 0  # contexts entered (loop_sweep nests one per method in one per workload)
         self.reserved = self.allocated = 0
 
     def __enter__(self) -> Peaks:
-        if self.cuda:
+        self._entered += 1
+        if self.cuda and self._entered == 1:  # (entered again: the counters are read already)
             self._original = [m.reset_peak_memory_stats for m in self._modules]
             reset = self._original[0]
 
@@ -53,6 +55,9 @@ class Peaks:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._entered -= 1
+        if self._entered:
+            return
         for m, original in zip(self._modules, self._original):
             m.reset_peak_memory_stats = original
         self._original = []
