@@ -290,8 +290,12 @@ class Engine(Generic[GroupT, MovedT]):
             self._window[group.name] = group.summary
         else:
             # It saved nothing (frozen, or only ops that save nothing): not listed, so that steps
-            # whose backward never reaches a group (it has nothing to unpack) add nothing either.
+            # whose backward never reaches a group (it has nothing to unpack) add nothing either;
+            # nor does it keep its number, where it was the last "name#k" given.
             self._window.pop(group.name, None)
+            base, _, k = group.name.rpartition("#")
+            if k.isdigit() and self._repeats.get(base) == int(k):
+                self._repeats[base] = int(k) - 1
         if group.state is GroupState.INERT:
             return
         group.state = GroupState.PENDING

@@ -77,3 +77,14 @@ def test_R2_nesting_across_offloaders_raises(impl):
         with pytest.raises(RuntimeError, match="do not nest"):
             with b.group("b"):
                 pass
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R2_a_repeated_name_that_saved_nothing_leaves_no_gap_in_the_numbers(impl):
+    off = off_for(impl, "cpu")
+    h = torch.randn(4, requires_grad=True) * 1
+    for saves in (True, False, True):
+        with off.group("g"):
+            h = h.sin() if saves else h * 2.0  # a product with a number saves nothing
+    assert list(off.stats()["groups"]) == ["g", "g#2"]
+    h.sum().backward()

@@ -26,5 +26,5 @@ def test_an_out_of_memory_error_is_reported_not_raised():
     def runs_out():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
 
-    assert auto_check._runs_out(runs_out) == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert auto_check._runs_out(runs_out) == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert auto_check._runs_out(lambda: None) is None

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 import actoffload as ao
+from actoffload.budget import BudgetTooSmall
 from .models import Llama, LlamaConfig, next_token_loss
 from .peaks import Peaks
 
@@ -120,11 +121,12 @@ def run_steps(model: Llama, cfg: LlamaConfig, n: int, steps: int, device: torch.
 
 
 def _runs_out(fn: Callable[[], Any]) -> str | None:
-    """The out-of-memory error ``fn`` raised, else ``None``."""
+    """The out-of-memory error (or the budget's own, :class:`BudgetTooSmall`) ``fn`` raised,
+    else ``None``."""
     try:
         fn()
-    except torch.OutOfMemoryError as e:
-        return str(e).splitlines()[0]
+    except (torch.OutOfMemoryError, BudgetTooSmall) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
     return None
 
 
@@ -163,13 +165,14 @@ def check(device: torch.device, small: bool, steps: int, log: Callable[[str], No
     n = math.ceil((OOM_FACTOR * total - base) / per_sequence)
     model = _model(cfg, device)
     oom = None
-    for _ in range(3):
+    for tries in range(3):
+        if tries:
+            n *= 2  # no offloading fitted after all: a larger batch
         oom = _runs_out(lambda: run_steps(model, cfg, n, 1, device, None))
         model.zero_grad(set_to_none=True)
         _free(device)
         if oom is not None:
             break
-        n *= 2
     log(f"does not fit ({n} sequences): no offloading {'ran out of memory' if oom else 'did NOT run out of memory'}")
     off = ao.Offloader(memory_budget="auto")
     failed = _runs_out(lambda: res.setdefault("auto_run", run_steps(model, cfg, n, steps, device, off)))

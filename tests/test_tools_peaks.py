@@ -1,4 +1,4 @@
-"""(review) Peaks entered twice, as loop_sweep.sweep_workload does (``with loop.peaks`` around
+"""Peaks entered twice, as loop_sweep.sweep_workload does (``with loop.peaks`` around
 the whole workload, and again by ``_Loop.method`` for each method): each step's peaks are its
 own, and leaving the contexts puts ``reset_peak_memory_stats`` back."""
 

@@ -1,4 +1,4 @@
-"""Review of the step-begin logic (engine._in_step): a plan whose step_begins raises has the
+"""The step-begin logic (engine._in_step): a plan whose step_begins raises has the
 step begun again at the next group, as the engine promises, after the first step too."""
 
 from __future__ import annotations
