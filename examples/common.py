@@ -17,9 +17,10 @@ how one training step runs; :func:`main` does the rest on every rank:
   within it on CUDA; run where ``--memory-budget`` is given);
 - per step: time of forward + backward (synchronize + ``perf_counter``; the optimizer step is
   not timed), a digest of every local gradient (the shard a rank holds), the loss;
-  per step and mode: peak device memory (``torch.cuda.max_memory_allocated``, read across the
-  resets a budget makes inside a step; not measured on the CPU), bytes offloaded per step, and
-  an audit of every committed group (:class:`ActivationAudit`, offload mode);
+  per step: peak device memory of forward and backward (``torch.cuda.max_memory_allocated``,
+  read across the resets a budget makes inside a step; not measured on the CPU), and per mode
+  the peak over its steps and optimizer steps; bytes offloaded per step, and an audit of every
+  committed group (:class:`ActivationAudit`, offload mode);
 - a table on rank 0, a results JSON (``--out``), and exit code 1 when any mode's gradients
   or losses differ from ``none`` on any rank, the audit finds more than activations moved
   or a parameter not kept, or an example's own check fails.
@@ -336,6 +337,7 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
     _sync(ctx.device)
     step_ms: list[float] = []
     step_peaks: list[int] = []
+    optimizer_peak = 0
     offloaded: list[int] = []
     losses: list[float | None] = []
     loss_digests: list[str | None] = []
@@ -369,7 +371,10 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
         grads.append({name: None if p.grad is None else digest(p.grad) for name, p in trainee.named_params})
         trainee.optimizer.step()
         trainee.optimizer.zero_grad(set_to_none=True)
-    peak = max(step_peaks) if step_peaks else None
+        if ctx.device.type == "cuda":  # the mode's peak counts the optimizer's steps too (its state, made at the first)
+            _sync(ctx.device)
+            optimizer_peak = max(optimizer_peak, torch.cuda.max_memory_allocated(ctx.device))
+    peak = max(step_peaks + [optimizer_peak]) if step_peaks else None
     extra = trainee.report(off)
     if mode == "budget":
         assert off is not None
