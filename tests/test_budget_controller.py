@@ -248,19 +248,25 @@ def test_controller_stops_choosing_once_the_running_plan_is_measured(monkeypatch
     assert len(calls) == chosen and len(_measured(c)[c.plan.key].times) == TIMINGS
 
 
+def _moving_preferred() -> tuple[Profile, int, BudgetController]:
+    """A profile where recomputing costs and the bus hides, and a controller at a budget where
+    the model's fastest plan moves bytes and one that moves none also fits."""
+    profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
+                      d2h_bps=50e9, h2d_bps=50e9)
+    plans = search.candidates(profile)
+    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
+                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
+    c = _controller(budget, probe=FakeProbe(), profile=profile)
+    assert moves_bytes(profile, c.plan.groups)
+    return profile, budget, c
+
+
 @pytest.mark.parametrize("still_faster", [True, False])
 def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too(still_faster):
     """Where the model prefers moving bytes, the best plan without the bus (checkpointing by
     hand) is measured as well, and kept if it is faster."""
-    profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
-                      d2h_bps=50e9, h2d_bps=50e9)  # recomputing costs, the bus hides
-    plans = search.candidates(profile)
-    # a budget where the model's fastest plan moves bytes and one that moves none also fits
-    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
-                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
-    c = _controller(budget, probe=FakeProbe(), profile=profile)
+    profile, budget, c = _moving_preferred()
     first = c.plan
-    assert moves_bytes(profile, first.groups)
     factor = 0.9 if still_faster else 1.1  # the model overrated its recomputation, or it did not
     modelled = {p.key: max(p.step_s, first.step_s) for p in c.plans}  # as first profiled
 
@@ -484,17 +490,11 @@ def test_controller_reports_what_the_allocator_held_at_the_step_peak():
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():
-    """(review) Where the measured first choice moves bytes, the one more plan that runs is
+    """Where the measured first choice moves bytes, the one more plan that runs is
     the fastest moving none, even while the model promises another plan faster than the
     measured one (docs/budgets.md: settling)."""
-    profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
-                      d2h_bps=50e9, h2d_bps=50e9)
-    plans = search.candidates(profile)
-    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
-                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
-    c = _controller(budget, probe=FakeProbe(), profile=profile)
+    profile, budget, c = _moving_preferred()
     first = c.plan
-    assert moves_bytes(profile, first.groups)
     _run(c, TIMINGS + 2, lambda p: 3.0 * p.step_s)  # first measured: slower than every promise
     fitting = [p for p in c.plans if p.peak + c.margin <= budget and p.key != first.key]
     assert any(moves_bytes(profile, p.groups) and p.step_s < 3.0 * first.step_s for p in fitting)

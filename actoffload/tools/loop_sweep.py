@@ -529,6 +529,15 @@ def sweep_workload(w: LoopWorkload, steps: int, opt_steps: int, seed: int, log: 
         def peak_of(r: dict[str, Any], name: str) -> int:
             return r["max_reserved_bytes"] if cuda else stand_in[name]
 
+        def baselines(section: dict[str, Any], what: str, run: Callable[[Method], dict[str, Any]]) -> tuple[int, int]:
+            """No offloading (twice) and checkpointing every block, into ``section``: their peaks."""
+            for m in (Method("none"), Method("none_again"), Method("checkpoint_all", checkpoint=True)):
+                log(f"loop sweep: {w.name}: {what}, {m.name}")
+                section["methods"][m.name] = run(m)
+                save()
+            return (peak_of(section["methods"]["none"], "none"),
+                    peak_of(section["methods"]["checkpoint_all"], "checkpoint_all"))
+
         def method(level: str, budget: int) -> Method:
             # on the CPU, plus the least margin the plan adds to every modelled peak (1 MiB),
             # which the tiny models' bytes would never clear: every level would plan alike
@@ -539,12 +548,7 @@ def sweep_workload(w: LoopWorkload, steps: int, opt_steps: int, seed: int, log: 
         var: dict[str, Any] = {"lengths": lengths, "quarters_of": w.seq_len, "seed": seed, "methods": {},
                                "budgets": []}
         out["variable_length"] = var
-        for m in (Method("none"), Method("none_again"), Method("checkpoint_all", checkpoint=True)):
-            log(f"loop sweep: {w.name}: variable lengths, {m.name}")
-            var["methods"][m.name] = run_variable(loop, m, lengths)
-            save()
-        none_peak = peak_of(var["methods"]["none"], "none")
-        ckpt_peak = peak_of(var["methods"]["checkpoint_all"], "checkpoint_all")
+        none_peak, ckpt_peak = baselines(var, "variable lengths", lambda m: run_variable(loop, m, lengths))
         levels: list[tuple[str, int | None]] = [
             ("checkpoint_all_peak", ckpt_peak), ("halfway", (ckpt_peak + none_peak) // 2),
             ("none_peak", none_peak), ("checkpoint_all_peak_x1.25", int(ckpt_peak * 1.25)),
@@ -568,12 +572,7 @@ def sweep_workload(w: LoopWorkload, steps: int, opt_steps: int, seed: int, log: 
         acc: dict[str, Any] = {"optimizer_steps": opt_steps, "micro_batches": MICRO_BATCHES,
                                "eval_every": EVAL_EVERY, "length": w.seq_len, "methods": {}, "budgets": []}
         out["accumulation"] = acc
-        for m in (Method("none"), Method("none_again"), Method("checkpoint_all", checkpoint=True)):
-            log(f"loop sweep: {w.name}: accumulation, {m.name}")
-            acc["methods"][m.name] = run_accumulation(loop, m, opt_steps)
-            save()
-        none_peak = peak_of(acc["methods"]["none"], "none")
-        ckpt_peak = peak_of(acc["methods"]["checkpoint_all"], "checkpoint_all")
+        none_peak, ckpt_peak = baselines(acc, "accumulation", lambda m: run_accumulation(loop, m, opt_steps))
         for level, budget in (("checkpoint_all_peak", ckpt_peak), ("halfway", (ckpt_peak + none_peak) // 2),
                               ("none_peak", none_peak)):
             m = method(level, budget)
