@@ -269,11 +269,13 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         table = None
         if packed:  # host work first, off the copy stream's timeline
             table = self._packer.prepare([m.source() for m in packed], offsets, rec.packed_total)
+        # The stage comes from the compute stream's pool, as every other device buffer: a block
+        # cached for a copy stream serves no other stream, and would grow what the allocator reserves.
+        stage = self._packer.stage(rec.packed_total) if packed else None
         with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
             start = self._timing_event()
-            stage = None
-            if packed:
-                stage = self._packer.pack(table, rec.packed_total)
+            if stage is not None:
+                self._packer.pack(table, stage)
                 rec.blocks[0].tensor[: rec.packed_total].copy_(stage, non_blocking=True)
             for m, src in zip(large, sources):
                 m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
@@ -290,6 +292,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             for m in packed:
                 m.source().record_stream(self._streams.d2h)
                 m.storage = None
+            if stage is not None:
+                stage.record_stream(self._streams.d2h)
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
@@ -442,16 +446,21 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             table = self._packer.prepare([dev[id(m)] for m in packed],
                                          [m.packed_offset for m in packed],  # type: ignore[misc]
                                          rec.packed_total)
+        stage = None
+        if packed:  # from the compute stream's pool (see _move_out); its reuse waits for the copy stream
+            stage = self._packer.stage(rec.packed_total)
+            allocated = self._streams.record()
         with self._streams.on_h2d(allocated, rec.done):
             start = self._timing_event()
-            if packed:
-                stage = torch.empty(rec.packed_total, dtype=torch.uint8, device=self.device)
+            if stage is not None:
                 stage.copy_(rec.blocks[0].tensor[: rec.packed_total], non_blocking=True)
                 self._packer.unpack(table, stage)
             for m in large:
                 dev[id(m)].copy_(m.host, non_blocking=True)  # type: ignore[arg-type]
             self._report_copy("h2d", sum(m.nbytes for m in need), start)
         ready = self._streams.record(self._streams.h2d)
+        if stage is not None and self._streams.h2d is not None:
+            stage.record_stream(self._streams.h2d)
         for b in rec.blocks:
             b.fence = ready  # the next writer of this host block waits for this read
         for m in need:

@@ -68,11 +68,14 @@ class Packer:
         return self._k.make_table([t.data_ptr() for t in spans], offsets, [t.numel() for t in spans], total,
                                   self.device)
 
-    def pack(self, prepared: Any, total: int) -> torch.Tensor:
-        """A new device buffer of ``total`` bytes holding the prepared spans (current stream)."""
-        stage = torch.empty(total, dtype=torch.uint8, device=self.device)
+    def stage(self, total: int) -> torch.Tensor:
+        """A device buffer of ``total`` bytes to pack into or unpack from, from the current
+        stream's pool (allocate it on the compute stream, then ``record_stream`` the copy stream)."""
+        return torch.empty(total, dtype=torch.uint8, device=self.device)
+
+    def pack(self, prepared: Any, stage: torch.Tensor) -> None:
+        """Copy each prepared span into ``stage`` (current stream)."""
         self._run(prepared, stage, True)
-        return stage
 
     def unpack(self, prepared: Any, stage: torch.Tensor) -> None:
         """Copy each prepared span out of ``stage`` to where it belongs (current stream)."""

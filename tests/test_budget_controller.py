@@ -13,6 +13,7 @@ from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, State
 from actoffload.budget.costmodel import GroupProfile, Profile, moves_bytes
+from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
@@ -42,6 +43,8 @@ class FakeProbe:
         self.allocated_bytes = allocated
         self.peak_bytes = 0
         self.cached_bytes = 0  # what the allocator holds beyond the allocated peak
+        self.reserved_bytes = 0  # what it holds now
+        self.trims = 0
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
@@ -64,6 +67,13 @@ class FakeProbe:
 
     def peak_reserved(self) -> int:
         return self.peak_bytes + self.cached_bytes
+
+    def reserved(self) -> int:
+        return self.reserved_bytes
+
+    def trim(self) -> None:
+        self.trims += 1
+        self.reserved_bytes = self.allocated_bytes
 
     def reset_peak(self) -> None:
         pass
@@ -461,7 +471,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
     assert set(s) == {"memory_budget", "margin", "state", "settled", "groups", "max_inflight", "prefetch",
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
-                      "measured_reserved_peak_bytes", "measured_step_s"}
+                      "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -475,8 +485,8 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
 
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():
-    """The plan bounds the allocated peak; what the caching allocator reserved meanwhile is
-    reported beside it (on a GPU), so a run shows how far the two are apart."""
+    """What the caching allocator reserved at most in the latest step is reported beside the
+    allocated peak (on a GPU), and so is the reserve measured from their difference."""
     probe = FakeProbe()
     c = _controller(1 << 40, probe=probe)
     probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
@@ -484,9 +494,52 @@ def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     s = c.stats()
     assert s["measured_peak_bytes"] == BASE + 100 * MiB
     assert s["measured_reserved_peak_bytes"] == BASE + 130 * MiB
+    assert s["allocator_reserve_bytes"] == 30 * MiB
     cpu = _controller(1 << 40)
     _run(cpu, 3, lambda p: p.step_s)
-    assert cpu.stats()["measured_reserved_peak_bytes"] is None
+    assert cpu.stats()["measured_reserved_peak_bytes"] is None and cpu.stats()["allocator_reserve_bytes"] is None
+
+
+def test_controller_budget_bounds_what_the_allocator_reserves():
+    """A budget bounds reserved memory: once a step shows the allocator holding 50 MiB beyond
+    its allocated peak, a plan fits only with those 50 MiB on top (keeping everything no longer
+    does), and the cache that went over the budget is given back before the next step."""
+    probe = FakeProbe()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
+    c = _controller(budget, probe=probe)
+    assert c.plan.key == keep_all.key
+    probe.peak_bytes, probe.cached_bytes = keep_all.peak, 50 * MiB  # as modelled, and the allocator's share
+    c.step_begins()
+    probe.advance(c.plan.step_s)
+    c.backward_ends()
+    assert c.reserve.bytes == 50 * MiB and c.stats()["allocator_reserve_bytes"] == 50 * MiB
+    assert c.plan.key != keep_all.key
+    assert c.plan.peak + c.margin + c.reserve.bytes <= budget
+    probe.reserved_bytes = keep_all.peak + 50 * MiB  # the cache the step left, over the budget
+    c.step_begins()
+    assert probe.trims == 1 and c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
+
+
+def test_allocator_reserve_grows_only_from_a_step_its_cache_did_not_serve():
+    """A step whose reserved peak is what was reserved when it began (its cache served it) says
+    nothing of the allocator's share; one that grew it does; a start over the budget gives the
+    cache back."""
+    probe = FakeProbe()
+    reserve = AllocatorReserve()
+    probe.reserved_bytes = 900 * MiB  # an earlier, larger step's cache
+    reserve.step_begins(probe, budget=1000 * MiB)
+    assert not reserve.step_ended(1000 * MiB, allocated_peak=400 * MiB, reserved_peak=900 * MiB)
+    assert reserve.bytes == 0 and probe.trims == 0
+    reserve.step_begins(probe, budget=1000 * MiB)
+    assert reserve.step_ended(1000 * MiB, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
+    assert reserve.bytes == 150 * MiB
+    probe.reserved_bytes = 1100 * MiB  # an evaluation forward left more cached than the budget
+    reserve.step_begins(probe, budget=1000 * MiB)
+    assert probe.trims == 1 and probe.reserved_bytes == probe.allocated_bytes
+    cpu = FakeProbe(cuda=False)
+    reserve.step_begins(cpu, budget=1)
+    assert cpu.trims == 0
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():
@@ -501,3 +554,16 @@ def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_pro
     assert c.plan.key != first.key and not moves_bytes(profile, c.plan.groups)
     _run(c, 4 * (TIMINGS + 1), lambda p: 3.0 * p.step_s)
     assert c.settled and len(c.measured_plans()) == EXPLORE + 1
+
+
+def test_controller_a_predicted_profile_runs_its_first_choice_only():
+    """A profile predicted from another workload's (explored and calibrated already) runs the
+    model's first choice and settles on it once measured, where a measured profile would try
+    one more plan (here: the fastest moving no bytes, as the measured one moves bytes)."""
+    profile, budget, _ = _moving_preferred()
+    c = BudgetController(budget, CPU, probe=FakeProbe())
+    assert c.adopt_prediction(profile)
+    first = c.plan
+    assert moves_bytes(profile, first.groups)
+    _run(c, TIMINGS + 3, lambda p: 3.0 * p.step_s)  # slower than modelled: a measured profile would try another
+    assert c.settled and c.plan.key == first.key and len(c.measured_plans()) == 1

@@ -54,6 +54,7 @@ from . import costmodel, search
 from .actions import Action, GroupDecision
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
 from .probe import Probe
+from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
 from .tolerances import base_tolerance, least_margin, new_workload, overshoot_margin
 
@@ -128,6 +129,7 @@ class _Step:
     outside_peak: int = 0
     wholes: list[Whole] = field(default_factory=list)  # modules whose parts were its groups
     open_whole: Whole | None = None  # such a module's forward is running
+    reserved_peak: int | None = None  # what the allocator held at most (read as its backward ended)
 
 
 PlanKey = tuple[tuple[GroupDecision, ...], int, int]
@@ -140,9 +142,13 @@ class BudgetController:
     ``device``); a test or a diagnostic may pass its own.
     """
 
-    def __init__(self, budget: int, device: torch.device, probe: Probe | None = None):
+    def __init__(self, budget: int, device: torch.device, probe: Probe | None = None,
+                 reserve: AllocatorReserve | None = None):
         self._budget = budget
         self._probe = Probe(device) if probe is None else probe
+        # what the allocator reserves beyond the allocated peak, measured (shared by the
+        # controllers of one allocator's workloads): added to every plan's peak
+        self._reserve = AllocatorReserve() if reserve is None else reserve
         self._state = State.PROFILING
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
         # a misjudged plan family would overshoot under each window, one after the other
@@ -152,7 +158,7 @@ class BudgetController:
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
-        # and what the allocator held at most meanwhile (reported; the plan bounds the allocated peak)
+        # and what the allocator held at most meanwhile: what the budget bounds
         self.measured_reserved_peak: int | None = None
         self.measured_step_s: float | None = None
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
@@ -179,6 +185,7 @@ class BudgetController:
         self._raise_next: str | None = None  # found outside a step's beginning: raised at the next
         self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
         self.predicted = False  # the profile was predicted from another workload's, not measured
+        self._explore = EXPLORE  # plans that may run beyond the model's first choice
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -219,6 +226,11 @@ class BudgetController:
     def plan(self) -> MemoryPlan | None:
         """The plan that runs (``None`` while none was chosen)."""
         return self._plan
+
+    @property
+    def reserve(self) -> AllocatorReserve:
+        """What the allocator reserves beyond the allocated peak (:mod:`~.reserve`)."""
+        return self._reserve
 
     @property
     def margin(self) -> int:
@@ -267,7 +279,7 @@ class BudgetController:
             self._beginning = beginning
 
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
-        self.predicted = False
+        self.predicted, self._explore = False, EXPLORE
         self._adopt(profile, profiled_peak)
         self._choose()
 
@@ -279,10 +291,13 @@ class BudgetController:
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         plans = search.candidates(profile)
-        if not any(p.peak + least_margin(self._budget) <= self._budget for p in plans):
+        if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
             return False
         self._adopt(profile, None, plans)
         self.predicted = True
+        # the profile it was predicted from was explored and calibrated already: its model's
+        # first choice runs, and is measured like any plan (its peak checked, its time taken)
+        self._explore = 0
         self._choose()
         return True
 
@@ -353,6 +368,7 @@ class BudgetController:
         if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
+        self._reserve.step_begins(self._probe, self._budget)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -529,9 +545,17 @@ class BudgetController:
             if step.last_touch is not None:  # the first group's backward ran until now
                 last = step.groups[step.last_touch]
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
+            # the peak counters were reset group by group; what the allocator reserves only grows
+            # within a step (nothing here gives its cache back), so its peak is what it holds now
+            step.reserved_peak = max(self._probe.peak_reserved(), self._probe.reserved())
+            # done now, not when this workload's next step begins: other workloads' steps may come
+            # first, and a profile lets theirs be predicted (a budget too small is said at the
+            # next step's beginning: raising here would break the backward pass)
+            self._finish_profiling(now)
             return
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
+        self._reserve.step_ended(self._budget, self.measured_peak, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -543,8 +567,10 @@ class BudgetController:
         if self._runs.get(key, 0) >= 2 and not self._timed(self._plan):
             self._untimed = (key, self._step_start, now)
         self._peaks[key] = max(self._peaks.get(key, 0), self.measured_peak - self._profile.base)
-        if self.measured_peak > self._budget:
+        if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
             self._margin += overshoot_margin(self._budget, self.measured_peak)
+            self._choose()
+        elif self.measured_peak + self._reserve.bytes > self._budget:  # with what the allocator adds
             self._choose()
 
     # ------------------------------------------------------------------ planning
@@ -559,6 +585,8 @@ class BudgetController:
             step.outside_peak = max(step.outside_peak, self._probe.peak())
         peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
                    + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
+        if step.reserved_peak is not None:
+            self._reserve.step_ended(self._budget, peak, step.reserved_peak)
         if any(m.end is None for m in step.groups):
             self._partial, self._pending_steps = None, []  # profile again
             return
@@ -627,12 +655,13 @@ class BudgetController:
             self._plan = self._forced_plan(*self._forced)
             self._settle()
             return
-        base = self._profile.base
+        base, reserve = self._profile.base, self._reserve.bytes
         margin = self._margin + least_margin(self._budget)
 
         def judged(with_margins: bool) -> list[MemoryPlan]:
-            return [replace(p, peak=self._peaks[p.key] + base) if p.key in self._peaks
-                    else replace(p, peak=p.peak + (margin if with_margins else 0)) for p in self._plans]
+            # a peak as the allocator will reserve it: the allocated bytes and the reserve
+            return [replace(p, peak=self._peaks[p.key] + base + reserve) if p.key in self._peaks
+                    else replace(p, peak=p.peak + reserve + (margin if with_margins else 0)) for p in self._plans]
 
         plain = judged(False)
         if all(p.peak > self._budget for p in plain) and self.too_small is None:
@@ -684,7 +713,7 @@ class BudgetController:
 
     def _fastest(self, fitting: list[MemoryPlan]) -> MemoryPlan:
         """Among plans that fit: the fastest measured one, unless one more may run (at most
-        ``EXPLORE`` beyond the model's first choice, each ``TIMINGS`` + 1 steps: its first pins
+        ``EXPLORE`` beyond the model's first choice (none for a predicted profile), each ``TIMINGS`` + 1 steps: its first pins
         host memory). First, where the fastest measured plan moves bytes, the fastest plan
         that moves none (what checkpointing by hand gives): the bus and recomputation are both
         modelled from the profiling steps, and an error in either must not keep the slower.
@@ -704,7 +733,7 @@ class BudgetController:
         for p in itertools.chain((first,), (still,) if still is not None else (), by_model):
             if self._timed(p) or (p is not still and best is not None and p.step_s >= self._time_of(best)):
                 continue  # measured, or the model promises nothing faster than what was
-            if p.key in self._runs or len(self._runs) <= EXPLORE:  # running, or one more may
+            if p.key in self._runs or len(self._runs) <= self._explore:  # running, or one more may
                 return p
             break
         return best if best is not None else first
@@ -761,6 +790,7 @@ class BudgetController:
     def stats(self) -> dict[str, Any]:
         cuda = self._probe.cuda
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
+                               "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:
             out["budget_too_small"] = self.too_small
@@ -769,7 +799,7 @@ class BudgetController:
             out.update(groups=plan.describe(profile), max_inflight=plan.max_inflight,
                        prefetch=plan.prefetch, predicted_peak_bytes=plan.peak,
                        predicted_step_s=plan.step_s,
-                       smallest_reachable_bytes=min(p.peak for p in self._plans),
+                       smallest_reachable_bytes=min(p.peak for p in self._plans) + self._reserve.bytes,
                        plans_tried=len(self._runs), peak_at=costmodel.peak_at(profile, plan),
                        tried=[{"actions": [g.action.value for g in m.plan.groups],
                                "max_inflight": m.plan.max_inflight, "prefetch": m.plan.prefetch,

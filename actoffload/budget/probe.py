@@ -48,6 +48,16 @@ class Probe:
         :meth:`reset_peak` (what runs out: allocated bytes, its rounding, and its cache)."""
         return torch.cuda.max_memory_reserved(self.device) if self.cuda else 0
 
+    def reserved(self) -> int:
+        """The bytes the caching allocator holds from the device now."""
+        return torch.cuda.memory_reserved(self.device) if self.cuda else 0
+
+    def trim(self) -> None:
+        """Give the allocator's cached blocks back to the device (``torch.cuda.empty_cache``)."""
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
+
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -13,8 +13,9 @@ for the :data:`CAPACITY` workloads used last.
 A signature seen before runs its controller's plan from its first group. One never seen gets a
 new controller: its plan is predicted from a profiled workload of the same model
 (:mod:`~.predict`) where a predicted plan fits the budget, else it profiles at once, running the
-plan that needs the least memory. A predicted workload is profiled when it comes again (a
-signature seen once, the short last batch of an epoch, is never profiled).
+plan that needs the least memory. A predicted workload is not profiled: the plan it runs is
+measured like any other (its peak checked, its time taken), which is what profiling it would
+have bought, without the profiling plan's slow steps.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import predict
-from .actions import Action
 from .controller import BudgetController, State
 from .probe import Probe
+from .reserve import AllocatorReserve
 from .tolerances import base_tolerance
 
 CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
@@ -76,10 +77,6 @@ def _same_model(a: Signature, b: Signature) -> bool:
                for x, y in zip(a.inputs, b.inputs))
 
 
-def _keeps_all(c: BudgetController) -> bool:
-    return c.plan is not None and all(g.action is Action.KEEP for g in c.plan.groups)
-
-
 @dataclass
 class Workload:
     """One workload: its signature, its controller, the groups its steps open (``None`` before
@@ -106,8 +103,9 @@ class Workloads:
     def __init__(self, budget: int, device: torch.device, probe: Probe | None = None, capacity: int = CAPACITY):
         self.budget, self.device = budget, device
         self.probe = Probe(device) if probe is None else probe
+        self.reserve = AllocatorReserve()  # one allocator: one reserve for every workload
         self.capacity = capacity
-        self._first: BudgetController | None = BudgetController(budget, device, self.probe)
+        self._first: BudgetController | None = BudgetController(budget, device, self.probe, self.reserve)
         self._entries: list[Workload] = []  # least recently used first
         self.current: Workload | None = None
         self._recent: dict[Signature, collections.deque[int]] = {}  # groups its latest steps opened
@@ -135,10 +133,6 @@ class Workloads:
         entry = self._find(signature, base)
         if entry is None:
             entry = self._new(signature, base)
-        elif entry.predicted_from is not None and entry.steps and not _keeps_all(entry.controller):
-            # a predicted workload come again: profile it (from this step on), once (a plan
-            # keeping everything is the fastest there is: nothing to gain)
-            entry.controller, entry.predicted_from, entry.groups, entry.base = self._controller(), None, None, base
         self._entries.remove(entry)
         self._entries.append(entry)
         self._evict(entry)
@@ -196,7 +190,7 @@ class Workloads:
 
     def _controller(self) -> BudgetController:
         first, self._first = self._first, None
-        return first if first is not None else BudgetController(self.budget, self.device, self.probe)
+        return first if first is not None else BudgetController(self.budget, self.device, self.probe, self.reserve)
 
     def _new(self, signature: Signature, base: int) -> Workload:
         entry = Workload(signature, self._controller(), None, base)

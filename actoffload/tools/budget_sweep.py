@@ -11,9 +11,10 @@ five levels from the smallest peak it can reach to the peak without offloading (
 just under the peak of checkpointing every block). A budget gets this repository's blocks
 with their three parts each a group (or the whole block where its plan recomputes it), and
 transformers' layers whole, as users wrap them. Each figure is a pair: median step time
-(forward + backward) and peak device memory allocated during the step, everything
-included; beside it the most the caching allocator reserved (``reserved_peak_bytes``, each
-method starting from an emptied cache). Every method's gradients are compared with no
+(forward + backward) and peak device memory during the step, everything included: what the
+caching allocator reserved (``reserved_peak_bytes``, each method starting from an emptied
+cache), which is what a budget bounds and what budgets are set from and judged by, and beside
+it what was allocated (``peak_bytes``). Every method's gradients are compared with no
 offloading, bit for bit; for transformers' models no offloading also runs twice, which
 tells whether the step is deterministic at all (SDPA's backward may not be). Each budget is
 judged against the fastest of the alternatives whose peak fits it.
@@ -180,14 +181,14 @@ class _Runner:
         return elapsed, allocated or 0
 
 
-def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int]]:
+def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int, int]]:
     """Steps of ``run`` from step ``first`` until it is steady: ``least`` of them, and on while
     its offloader still recomputes as it pins (fast's warm-up on CUDA), or with ``settle``
     while its memory budget still tries plans (at most 50 more, should either never end).
-    Each step's seconds and peak bytes."""
-    out: list[tuple[float, int]] = []
+    Each step's seconds, peak allocated bytes and peak reserved bytes."""
+    out: list[tuple[float, int, int]] = []
     while len(out) < least or ((run.warming_up() or (settle and run.settling())) and len(out) < least + 50):
-        out.append(run.step(first + len(out)))
+        out.append((*run.step(first + len(out)), run.reserved))
     return out
 
 
@@ -202,7 +203,8 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     run = _Runner(w, method, device)
     times, peaks, reserved = [], [], []
     warming = _warm_up(run, 0, warmup, settle)
-    early, early_peaks = [t for t, _ in warming], [0] + [p for _, p in warming]
+    early, early_peaks = [t for t, _, _ in warming], [0] + [p for _, p, _ in warming]
+    early_reserved = [0] + [r for _, _, r in warming]
     for step in range(len(warming), len(warming) + steps):
         elapsed, peak = run.step(step)
         times.append(elapsed)
@@ -217,7 +219,7 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
                            "reserved_peak_bytes": max(reserved),
                            "first_step_ms": early[0] * 1e3, "early_steps_ms": [t * 1e3 for t in early],
                            # the steps before: a warm-up, a budget's profiling and the plans it tried
-                           "early_peak_bytes": max(early_peaks),
+                           "early_peak_bytes": max(early_peaks), "early_reserved_peak_bytes": max(early_reserved),
                            "steps_ms": [t * 1e3 for t in times], "grads": grads}
     if run.off is not None:
         s = run.off.stats()
@@ -295,7 +297,7 @@ def _fastest_fitting(workload: dict[str, Any], budget: int) -> dict[str, Any] | 
     out) whose peak fits ``budget``; ``None`` if none does."""
     m = workload["methods"]
     alternatives = [m[k] for k in ALTERNATIVES if k in m] + workload["selective"]
-    fitting = [a for a in alternatives if "error" not in a and a["peak_bytes"] <= budget]
+    fitting = [a for a in alternatives if "error" not in a and budget_peak(a) <= budget]
     return min(fitting, key=lambda a: a["step_ms"]) if fitting else None
 
 
@@ -364,10 +366,11 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     res["selective"] = [keep(measure(w, methods[f"checkpoint_{k}"], device, steps, warmup)[0])
                         for k in range(1, len(w.blocks))]
     # the least a plan reaches: the profiling steps run the least-memory plan
-    least = measure(w, Method("fast_budget_profile", parts=True,
-                              offloader=lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50)),
-                    device, 1, PROFILE_STEPS)[0]["plan"]
-    high = res["methods"]["none"]["peak_bytes"]
+    profiling = measure(w, Method("fast_budget_profile", parts=True,
+                                  offloader=lambda: ao.Offloader(impl="fast", device=device, memory_budget=1 << 50)),
+                        device, 1, PROFILE_STEPS)[0]
+    least = profiling["plan"]
+    high = budget_peak(res["methods"]["none"])
     under_ckpt = None
     if high == 0:  # the CPU has no allocator to read: one cell runs the planner end to end
         budgets = [1 << 40]
@@ -375,10 +378,10 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     else:
         # the least-memory plan ran while profiling: its measured peak is reachable (1% for
         # the allocator's step-to-step variation)
-        low = int(min(least["profiled_peak_bytes"], least["smallest_reachable_bytes"]) * 1.01)
+        low = int(min(budget_peak(profiling, every_step=True), least["smallest_reachable_bytes"]) * 1.01)
         res["smallest_reachable_bytes"] = low
         levels = [int(low + (high - low) * k / (n_levels - 1)) for k in range(n_levels)]
-        under_ckpt = res["methods"]["checkpoint_all"]["peak_bytes"] - (1 << 20)  # strictly below it
+        under_ckpt = budget_peak(res["methods"]["checkpoint_all"]) - (1 << 20)  # strictly below it
         budgets = sorted(set(levels + [under_ckpt]))
     # a budget's first steps profile, then it may try a few plans the model rates fastest and
     # the fastest that moves no bytes before keeping the fastest measured: its steady steps
@@ -485,6 +488,14 @@ def _every_step_peak(r: dict[str, Any]) -> int:
     return max(r["peak_bytes"], r.get("early_peak_bytes", 0))
 
 
+def budget_peak(r: dict[str, Any], every_step: bool = False) -> int:
+    """A method's peak as a budget counts it: what the allocator reserved (on CUDA; the CPU has
+    no allocator, and its figures are the allocated stand-ins), over its measured steps or, with
+    ``every_step``, its early ones too."""
+    reserved = max(r.get("reserved_peak_bytes") or 0, r.get("early_reserved_peak_bytes") or 0 if every_step else 0)
+    return reserved or (_every_step_peak(r) if every_step else r["peak_bytes"])
+
+
 def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
     """The sweep's questions, answered from one workload's figures."""
     m = workload["methods"]
@@ -498,9 +509,9 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
         ratio, how = _ratio(b, best) if best else (None, None)
         cells.append({
             "budget_bytes": b["budget_bytes"],
-            "peak_within_budget": b["peak_bytes"] <= b["budget_bytes"],
+            "peak_within_budget": budget_peak(b) <= b["budget_bytes"],
             # also while it profiled and tried plans (a plan's first step runs on the model alone)
-            "peak_within_budget_every_step": _every_step_peak(b) <= b["budget_bytes"],
+            "peak_within_budget_every_step": budget_peak(b, every_step=True) <= b["budget_bytes"],
             "fastest_fitting_alternative": best["method"] if best else None,
             "vs_fastest_fitting": ratio,
             "vs_fastest_fitting_measured": how,
@@ -524,7 +535,7 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
         # no offloading against itself (transformers' models): False where the step is not
         # deterministic (SDPA's backward may not be), and then no bitwise figure says much
         "none_vs_none_bitwise": workload.get("none_vs_none_bitwise"),
-        "below_checkpoint_all": bool(under) and under[0]["peak_bytes"] < ckpt["peak_bytes"] and under_time <= 1.10,
+        "below_checkpoint_all": bool(under) and budget_peak(under[0]) < budget_peak(ckpt) and under_time <= 1.10,
         "below_checkpoint_all_time_ratio": under_time,
         # fast's peak over every step, its warm-up's included
         "fast_peak_minus_ref_peak_bytes": _every_step_peak(m["fast"]) - m["ref"]["peak_bytes"],
@@ -558,18 +569,18 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
                             ("save_on_cpu", "v"), ("ref", "^"), ("fast", "D")):
             if key not in m or "error" in m[key]:
                 continue
-            ax.scatter(m[key]["peak_bytes"] / GiB, m[key]["step_ms"], marker=marker, label=key, zorder=3)
+            ax.scatter(budget_peak(m[key]) / GiB, m[key]["step_ms"], marker=marker, label=key, zorder=3)
         sel = wres["selective"]
         if sel:
-            ax.plot([s["peak_bytes"] / GiB for s in sel], [s["step_ms"] for s in sel], ":", color="gray",
+            ax.plot([budget_peak(s) / GiB for s in sel], [s["step_ms"] for s in sel], ":", color="gray",
                     marker=".", label="checkpoint first k blocks")
         cells = [b for b in wres["budgets"] if "error" not in b]
-        ax.plot([b["peak_bytes"] / GiB for b in cells], [b["step_ms"] for b in cells], "-", color="crimson",
+        ax.plot([budget_peak(b) / GiB for b in cells], [b["step_ms"] for b in cells], "-", color="crimson",
                 marker="*", markersize=9, label="fast, memory_budget")
         for b in cells:
             ax.axvline(b["budget_bytes"] / GiB, color="crimson", alpha=0.12)
         ax.set_title(wres["workload"])
-        ax.set_xlabel("peak device memory (GiB)")
+        ax.set_xlabel("peak device memory reserved (GiB)")
         ax.set_ylabel("step time (ms, log scale)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
