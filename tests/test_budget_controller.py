@@ -537,6 +537,15 @@ def test_allocator_reserve_grows_only_from_a_step_its_cache_did_not_serve():
     probe.reserved_bytes = 1100 * MiB  # an evaluation forward left more cached than the budget
     reserve.step_begins(probe, budget=1000 * MiB)
     assert probe.trims == 1 and probe.reserved_bytes == probe.allocated_bytes
+    # over the budget with nothing new learnt (no plan reaches it): the cache stays
+    assert reserve.step_ended(1000 * MiB, allocated_peak=850 * MiB, reserved_peak=1050 * MiB)  # a new plan follows
+    probe.reserved_bytes = 1050 * MiB
+    reserve.step_begins(probe, budget=1000 * MiB)
+    assert probe.trims == 2
+    probe.reserved_bytes = 1050 * MiB
+    assert not reserve.step_ended(1000 * MiB, allocated_peak=850 * MiB, reserved_peak=1050 * MiB)
+    reserve.step_begins(probe, budget=1000 * MiB)
+    assert probe.trims == 2
     cpu = FakeProbe(cuda=False)
     reserve.step_begins(cpu, budget=1)
     assert cpu.trims == 0
@@ -567,3 +576,4 @@ def test_controller_a_predicted_profile_runs_its_first_choice_only():
     assert moves_bytes(profile, first.groups)
     _run(c, TIMINGS + 3, lambda p: 3.0 * p.step_s)  # slower than modelled: a measured profile would try another
     assert c.settled and c.plan.key == first.key and len(c.measured_plans()) == 1
+    assert c.profile is profile  # not calibrated: no other plan would run

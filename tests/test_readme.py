@@ -208,6 +208,21 @@ def _results_section() -> str:
     return README.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
 
 
+def _tables(text: str) -> list[list[str]]:
+    """Each Markdown table's body rows, in order."""
+    tables: list[list[str]] = []
+    inside = False
+    for line in text.splitlines():
+        if line.startswith("| ") and not inside:
+            tables.append([])  # its header
+            inside = True
+        elif line.startswith("| ") and not line.startswith("| ---"):
+            tables[-1].append(line)
+        elif not line.startswith("| "):
+            inside = False
+    return tables
+
+
 def test_the_results_table_is_the_json_it_cites():
     text = _results_section()
     link = re.search(r"\]\((benchmarks/results/[^)]+-budget-sweep\.json)\)", text).group(1)
@@ -216,7 +231,7 @@ def test_the_results_table_is_the_json_it_cites():
     assert f"**{gpu}**" in text and f"commit {commit}" in text and f"torch {data['env']['torch'][:4]}" in text
     png = re.search(r"!\[[^\]]*\]\((benchmarks/results/[^)]+\.png)\)", text).group(1)
     assert (ROOT / png).is_file() and commit in png and gpu.replace(" ", "-") in png
-    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith(("| workload", "| ---"))]
+    rows = _tables(text)[0]
     assert len(rows) == len(data["workloads"])
     gib = 2 ** 30
     for row, w in zip(rows, data["workloads"]):
@@ -238,6 +253,29 @@ def test_the_results_table_is_the_json_it_cites():
         assert cells[1:] == expected, (w["workload"], cells[1:], expected)
         # "Every step stayed within its budget, gradients bitwise equal to no offloading."
         assert all(c["peak_within_budget_every_step"] and c["bitwise"] for c in verdict["cells"]), w["workload"]
+
+
+def test_the_loops_table_is_the_json_it_cites():
+    """Each row: no offloading's and checkpointing's loop seconds, then per budget level its
+    seconds, its ratio to checkpointing's and the steps whose reserved peak went over."""
+    text = _results_section()
+    link = re.search(r"\]\((benchmarks/results/[^)]+-loop-sweep\.json)\)", text).group(1)
+    data = json.loads((ROOT / link).read_text())
+    assert data["env"]["commit"] in text
+    rows = _tables(text)[1]
+    names = {"decoder": "llama", "GPT-MoE": "gpt_moe"}
+    loops = {"lengths": "variable_length", "accumulation": "accumulation"}
+    assert len(rows) == 2 * len(data["workloads"])
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        workload, loop = cells[0].split(", ")
+        v = data["verdicts"][names[workload]][loops[loop]]
+        assert cells[1:3] == [f"{v['methods'][m]['total_s']:.2f}" for m in ("none", "checkpoint_all")], row
+        by_level = {b["level"]: b for b in v["budgets"]}
+        for cell, level in zip(cells[3:], ("checkpoint_all_peak", "halfway", "none_peak")):
+            b = by_level[level]
+            assert cell.startswith(f"{b['total_s']:.2f} ({b['vs_checkpoint_all']:.2f}), {b['steps_over_budget']}"), (row, level)
+            assert b["bitwise"], (row, level)
 
 
 # ------------------------------------------------------------------ links

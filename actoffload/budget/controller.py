@@ -768,7 +768,9 @@ class BudgetController:
         """Make the model agree with a plan's measured time, and plan again (a few times at
         most): :func:`~.costmodel.calibrated`."""
         assert self._profile is not None
-        if self._calibrated >= CALIBRATIONS:
+        # a plan that tries no other (a predicted profile's) has nothing to choose between: a
+        # corrected model would change no choice, and making every plan again costs host time
+        if self._calibrated >= CALIBRATIONS or not self._explore:
             return
         profile = costmodel.calibrated(self._profile, plan, seconds)
         if profile is None:

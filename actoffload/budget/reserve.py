@@ -11,11 +11,14 @@ reserved peak less its allocated peak. The most seen is the **reserve**, added t
 peak before it is judged against the budget. A step whose cache served it says nothing new:
 its reserved peak is the cache an earlier step left.
 
-What was cached before a step is the step's to reuse, unless it is already over the budget:
-then (a step begins with more reserved than the budget, or the last step's reserved peak went
-over it) the cache is given back to the device first (``torch.cuda.empty_cache``), so that the
-next plan's blocks are made for it. Each workload's controller shares one reserve: they share
-one allocator.
+What was cached before a step is the step's to reuse. It is given back to the device first
+(``torch.cuda.empty_cache``) only where that can help: a step begins with more reserved than the
+budget and more than the last step's peak (something outside the steps grew the cache: an
+evaluation forward), or the last step went over the budget and a new plan follows (the reserve
+grew, or its allocated peak was over), so that the new plan's blocks are made for it. A step
+over the budget that taught nothing new (the budget is too small even for the plan needing the
+least memory) does not empty the cache again: that would cost every step its allocations and
+change nothing. Each workload's controller shares one reserve: they share one allocator.
 """
 
 from __future__ import annotations
@@ -39,14 +42,16 @@ class AllocatorReserve:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back before a step
         self._start: int | None = None  # reserved when the latest step began
-        self._trim = False  # the latest step's reserved peak went over the budget
+        self._last_peak = 0  # the latest step's reserved peak
+        self._trim = False  # the latest step went over the budget, and a new plan follows
 
     def step_begins(self, probe: Any, budget: int) -> None:
-        """A step begins: give the cache back where it is over ``budget`` (or the last step went
-        over), and note what is reserved now."""
+        """A step begins: give the cache back where that can help (see the module), and note
+        what is reserved now."""
         if not probe.cuda:
             return
-        if self._trim or probe.reserved() > budget:
+        now = probe.reserved()
+        if self._trim or (now > budget and now > self._last_peak):
             probe.trim()
             self.trims += 1
         self._trim = False
@@ -57,9 +62,9 @@ class AllocatorReserve:
         if self._start is None:
             return False
         start, self._start = self._start, None
-        if reserved_peak > budget:
-            self._trim = True
-        if reserved_peak <= start or reserved_peak - allocated_peak <= self.bytes:
-            return False
-        self.bytes = reserved_peak - allocated_peak
-        return True
+        self._last_peak = reserved_peak
+        grew = reserved_peak > start and reserved_peak - allocated_peak > self.bytes
+        if grew:
+            self.bytes = reserved_peak - allocated_peak
+        self._trim = reserved_peak > budget and (grew or allocated_peak > budget)
+        return grew
