@@ -180,7 +180,7 @@ def check(device: torch.device, small: bool, steps: int, log: Callable[[str], No
     budget = off.stats()["plan"].get("memory_budget")
     trained = run is not None and failed is None and all(math.isfinite(v) for v in run["losses"])
     within = (run is not None and budget is not None
-              and all(p is not None and p <= budget for p in run["allocated_bytes"]))
+              and all(p is not None and p <= budget for p in run["reserved_bytes"]))
     res["does_not_fit"] = {"sequences": n, "device_bytes": total, "none_out_of_memory": oom, "auto": run,
                            "auto_out_of_memory": failed, "trained": trained, "within_budget_every_step": within,
                            "memory_budget": budget}
