@@ -110,11 +110,10 @@ def parse_bytes(name: str, value: Any) -> int:
     return n
 
 
-# memory_budget="auto": this share of the device's memory. The budget bounds the bytes PyTorch's
-# caching allocator hands out (torch.cuda.max_memory_allocated); what it reserves runs higher by
-# its fragmentation (blocks rounded up, split blocks too small to reuse), commonly a few percent
-# and up to about a tenth in a training step whose sizes vary: the tenth left over keeps a step
-# that meets its budget from running out of memory.
+# memory_budget="auto": this share of the device's memory. The budget bounds what PyTorch's
+# caching allocator reserves during a step; the tenth left over is for what grows outside the
+# allocator while training runs (the CUDA context loading kernels at their first use, NCCL's
+# buffers at the first collective) and for the allocator's share before it has been measured.
 AUTO_FRACTION = 0.9
 
 
