@@ -271,3 +271,15 @@ def test_copy_timer_observes_fast_without_patching_it():
         group_round_trip(off, torch.zeros(1, requires_grad=True), tensors)
     assert off.stats()["groups"]["g"]["offloaded_bytes"] == sum(t.numel() for t in tensors)
     assert timer.copies == [] and timer.seconds("d2h") == 0  # only fast on CUDA reports copy times
+
+
+def test_the_sweep_sets_and_judges_budgets_by_reserved_peaks():
+    """On CUDA a method's peak, as a budget counts it, is what the allocator reserved (its early
+    steps too where asked); the CPU reads no allocator, and its allocated stand-ins count."""
+    gpu = {"peak_bytes": 10, "reserved_peak_bytes": 12, "early_peak_bytes": 11, "early_reserved_peak_bytes": 15}
+    assert budget_sweep.budget_peak(gpu) == 12 and budget_sweep.budget_peak(gpu, every_step=True) == 15
+    cpu = {"peak_bytes": 10, "reserved_peak_bytes": 0, "early_peak_bytes": 11, "early_reserved_peak_bytes": 0}
+    assert budget_sweep.budget_peak(cpu) == 10 and budget_sweep.budget_peak(cpu, every_step=True) == 11
+    workload = {"methods": {"none": {"method": "none", "step_ms": 1.0, **gpu}}, "selective": []}
+    assert budget_sweep._fastest_fitting(workload, 12)["method"] == "none"
+    assert budget_sweep._fastest_fitting(workload, 11) is None  # its allocated peak fits; what it reserved does not
