@@ -471,7 +471,8 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
     assert set(s) == {"memory_budget", "margin", "state", "settled", "groups", "max_inflight", "prefetch",
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
-                      "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes"}
+                      "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
+                      "planning_s"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -577,3 +578,12 @@ def test_controller_a_predicted_profile_runs_its_first_choice_only():
     _run(c, TIMINGS + 3, lambda p: 3.0 * p.step_s)  # slower than modelled: a measured profile would try another
     assert c.settled and c.plan.key == first.key and len(c.measured_plans()) == 1
     assert c.profile is profile  # not calibrated: no other plan would run
+
+
+def test_controller_counts_the_host_time_it_plans():
+    """Planning is host time in the step that plans: stats() says how much, all told."""
+    c = _controller(1 << 40)
+    first = c.stats()["planning_s"]
+    assert first > 0  # adopting the profile made and chose plans
+    _run(c, 3, lambda p: p.step_s)
+    assert c.stats()["planning_s"] >= first

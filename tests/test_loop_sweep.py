@@ -45,7 +45,8 @@ def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
             for cell in v[loop]["budgets"]:
                 assert {"budget_bytes", "max_step_reserved_bytes", "max_step_allocated_bytes", "steps_over_budget",
                         "steps_over_budget_allocated", "total_s", "vs_checkpoint_all", "bitwise", "plan_state",
-                        "plan_settled", "steps_to_settle"} <= set(cell)
+                        "plan_settled", "steps_to_settle", "planning_s", "gc_s", "cache_trims",
+                        "host_allocations"} <= set(cell)
                 assert cell["max_step_reserved_bytes"] is None and cell["steps_over_budget"] is None  # no allocator
                 assert cell["total_s"] > 0 and cell["vs_checkpoint_all"] > 0 and cell["plan_state"]
                 assert cell["steps_to_settle"] and all(n is None or n >= 1 for n in cell["steps_to_settle"].values())
@@ -161,3 +162,17 @@ def test_steps_to_settle_counts_each_signatures_steps():
                 {"signature": "a", "settled": False}, {"signature": "a", "settled": True},
                 {"signature": "a", "settled": False}, {"signature": "c", "settled": False}]
     assert loop_sweep.steps_to_settle(readings) == {"a": 3, "b": 1, "c": None}
+
+
+def test_each_budget_step_says_what_the_host_did_meanwhile(run):
+    """Per step of a budget: the plan's running totals of planning seconds and host allocations,
+    and the garbage collector's passes during the step (what a slow step spent its host time on)."""
+    doc, _ = run
+    for w in doc["workloads"]:
+        for b in w["variable_length"]["budgets"] + w["accumulation"]["budgets"]:
+            steps = b["plan_steps"]
+            assert steps and all({"planning_s_all", "host_allocations", "cache_trims", "gc"} <= set(r) for r in steps)
+            totals = [r["planning_s_all"] for r in steps]
+            assert totals[-1] > 0 and totals == sorted(totals)  # a running total, once plans were made
+            assert all(r["cache_trims"] is None for r in steps)  # the CPU has no cache to give back
+            assert all(set(r["gc"]) == {"passes", "oldest", "seconds"} for r in steps)

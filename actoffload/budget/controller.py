@@ -44,6 +44,7 @@ from __future__ import annotations
 import enum
 import itertools
 import statistics
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple, Sequence
 
@@ -186,6 +187,7 @@ class BudgetController:
         self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
         self.predicted = False  # the profile was predicted from another workload's, not measured
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
+        self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -290,7 +292,9 @@ class BudgetController:
         The plan chosen is the fastest that fits, as for a profile measured."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
+        started = time.perf_counter()
         plans = search.candidates(profile)
+        self.planning_s += time.perf_counter() - started
         if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
             return False
         self._adopt(profile, None, plans)
@@ -634,6 +638,7 @@ class BudgetController:
         """Every candidate plan under the current profile (``plans``: the search's, made
         already); the profiled plan last."""
         assert self._profile is not None
+        started = time.perf_counter()
         self._plans = search.candidates(self._profile) if plans is None else list(plans)
         # a plan that ran stays a candidate, should the search no longer propose it (the
         # profile was calibrated): what it measured still stands
@@ -643,8 +648,16 @@ class BudgetController:
             self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
                                           *simulate(self._profile, groups, max_inflight, prefetch)))
         self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
+        self.planning_s += time.perf_counter() - started
 
     def _choose(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._choose_plan()
+        finally:
+            self.planning_s += time.perf_counter() - started
+
+    def _choose_plan(self) -> None:
         """The fastest plan for the budget less the margin. A plan that has run is judged by
         its measured peak, against the budget itself (the margin covers the model's error,
         and a measured peak has none). The budget itself must be reachable (else the error
@@ -793,6 +806,8 @@ class BudgetController:
         cuda = self._probe.cuda
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
+                               "cache_trims": self._reserve.trims if cuda else None,
+                               "planning_s": self.planning_s,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:
             out["budget_too_small"] = self.too_small

@@ -111,6 +111,7 @@ class Workloads:
         self._recent: dict[Signature, collections.deque[int]] = {}  # groups its latest steps opened
         self._open = False  # the current workload's step began and was not closed
         self._state_before = State.PROFILING
+        self._planning_dropped = 0.0  # planning seconds of workloads no longer kept
 
     @property
     def controller(self) -> BudgetController:
@@ -230,12 +231,19 @@ class Workloads:
         while len(self._entries) > self.capacity:
             old = next(e for e in self._entries if e is not keep)
             self._entries.remove(old)
+            self._planning_dropped += old.controller.planning_s
+
+    @property
+    def planning_s(self) -> float:
+        """Host seconds spent making and choosing plans, every workload's, all told."""
+        return self._planning_dropped + sum(e.controller.planning_s for e in self._entries)
 
     def describe(self) -> dict[str, Any]:
         """The latest step's workload, for ``stats()["plan"]["workload"]``."""
         e = self.current
         if e is None:
-            return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries)}
+            return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries),
+                    "planning_s_all": self.planning_s}
         return {"signature": str(e.signature), "tokens": e.signature.tokens, "groups": e.groups,
                 "predicted_from": None if e.predicted_from is None else str(e.predicted_from),
-                "kept": len(self._entries)}
+                "kept": len(self._entries), "planning_s_all": self.planning_s}

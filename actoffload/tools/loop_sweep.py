@@ -257,6 +257,7 @@ class _Loop:
         self.params = list(w.model.parameters())
         self.fingerprint = Fingerprint(w.device)
         self.peaks = Peaks(w.device)
+        self.gc_passes: dict[str, Any] = {}  # the garbage collector in the latest timed call (see timed)
         # the embedding's calls, by torch.is_grad_enabled() (training forwards, evaluations)
         self.forwards: collections.Counter[bool] = collections.Counter()
         w.embed.register_forward_hook(lambda module, args, out: self.forwards.update([torch.is_grad_enabled()]))
@@ -288,13 +289,30 @@ class _Loop:
                 p.grad = None
 
     def timed(self, fn: Callable[[], Any]) -> tuple[Any, float, int | None, int | None]:
-        """``fn()``, its seconds (the device synchronized before and after) and its peaks."""
+        """``fn()``, its seconds (the device synchronized before and after) and its peaks; the
+        garbage collector's passes meanwhile go to :attr:`gc_passes` (a step's host time
+        beyond its kernels: the plan's, or the collector's)."""
         _sync(self.device)
         self.peaks.start()
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(self.device)
-        seconds = time.perf_counter() - t0
+        passes: list[tuple[int, float]] = []
+        started: dict[int, float] = {}
+
+        def note(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                started[info["generation"]] = time.perf_counter()
+            elif info["generation"] in started:
+                passes.append((info["generation"], time.perf_counter() - started.pop(info["generation"])))
+
+        gc.callbacks.append(note)
+        try:
+            t0 = time.perf_counter()
+            out = fn()
+            _sync(self.device)
+            seconds = time.perf_counter() - t0
+        finally:
+            gc.callbacks.remove(note)
+        self.gc_passes = {"passes": len(passes), "oldest": max((g for g, _ in passes), default=None),
+                            "seconds": sum(s for _, s in passes)}
         reserved, allocated = self.peaks.read()
         return out, seconds, reserved, allocated
 
@@ -311,13 +329,18 @@ class _Loop:
 
 
 def _plan_reading(off: ao.Offloader) -> dict[str, Any]:
-    plan = off.stats().get("plan", {})
+    """What the plan says after a step; the counters (planning seconds, cache trims, host
+    allocations) are running totals: a step's share is the difference from the step before."""
+    stats = off.stats()
+    plan = stats.get("plan", {})
     workload = plan.get("workload") or {}
     return {"signature": workload.get("signature"), "tokens": workload.get("tokens"), "state": plan.get("state"),
             "settled": plan.get("settled"), "smallest_reachable_bytes": plan.get("smallest_reachable_bytes"),
             # the offloader's own window (from its first group to the end of backward), on CUDA
             "measured_peak_bytes": plan.get("measured_peak_bytes"),
-            "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes")}
+            "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes"),
+            "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
+            "planning_s_all": workload.get("planning_s_all"), "host_allocations": stats.get("host_allocations")}
 
 
 def _plan_summary(off: ao.Offloader) -> dict[str, Any]:
@@ -375,7 +398,7 @@ def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
             rec["fingerprints"].append(loop.fingerprint([p.grad for p in loop.params]))
             opt.zero_grad(set_to_none=True)
             if off is not None:
-                rec["plan_steps"].append(_plan_reading(off))
+                rec["plan_steps"].append({**_plan_reading(off), "gc": loop.gc_passes})
             if (i + 1) % 12 == 0 or i + 1 == len(lengths):
                 loop.log(f"  {w.name} lengths {m.name}{_at(m)}: {i + 1}/{len(lengths)} steps, "
                          f"{sum(rec['steps_s']):.1f} s of steps, {time.perf_counter() - t_start:.1f} s")
@@ -418,7 +441,7 @@ def run_accumulation(loop: _Loop, m: Method, opt_steps: int) -> dict[str, Any]:
                 rec["records"].append({"kind": "micro", "optimizer_step": k, "micro_batch": j, "s": seconds,
                                        "reserved_bytes": reserved, "allocated_bytes": allocated})
                 if off is not None:
-                    rec["plan_steps"].append(_plan_reading(off))
+                    rec["plan_steps"].append({**_plan_reading(off), "gc": loop.gc_passes})
             rec["grad_fingerprints"].append(loop.fingerprint([p.grad for p in loop.params]))
             rec["forwards_per_optimizer_step"].append(loop.forwards[True]
                                                       - (len(rec["budget_too_small"]) - raised_before))
@@ -624,7 +647,12 @@ def _plan_figures(b: dict[str, Any]) -> dict[str, Any]:
             "steps_to_settle": steps_to_settle(readings),
             "signature_tokens": {str(r.get("signature")): r.get("tokens") for r in readings},
             "signatures": len({str(r.get("signature")) for r in readings}),
-            "budget_too_small_raised": len(b.get("budget_too_small", []))}
+            "budget_too_small_raised": len(b.get("budget_too_small", [])),
+            # host time beyond the kernels, all told: the plan's own, and the garbage collector's
+            "planning_s": readings[-1].get("planning_s_all") if readings else None,
+            "gc_s": sum((r.get("gc") or {}).get("seconds", 0.0) for r in readings),
+            "cache_trims": readings[-1].get("cache_trims") if readings else None,
+            "host_allocations": readings[-1].get("host_allocations") if readings else None}
 
 
 def _variable_verdicts(var: dict[str, Any]) -> dict[str, Any]:
