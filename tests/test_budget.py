@@ -48,9 +48,7 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
     states = [p["state"] for p in plans]
-    # profiled, then planned (on the CPU nothing is left to measure); stats read after a step:
-    # the last profiling step planned as its backward pass ended
-    assert states == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * 3
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 2  # profiled, then planned (on the CPU nothing is left to measure)
     assert all(p["predicted_peak_bytes"] <= budget for p in plans[PROFILE_STEPS:])
     actions = [g["action"] for g in plans[-1]["groups"]]
     if budget >= 8 * GROUP_BYTES:
@@ -280,7 +278,7 @@ def test_budget_a_new_workload_gets_its_own_plan_and_the_old_one_keeps_its_own()
     # another sequence length, twice the bytes: told by its inputs' shapes when its first group
     # opens; no predicted plan fits (the bound takes 4x the bytes), so it profiles at once
     _, plans = _steps(blocks, off, rows=128)
-    assert [p["state"] for p in plans] == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * 3
+    assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"] * 2
     assert [sum(g["spans"]) for g in plans[-1]["profile"]["groups"]] == [2 * n for n in first]
     assert plans[-1]["predicted_peak_bytes"] <= 3 * GROUP_BYTES
     _, plans = _steps(blocks, off, rows=64, steps=2)  # back: its own plan, from its first group
@@ -607,6 +605,6 @@ def test_budget_kept_groups_still_end_the_step_when_the_first_block_is_frozen():
                 h = h + b(h)
             h.square().sum().backward()
             states.append(off.stats()["plan"]["state"])
-    assert states == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * 7
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 6
     assert [g["action"] for g in off.stats()["plan"]["groups"]] == ["keep"] * 4
     assert list(off.stats()["groups"]) == ["1"]

@@ -502,9 +502,9 @@ def test_controller_reports_what_the_allocator_held_at_the_step_peak():
 
 
 def test_controller_budget_bounds_what_the_allocator_reserves():
-    """A budget bounds reserved memory: once a step shows the allocator holding 50 MiB beyond
-    its allocated peak, a plan fits only with those 50 MiB on top (keeping everything no longer
-    does), and the cache that went over the budget is given back before the next step."""
+    """A budget bounds reserved memory: once a step begun on a clean cache shows the allocator
+    holding 50 MiB beyond its allocated peak, a plan fits only with those 50 MiB on top (keeping
+    everything no longer does); the step went over, so the cache is given back as the plan changes."""
     probe = FakeProbe()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
@@ -512,43 +512,62 @@ def test_controller_budget_bounds_what_the_allocator_reserves():
     assert c.plan.key == keep_all.key
     probe.peak_bytes, probe.cached_bytes = keep_all.peak, 50 * MiB  # as modelled, and the allocator's share
     c.step_begins()
+    assert probe.trims == 1  # the first step begins on a clean cache
     probe.advance(c.plan.step_s)
     c.backward_ends()
     assert c.reserve.bytes == 50 * MiB and c.stats()["allocator_reserve_bytes"] == 50 * MiB
     assert c.plan.key != keep_all.key
     assert c.plan.peak + c.margin + c.reserve.bytes <= budget
-    probe.reserved_bytes = keep_all.peak + 50 * MiB  # the cache the step left, over the budget
-    c.step_begins()
-    assert probe.trims == 1 and c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
+    assert probe.trims == 2 and c.stats()["cache_trims"] == 2
+    assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
 
 
-def test_allocator_reserve_grows_only_from_a_step_its_cache_did_not_serve():
-    """A step whose reserved peak is what was reserved when it began (its cache served it) says
-    nothing of the allocator's share; one that grew it does; a start over the budget gives the
-    cache back."""
+def test_allocator_reserve_is_measured_only_from_a_clean_cache():
+    """The reserve comes from steps begun on a clean cache that grew it; a step that grew a
+    cache other work left (an evaluation's blocks) is not measured, and the cache is given back
+    so that the next step measures cleanly; a step its cache served says nothing."""
+    probe = FakeProbe()  # allocated: BASE (100 MiB)
+    reserve = AllocatorReserve()
+    budget = 1000 * MiB
+    probe.reserved_bytes = 900 * MiB  # a loader's blocks, cached before the first step
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 1 and probe.reserved_bytes == BASE  # the first step begins clean
+    assert reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
+    assert reserve.bytes == 150 * MiB
+    probe.reserved_bytes = 950 * MiB  # what the step left cached: the next one reuses it
+    reserve.step_begins(probe, budget)
+    assert not reserve.step_ended(probe, budget, allocated_peak=400 * MiB, reserved_peak=950 * MiB)
+    assert probe.trims == 1
+    probe.reserved_bytes = 980 * MiB  # an evaluation forward left 30 MiB more, under the budget
+    reserve.step_begins(probe, budget)
+    assert not reserve.step_ended(probe, budget, allocated_peak=500 * MiB, reserved_peak=990 * MiB)
+    assert reserve.bytes == 150 * MiB and probe.trims == 2  # not 490 MiB of idle blocks; given back
+    reserve.step_begins(probe, budget)  # clean again: measured
+    assert not reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=900 * MiB)
+    assert reserve.bytes == 150 * MiB
+
+
+def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
+    """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
+    step pays its allocations again); over it as the plan changes, or beginning over it after
+    something between the steps grew it: given back. The CPU has no cache."""
     probe = FakeProbe()
     reserve = AllocatorReserve()
-    probe.reserved_bytes = 900 * MiB  # an earlier, larger step's cache
-    reserve.step_begins(probe, budget=1000 * MiB)
-    assert not reserve.step_ended(1000 * MiB, allocated_peak=400 * MiB, reserved_peak=900 * MiB)
-    assert reserve.bytes == 0 and probe.trims == 0
-    reserve.step_begins(probe, budget=1000 * MiB)
-    assert reserve.step_ended(1000 * MiB, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
-    assert reserve.bytes == 150 * MiB
-    probe.reserved_bytes = 1100 * MiB  # an evaluation forward left more cached than the budget
-    reserve.step_begins(probe, budget=1000 * MiB)
-    assert probe.trims == 1 and probe.reserved_bytes == probe.allocated_bytes
-    # over the budget with nothing new learnt (no plan reaches it): the cache stays
-    assert reserve.step_ended(1000 * MiB, allocated_peak=850 * MiB, reserved_peak=1050 * MiB)  # a new plan follows
-    probe.reserved_bytes = 1050 * MiB
-    reserve.step_begins(probe, budget=1000 * MiB)
+    budget = 1000 * MiB
+    reserve.step_begins(probe, budget)  # the first: 1 trim
+    reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
+    for _ in range(3):  # the least plan, over the budget, again and again
+        probe.reserved_bytes = 1050 * MiB
+        reserve.step_begins(probe, budget)
+        assert not reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
+    assert probe.trims == 1
+    reserve.plan_changed(probe)  # over it, and another plan follows
     assert probe.trims == 2
-    probe.reserved_bytes = 1050 * MiB
-    assert not reserve.step_ended(1000 * MiB, allocated_peak=850 * MiB, reserved_peak=1050 * MiB)
-    reserve.step_begins(probe, budget=1000 * MiB)
-    assert probe.trims == 2
+    probe.reserved_bytes = 1100 * MiB  # an evaluation forward's cache, over the budget and the last peak
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 3
     cpu = FakeProbe(cuda=False)
-    reserve.step_begins(cpu, budget=1)
+    AllocatorReserve().step_begins(cpu, budget=1)
     assert cpu.trims == 0
 
 

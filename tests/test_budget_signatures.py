@@ -66,7 +66,7 @@ def test_alternating_lengths_profile_each_once_then_run_their_own_plans():
     # then its plan, from its first group on: no re-profiling, no re-planning
     for rows in (64, 128, 96):
         mine = [s for s, n in zip(states, lengths) if n == rows]
-        assert mine == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * (6 - PROFILE_STEPS + 1), (rows, mine)
+        assert mine == ["profiling"] * PROFILE_STEPS + ["settled"] * (6 - PROFILE_STEPS), (rows, mine)
     # each runs its own plan: modelled on its own bytes, within the budget
     by_rows = {}
     for p, rows in zip(plans[3 * PROFILE_STEPS:], lengths[3 * PROFILE_STEPS:]):
@@ -116,7 +116,7 @@ def test_a_new_length_whose_predicted_plan_does_not_fit_profiles_on_the_least_me
     _run(off, blocks, [64] * (PROFILE_STEPS + 1))
     plans = _run(off, blocks, [256] * (PROFILE_STEPS + 1))  # 16x the bytes by the bound: nothing fits
     assert plans[0]["workload"]["predicted_from"] is None
-    assert [p["state"] for p in plans] == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * 2
+    assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"]
 
 
 def test_workloads_are_bounded_least_recently_used_first():
@@ -206,7 +206,7 @@ def test_accumulation_with_an_evaluation_forward_every_five_steps_profiles_once(
                 actions.add(tuple(g["action"] for g in plan["groups"]))
                 assert plan["workload"]["groups"] == 16  # 4 micro-batches of 4 groups: one workload
                 assert plan["predicted_peak_bytes"] <= budget
-    assert states == ["profiling"] * (PROFILE_STEPS - 1) + ["settled"] * (12 - PROFILE_STEPS + 1)
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * (12 - PROFILE_STEPS)
     assert len(actions) == 1 and len(off.plan.workloads.workloads) == 1
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
@@ -313,16 +313,35 @@ def test_accumulation_with_a_backward_per_micro_batch_has_two_bases_each_profile
                 h.square().sum().backward()
                 states.append(off.stats()["plan"]["state"])
     assert len(off.plan.workloads.workloads) == 2
-    # (stats read after a step: the last profiling step of each planned as its backward ended)
-    assert states.count("profiling") == 2 * (PROFILE_STEPS - 1)
+    assert states.count("profiling") == 2 * PROFILE_STEPS
     assert states[-8:] == ["settled"] * 8
 
 
 def test_a_length_after_the_first_profile_is_predicted_from_its_first_step():
-    """The last profiling step plans as its backward pass ends, so a length that comes next,
-    before the profiled one comes again, runs a plan predicted from it: no profiling of its own."""
+    """The last profiling step's measurements become the profile when the next step begins,
+    whatever its workload, so a length that comes next, before the profiled one comes again,
+    runs a plan predicted from it: no profiling of its own."""
     off = ao.Offloader(device="cpu", memory_budget=4 * _bytes(128), min_offload_bytes=0)
     plans = _run(off, _blocks(), [128] * PROFILE_STEPS + [64, 96, 64])
-    assert plans[PROFILE_STEPS - 1]["state"] == "settled"
     for p in plans[PROFILE_STEPS:]:
         assert p["workload"]["predicted_from"] == f"[128, {D}] torch.float32 cpu" and p["state"] == "settled"
+
+
+def test_a_step_of_one_backward_per_micro_batch_is_profiled_whole():
+    """Two micro-batches' forwards, then one backward call each (as a pipeline stage runs
+    GPipe): the profile is made when the next step begins, so every group's backward counts,
+    the second micro-batch's as well as the first's."""
+    blocks = _blocks(2)
+    off = ao.Offloader(device="cpu", memory_budget=1 << 30, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            losses = []
+            for k in range(2):
+                h = torch.randn(32, D, generator=torch.Generator().manual_seed(2 * step + k))
+                for b in blocks:
+                    h = h + b(h)
+                losses.append(h.square().mean())
+            for loss in losses:
+                loss.backward()
+    groups = off.stats()["plan"]["profile"]["groups"]
+    assert len(groups) == 4 and all(g["reached"] for g in groups)

@@ -130,7 +130,6 @@ class _Step:
     outside_peak: int = 0
     wholes: list[Whole] = field(default_factory=list)  # modules whose parts were its groups
     open_whole: Whole | None = None  # such a module's forward is running
-    reserved_peak: int | None = None  # what the allocator held at most (read as its backward ended)
 
 
 PlanKey = tuple[tuple[GroupDecision, ...], int, int]
@@ -336,6 +335,14 @@ class BudgetController:
         self._backward_ended(self._step_number)
 
     # ------------------------------------------------------------------ a step
+    def finish_step(self) -> None:
+        """The latest step is over: another step, of any workload, is beginning. A profiling
+        step's measurements become the profile now, not when this workload's next step begins,
+        so that a workload never seen, beginning next, can be predicted from it. (Not at the end
+        of the backward pass: a step may run several, one per micro-batch.)"""
+        if self._step is not None and not self._awaiting_end:
+            self._finish_profiling(self._probe.mark())
+
     def step_begins(self, may_raise: bool = True) -> None:
         """The first group of a step is opening: close the last step, set up this one. Raises
         :class:`~.search.BudgetTooSmall` (once) where no plan fits the budget (``may_raise=False``:
@@ -550,16 +557,13 @@ class BudgetController:
                 last = step.groups[step.last_touch]
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
             # the peak counters were reset group by group; what the allocator reserves only grows
-            # within a step (nothing here gives its cache back), so its peak is what it holds now
-            step.reserved_peak = max(self._probe.peak_reserved(), self._probe.reserved())
-            # done now, not when this workload's next step begins: other workloads' steps may come
-            # first, and a profile lets theirs be predicted (a budget too small is said at the
-            # next step's beginning: raising here would break the backward pass)
-            self._finish_profiling(now)
+            # within a step (nothing gives its cache back before this), so its peak is what it holds now
+            self._reserve.step_ended(self._probe, self._budget, _profiled_peak(step),
+                                     max(self._probe.peak_reserved(), self._probe.reserved()))
             return
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
-        self._reserve.step_ended(self._budget, self.measured_peak, self.measured_reserved_peak)
+        self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -587,10 +591,7 @@ class BudgetController:
             # step's peak is outside the groups. Profiled as such, its plan (of no groups) settles
             # rather than profiling for ever; a budget under that peak is too small.
             step.outside_peak = max(step.outside_peak, self._probe.peak())
-        peak = max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
-                   + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
-        if step.reserved_peak is not None:
-            self._reserve.step_ended(self._budget, peak, step.reserved_peak)
+        peak = _profiled_peak(step)
         if any(m.end is None for m in step.groups):
             self._partial, self._pending_steps = None, []  # profile again
             return
@@ -652,10 +653,13 @@ class BudgetController:
 
     def _choose(self) -> None:
         started = time.perf_counter()
+        before = self._plan.key if self._plan is not None else None
         try:
             self._choose_plan()
         finally:
             self.planning_s += time.perf_counter() - started
+        if self._plan is not None and self._plan.key != before:
+            self._reserve.plan_changed(self._probe)
 
     def _choose_plan(self) -> None:
         """The fastest plan for the budget less the margin. A plan that has run is judged by
@@ -830,6 +834,13 @@ class BudgetController:
                    measured_reserved_peak_bytes=self.measured_reserved_peak if cuda else None,
                    measured_step_s=self.last_step_s if cuda else None)
         return out
+
+
+def _profiled_peak(step: _Step) -> int:
+    """The most a profiling step allocated, from its groups' readings (the counters are reset
+    group by group)."""
+    return max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
+               + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
 
 
 def _between(start: float | None, end: float | None) -> float | None:

@@ -5,20 +5,22 @@ A budget bounds the device memory the allocator reserves during a step, which is
 (docs/budgets.md, "What the budget counts"). Plans are modelled in allocated bytes, which the
 engine can follow group by group; the allocator adds its rounding and the cached blocks a
 step's requests could not reuse (freed blocks of other sizes, split blocks too small to serve,
-blocks of another stream). That difference is measured, not modelled: after each step whose
-reserved peak grew beyond what was reserved when it began (its cache did not serve it), its
-reserved peak less its allocated peak. The most seen is the **reserve**, added to every plan's
-peak before it is judged against the budget. A step whose cache served it says nothing new:
-its reserved peak is the cache an earlier step left.
+blocks of another stream). That difference is measured, not modelled, and only where it says
+something of the step itself: in a step that began on a **clean** cache (right after the cache
+was given back) and grew what is reserved, its reserved peak less its allocated peak. The most
+seen is the **reserve**, added to every plan's peak before it is judged against the budget. A
+step whose cache served it says nothing new; one that grew a cache other work had left (an
+evaluation forward's blocks, another length's) would count those idle blocks too, so the cache
+is given back after it and the next step measures cleanly.
 
-What was cached before a step is the step's to reuse. It is given back to the device first
-(``torch.cuda.empty_cache``) only where that can help: a step begins with more reserved than the
-budget and more than the last step's peak (something outside the steps grew the cache: an
-evaluation forward), or the last step went over the budget and a new plan follows (the reserve
-grew, or its allocated peak was over), so that the new plan's blocks are made for it. A step
-over the budget that taught nothing new (the budget is too small even for the plan needing the
-least memory) does not empty the cache again: that would cost every step its allocations and
-change nothing. Each workload's controller shares one reserve: they share one allocator.
+The cache is given back to the device (``torch.cuda.empty_cache``) at a step's end, where it
+helps: after a step that grew a cache it did not begin clean (to measure cleanly next), and
+after a step over the budget when the plan changes (so that the new plan's blocks are made for
+it). A step over the budget that changes no plan (no plan reaches the budget) leaves the cache
+alone: emptying it would cost every step its allocations and change nothing. It is also given
+back before the first step, and before a step that begins with more reserved than the budget
+and than the last step's peak (something between the steps grew it). Each workload's controller
+shares one reserve: they share one allocator.
 """
 
 from __future__ import annotations
@@ -32,39 +34,56 @@ class AllocatorReserve:
     Example::
 
         reserve = AllocatorReserve()
-        reserve.step_begins(probe, budget)                           # may empty the cache
-        ...                                                           # the step
-        reserve.step_ended(budget, allocated_peak, reserved_peak)    # measure
-        plan_peak + reserve.bytes <= budget                          # what fits
+        reserve.step_begins(probe, budget)                                  # may empty the cache
+        ...                                                                  # the step
+        reserve.step_ended(probe, budget, allocated_peak, reserved_peak)    # measure (may empty it)
+        plan_peak + reserve.bytes <= budget                                 # what fits
     """
 
     def __init__(self) -> None:
-        self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
-        self.trims = 0  # times the cache was given back before a step
+        self.bytes = 0  # the most a step begun on a clean cache reserved beyond its allocated peak
+        self.trims = 0  # times the cache was given back
         self._start: int | None = None  # reserved when the latest step began
         self._last_peak = 0  # the latest step's reserved peak
-        self._trim = False  # the latest step went over the budget, and a new plan follows
+        self._clean = False  # the latest step began on a clean cache
+        self._trimmed = False  # the cache was given back since the latest step began
+        self._over = False  # the latest step's reserved peak is over the budget
 
     def step_begins(self, probe: Any, budget: int) -> None:
-        """A step begins: give the cache back where that can help (see the module), and note
-        what is reserved now."""
+        """A step begins: give the cache back before the first step, or where something between
+        the steps grew it over the budget; note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
-        if self._trim or (now > budget and now > self._last_peak):
-            probe.trim()
-            self.trims += 1
-        self._trim = False
+        if self.trims == 0 or (now > budget and now > self._last_peak):
+            self._give_back(probe)
+        self._clean, self._trimmed, self._over = self._trimmed, False, False
         self._start = probe.reserved()
 
-    def step_ended(self, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
-        """A step ended with these peaks (bytes): whether the reserve grew."""
+    def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
+        """A step's backward pass ended with these peaks so far (bytes; a step of several
+        backward passes calls this at each): whether the reserve grew."""
         if self._start is None:
             return False
-        start, self._start = self._start, None
-        self._last_peak = reserved_peak
-        grew = reserved_peak > start and reserved_peak - allocated_peak > self.bytes
-        if grew:
-            self.bytes = reserved_peak - allocated_peak
-        self._trim = reserved_peak > budget and (grew or allocated_peak > budget)
-        return grew
+        self._last_peak, self._over = reserved_peak, reserved_peak > budget
+        if reserved_peak <= self._start:  # its cache served it
+            return False
+        if not self._clean:  # it grew a cache other work left: measure from a clean one
+            if not self._trimmed:
+                self._give_back(probe)
+            return False
+        if reserved_peak - allocated_peak <= self.bytes:
+            return False
+        self.bytes = reserved_peak - allocated_peak
+        return True
+
+    def plan_changed(self, probe: Any) -> None:
+        """The controller chose another plan: after a step over the budget, give the cache back,
+        so that the new plan's blocks are made for it."""
+        if self._over and not self._trimmed:
+            self._give_back(probe)
+
+    def _give_back(self, probe: Any) -> None:
+        probe.trim()
+        self.trims += 1
+        self._trimmed = True

@@ -152,6 +152,9 @@ class Workloads:
         if e is None or not self._open:
             return
         self._open = False
+        e.controller.finish_step()  # a profile finished now lets the next workload be predicted
+        if e.predicted_from is not None and not e.controller.predicted:  # its bytes were off: profiled
+            e.predicted_from = None
         n, c = e.controller.step_groups, e.controller
         recent = self._recent.setdefault(e.signature, collections.deque(maxlen=RECENT))
         recent.append(n)

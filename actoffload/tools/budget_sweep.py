@@ -378,7 +378,9 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
     else:
         # the least-memory plan ran while profiling: its measured peak is reachable (1% for
         # the allocator's step-to-step variation)
-        low = int(min(budget_peak(profiling, every_step=True), least["smallest_reachable_bytes"]) * 1.01)
+        # (its early steps are the profiling ones; its one measured step ran the plan chosen after)
+        low = int(min(profiling.get("early_reserved_peak_bytes") or profiling["early_peak_bytes"],
+                      least["smallest_reachable_bytes"]) * 1.01)
         res["smallest_reachable_bytes"] = low
         levels = [int(low + (high - low) * k / (n_levels - 1)) for k in range(n_levels)]
         under_ckpt = budget_peak(res["methods"]["checkpoint_all"]) - (1 << 20)  # strictly below it
