@@ -345,3 +345,18 @@ def test_a_step_of_one_backward_per_micro_batch_is_profiled_whole():
                 loss.backward()
     groups = off.stats()["plan"]["profile"]["groups"]
     assert len(groups) == 4 and all(g["reached"] for g in groups)
+
+
+def test_a_predicted_workload_whose_bytes_are_off_is_profiled_and_says_so():
+    """Scaled up, a prediction bounds the bytes by the square of the ratio: twice the rows of a
+    linear model save half the bound, beyond the workload tolerance, so the workload is profiled
+    after all (where its plan moves bytes; one keeping everything has nothing to gain); its stats
+    then name no workload it was predicted from."""
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(128), min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [64] * (PROFILE_STEPS + 1))
+    plans = _run(off, blocks, [128] * (PROFILE_STEPS + 3))
+    assert plans[0]["workload"]["predicted_from"] == f"[64, {D}] torch.float32 cpu"
+    assert "profiling" in [p["state"] for p in plans]
+    assert plans[-1]["state"] == "settled" and plans[-1]["workload"]["predicted_from"] is None
+    assert [sum(g["spans"]) + g["kept"] for g in plans[-1]["profile"]["groups"]] == [_bytes(128)] * 4
