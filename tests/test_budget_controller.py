@@ -11,7 +11,7 @@ import torch
 from actoffload import compat, policy
 from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
-from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, State
+from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, Profile, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
@@ -604,3 +604,18 @@ def test_controller_counts_the_host_time_it_plans():
     assert first > 0  # adopting the profile made and chose plans
     _run(c, 3, lambda p: p.step_s)
     assert c.stats()["planning_s"] >= first
+
+
+def test_controller_a_budget_too_small_is_not_planned_again_at_every_step():
+    """Below every plan, the least-memory plan runs and every step goes over the budget; once it
+    is measured, choosing again would find the same plan: no step spends host time on it."""
+    probe = FakeProbe()
+    least = min(p.peak for p in _controller(1 << 40).plans)
+    c = BudgetController(least - 10 * MiB, CPU, probe=probe)
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(_profile())
+    probe.peak_bytes = least
+    _run(c, TIMINGS + 3, lambda p: p.step_s)
+    spent = c.stats()["planning_s"]
+    _run(c, 5, lambda p: p.step_s)
+    assert c.stats()["planning_s"] == spent and c.stats()["budget_too_small"]

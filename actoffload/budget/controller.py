@@ -563,7 +563,7 @@ class BudgetController:
             return
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
-        self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
+        grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -574,12 +574,15 @@ class BudgetController:
         # every step would cost host time for nothing
         if self._runs.get(key, 0) >= 2 and not self._timed(self._plan):
             self._untimed = (key, self._step_start, now)
-        self._peaks[key] = max(self._peaks.get(key, 0), self.measured_peak - self._profile.base)
+        before = self._peaks.get(key)
+        self._peaks[key] = max(before or 0, self.measured_peak - self._profile.base)
+        if self.too_small is not None:
+            return  # no plan reaches the budget (nor will: margins only grow): choosing again changes nothing
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
             self._margin += overshoot_margin(self._budget, self.measured_peak)
             self._choose()
-        elif self.measured_peak + self._reserve.bytes > self._budget:  # with what the allocator adds
-            self._choose()
+        elif (grew or self._peaks[key] != before) and self.measured_peak + self._reserve.bytes > self._budget:
+            self._choose()  # with what the allocator adds, it no longer fits (it did when chosen)
 
     # ------------------------------------------------------------------ planning
     def _finish_profiling(self, end: Any) -> None:
