@@ -360,3 +360,17 @@ def test_a_predicted_workload_whose_bytes_are_off_is_profiled_and_says_so():
     assert "profiling" in [p["state"] for p in plans]
     assert plans[-1]["state"] == "settled" and plans[-1]["workload"]["predicted_from"] is None
     assert [sum(g["spans"]) + g["kept"] for g in plans[-1]["profile"]["groups"]] == [_bytes(128)] * 4
+
+
+def test_a_predicted_workload_searches_only_the_copy_window_its_source_settled_on():
+    """The search's paths of a predicted workload keep the window the workload it was predicted
+    from settled on (the hand-written plans keep theirs): a quarter of the planning's host time."""
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(128), min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [128] * (PROFILE_STEPS + 1) + [64])
+    source, predicted = (w.controller for w in off.plan.workloads.workloads)
+    assert predicted.predicted and not source.predicted and source.settled
+    window = (source.plan.max_inflight, source.plan.prefetch)
+    families = {(0, 0), (1, 1), (2, 2)}
+    assert {(p.max_inflight, p.prefetch) for p in predicted.plans} <= {window} | families
+    assert len(predicted.plans) < len(source.plans)

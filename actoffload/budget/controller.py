@@ -284,15 +284,17 @@ class BudgetController:
         self._adopt(profile, profiled_peak)
         self._choose()
 
-    def adopt_prediction(self, profile: Profile) -> bool:
+    def adopt_prediction(self, profile: Profile, window: tuple[int, int] | None = None) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
         where a plan's modelled peak, with the least margin, fits the budget (else ``False``,
         and nothing changes: the step profiles, running the plan that needs the least memory).
-        The plan chosen is the fastest that fits, as for a profile measured."""
+        The plan chosen is the fastest that fits, as for a profile measured; ``window``: the
+        ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs)."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         started = time.perf_counter()
-        plans = search.candidates(profile)
+        # under the copy window the workload it was predicted from settled on (a quarter of the search)
+        plans = search.candidates(profile, None if window is None else [window])
         self.planning_s += time.perf_counter() - started
         if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
             return False

@@ -44,17 +44,17 @@ def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight:
     return Simulation(profile, groups, max_inflight, prefetch).plan()
 
 
-def candidates(profile: Profile) -> list[MemoryPlan]:
+def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = None) -> list[MemoryPlan]:
     """Plans from keeping everything down to the least memory, for every window and
-    prefetch: the path that at each step takes the move saving the most modelled peak
+    prefetch (``windows``: only these ``(max_inflight, prefetch)``; the hand-written families
+    keep theirs): the path that at each step takes the move saving the most modelled peak
     memory per modelled second added. Independent of any budget."""
     n = len(profile.groups)
     keep_all = (KEEP,) * n
     out = [evaluated(profile, keep_all, 0, 0)]
     shared = _Shared()
-    for w in WINDOWS:
-        for pf in PREFETCHES:
-            out += _greedy_path(profile, keep_all, w, pf, shared)
+    for w, pf in windows if windows is not None else [(w, pf) for w in WINDOWS for pf in PREFETCHES]:
+        out += _greedy_path(profile, keep_all, w, pf, shared)
     out += _families(profile)
     return out
 

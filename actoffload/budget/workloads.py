@@ -201,15 +201,16 @@ class Workloads:
         self._entries.append(entry)
         guess = self._prediction(signature, base)
         if guess is not None:
-            profile, source = guess
-            if entry.controller.adopt_prediction(profile):
+            profile, source, window = guess
+            if entry.controller.adopt_prediction(profile, window):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
 
-    def _prediction(self, signature: Signature, base: int) -> tuple[Any, Signature] | None:
+    def _prediction(self, signature: Signature, base: int) -> tuple[Any, Signature, tuple[int, int] | None] | None:
         """A profile predicted for ``signature`` from the profiled workloads of the same model
         (the nearest with more tokens, else the nearest with fewer; a second one to fit each
-        group's bytes), and the signature it came from."""
+        group's bytes), the signature it came from, and the copy window that workload's plan
+        settled on (``None`` while it has not: every window is searched)."""
         groups = self._expected(signature)
         t = signature.tokens
         refs = [e for e in self._entries if e.controller.profile is not None and not e.controller.predicted
@@ -228,7 +229,9 @@ class Workloads:
             o = min(others, key=lambda e: abs((e.signature.tokens or 0) - t))
             assert o.controller.profile is not None and o.signature.tokens is not None
             other = (o.controller.profile, o.signature.tokens)
-        return predict.predicted(ref.controller.profile, ref.signature.tokens, t, base, other), ref.signature
+        plan = ref.controller.plan
+        window = (plan.max_inflight, plan.prefetch) if plan is not None and ref.controller.settled else None
+        return predict.predicted(ref.controller.profile, ref.signature.tokens, t, base, other), ref.signature, window
 
     def _evict(self, keep: Workload) -> None:
         while len(self._entries) > self.capacity:
