@@ -42,6 +42,7 @@ import actoffload as ao
 from actoffload.budget import BudgetTooSmall
 from .models import Llama, LlamaConfig, next_token_loss
 from .peaks import Peaks
+from .workloads import sync
 
 OOM_FACTOR = 1.15  # no offloading's predicted peak on the run that must not fit, against the card's memory
 FITTING_BATCH = 4
@@ -65,11 +66,6 @@ def _batch(cfg: LlamaConfig, n: int, step: int, device: torch.device) -> tuple[t
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -90,12 +86,12 @@ def run_steps(model: Llama, cfg: LlamaConfig, n: int, steps: int, device: torch.
         with Peaks(device) as peaks:
             for i in range(steps):
                 x, y = _batch(cfg, n, i, device)
-                _sync(device)
+                sync(device)
                 peaks.start()
                 t0 = time.perf_counter()
                 loss = next_token_loss(model(x).float(), y)
                 loss.backward()
-                _sync(device)
+                sync(device)
                 out["steps_s"].append(time.perf_counter() - t0)
                 reserved, allocated = peaks.read()
                 out["reserved_bytes"].append(reserved)

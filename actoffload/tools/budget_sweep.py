@@ -52,6 +52,7 @@ from actoffload.budget.controller import PROFILE_STEPS
 from .peaks import Peaks
 from .sweep_models import (MODEL_SETS, Call, Scale, Workload, have_transformers, plain, workload_names,
                            workloads)
+from .workloads import sync
 
 __all__ = ["Method", "Scale", "Workload", "measure", "paired", "sweep", "sweep_workload", "verdicts", "workloads"]
 
@@ -111,11 +112,6 @@ def _checkpointed(first: int, kind: str = "plain", pin: bool = False) -> Call:
     return call
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Method:
     """How a step runs: plainly, with the first ``checkpointed`` blocks checkpointed (the
@@ -160,7 +156,7 @@ class _Runner:
         handle = (ao.wrap(w.blocks, self.off, parts=w.parts if self.method.parts else None)
                   if self.off is not None else None)
         try:
-            _sync(self.device)
+            sync(self.device)
             # the step's peaks across the resets a budget makes inside it (while it profiles)
             with Peaks(self.device) as peaks:
                 peaks.start()
@@ -170,7 +166,7 @@ class _Runner:
                 with ctx:
                     loss = w.loss(self._call, step)
                 loss.backward()
-                _sync(self.device)
+                sync(self.device)
                 elapsed = time.perf_counter() - t0
                 reserved, allocated = peaks.read()
         finally:
@@ -432,7 +428,7 @@ def _compile_kernels(device: torch.device) -> None:
     with off.group("warm-up"):
         y = (x * 1).exp()
     y.sum().backward()
-    _sync(device)
+    sync(device)
 
 
 def sweep(device: torch.device, small: bool, log=print, done=lambda results: None,

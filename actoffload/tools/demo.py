@@ -32,6 +32,7 @@ from .models import GPT, GPTConfig
 from .progress import Progress
 from .saved_tracker import SavedTracker
 from .steptrace import StepProfiler, StepTrace
+from .workloads import sync
 
 
 @dataclass
@@ -77,11 +78,6 @@ class CountingSaveOnCpu:
         return torch.autograd.graph.saved_tensors_hooks(pack, inner.unpack_hook)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -123,7 +119,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, opts: DemoOptions, device
         for step, batch in enumerate(batches):
             batch = batch.to(device)
             x, y = batch[:, :-1], batch[:, 1:]
-            _sync(device)
+            sync(device)
             if baseline is not None:
                 baseline.copied_bytes = 0
             prof = StepProfiler(device, memory=opts.plot is not None) if step == profiled and (
@@ -137,7 +133,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, opts: DemoOptions, device
                 with StepProfiler.phase("forward"), _saving_hooks(baseline, tracker):
                     loss = model.loss(x, y)
                 if tracker is not None:  # what forward left resident, once its copies are done
-                    _sync(device)
+                    sync(device)
                     if off is not None:
                         off.synchronize()  # copies in flight still hold their sources
                     res.resident_bytes = _allocated(device) - before if device.type == "cuda" else tracker.resident_bytes()
@@ -145,7 +141,7 @@ def train(name: str, kind: str | None, cfg: GPTConfig, opts: DemoOptions, device
                     loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                _sync(device)
+                sync(device)
             if 0 < step < profiled:
                 res.step_s.append(time.perf_counter() - t0)
             if prof:

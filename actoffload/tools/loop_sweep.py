@@ -75,6 +75,7 @@ from actoffload.budget.tolerances import least_margin
 
 from .models import GPT, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 from .peaks import Peaks
+from .workloads import sync
 
 GiB = 1 << 30
 QUARTERS = (1, 2, 3, 4)  # a step's length: this many quarters of the full length
@@ -171,11 +172,6 @@ def draw_lengths(full: int, steps: int, seed: int = 0) -> list[int]:
 
 
 # ---------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Fingerprint:
     """A short digest of tensors' exact bits, computed on their device, for comparing many
     steps' gradients bit for bit without keeping them. Each tensor is read as 16-bit words,
@@ -292,7 +288,7 @@ class _Loop:
         """``fn()``, its seconds (the device synchronized before and after) and its peaks; the
         garbage collector's passes meanwhile go to :attr:`gc_passes` (a step's host time
         beyond its kernels: the plan's, or the collector's)."""
-        _sync(self.device)
+        sync(self.device)
         self.peaks.start()
         passes: list[tuple[int, float]] = []
         started: dict[int, float] = {}
@@ -307,7 +303,7 @@ class _Loop:
         try:
             t0 = time.perf_counter()
             out = fn()
-            _sync(self.device)
+            sync(self.device)
             seconds = time.perf_counter() - t0
         finally:
             gc.callbacks.remove(note)
@@ -523,7 +519,7 @@ def _warm_up(loop: _Loop, lengths: list[int]) -> None:
         for n in sorted(set(lengths)):
             for call in (_plain, _checkpointed):
                 w.loss(call, w.tokens(0, n)).backward()
-    _sync(loop.device)
+    sync(loop.device)
 
 
 # ---------------------------------------------------------------- one workload

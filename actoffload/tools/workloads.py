@@ -30,7 +30,7 @@ _MODE_SETTINGS = {"inflight": "max_inflight"}  # short names in a mode string
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for the GPU (a no-op on the CPU), so that a host timer sees finished work."""
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- copies
