@@ -41,12 +41,13 @@ other.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -292,10 +293,8 @@ class BudgetController:
         ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs)."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
-        started = time.perf_counter()
-        # under the copy window the workload it was predicted from settled on (a quarter of the search)
-        plans = search.candidates(profile, None if window is None else [window])
-        self.planning_s += time.perf_counter() - started
+        with self._planning():  # under the copy window its source settled on (a quarter of the search)
+            plans = search.candidates(profile, None if window is None else [window])
         if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
             return False
         self._adopt(profile, None, plans)
@@ -644,25 +643,30 @@ class BudgetController:
         """Every candidate plan under the current profile (``plans``: the search's, made
         already); the profiled plan last."""
         assert self._profile is not None
-        started = time.perf_counter()
-        self._plans = search.candidates(self._profile) if plans is None else list(plans)
-        # a plan that ran stays a candidate, should the search no longer propose it (the
-        # profile was calibrated): what it measured still stands
-        profiled = costmodel.profiled_plan(self._profile)
-        known = {p.key for p in self._plans} | {(profiled, 0, 0)}
-        for groups, max_inflight, prefetch in [k for k in self._runs if k not in known]:
-            self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
-                                          *simulate(self._profile, groups, max_inflight, prefetch)))
-        self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
-        self.planning_s += time.perf_counter() - started
+        with self._planning():
+            self._plans = search.candidates(self._profile) if plans is None else list(plans)
+            # a plan that ran stays a candidate, should the search no longer propose it (the
+            # profile was calibrated): what it measured still stands
+            profiled = costmodel.profiled_plan(self._profile)
+            known = {p.key for p in self._plans} | {(profiled, 0, 0)}
+            for groups, max_inflight, prefetch in [k for k in self._runs if k not in known]:
+                self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
+                                              *simulate(self._profile, groups, max_inflight, prefetch)))
+            self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
 
-    def _choose(self) -> None:
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Counts the host time of making or choosing plans in :attr:`planning_s`."""
         started = time.perf_counter()
-        before = self._plan.key if self._plan is not None else None
         try:
-            self._choose_plan()
+            yield
         finally:
             self.planning_s += time.perf_counter() - started
+
+    def _choose(self) -> None:
+        before = self._plan.key if self._plan is not None else None
+        with self._planning():
+            self._choose_plan()
         if self._plan is not None and self._plan.key != before:
             self._reserve.plan_changed(self._probe)
 
