@@ -13,7 +13,7 @@ from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, Profile, moves_bytes
-from actoffload.budget.reserve import AllocatorReserve
+from actoffload.budget.allocator import AllocatorShare
 from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
@@ -39,12 +39,16 @@ class FakeProbe:
 
     def __init__(self, cuda: bool = True, allocated: int = BASE, host_s: float | None = None):
         self.cuda = cuda
+        self.device = torch.device("cuda" if cuda else "cpu")
         self.now = 0.0
         self.allocated_bytes = allocated
         self.peak_bytes = 0
         self.cached_bytes = 0  # what the allocator holds beyond the allocated peak
         self.reserved_bytes = 0  # what it holds now
         self.trims = 0
+        self.fragment_bytes = 0  # what the allocator could not give back at most
+        self.flush_count = 0  # its retries after giving its cache back
+        self.caps: list[int | None] = []  # each cap set (None: the limit before it restored)
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
@@ -77,6 +81,16 @@ class FakeProbe:
 
     def reset_peak(self) -> None:
         pass
+
+    def fragments_peak(self) -> int:
+        return self.fragment_bytes
+
+    def flushes(self) -> int:
+        return self.flush_count
+
+    def limit(self, bytes_: int | None) -> None:
+        if self.cuda:
+            self.caps.append(bytes_)
 
     def host_clock(self) -> float | None:
         if self.host_s is None:
@@ -472,7 +486,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "planning_s"}
+                      "allocator_cap_bytes", "allocator_flushes", "planning_s"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -487,86 +501,95 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     """What the caching allocator reserved at most in the latest step is reported beside the
-    allocated peak (on a GPU), and so is the reserve measured from their difference."""
+    allocated peak (on a GPU), and so is the reserve: the fragments it could not give back."""
     probe = FakeProbe()
     c = _controller(1 << 40, probe=probe)
-    probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
+    probe.peak_bytes, probe.cached_bytes, probe.fragment_bytes = BASE + 100 * MiB, 30 * MiB, 20 * MiB
     _run(c, 3, lambda p: p.step_s)
     s = c.stats()
     assert s["measured_peak_bytes"] == BASE + 100 * MiB
     assert s["measured_reserved_peak_bytes"] == BASE + 130 * MiB
-    assert s["allocator_reserve_bytes"] == 30 * MiB
+    assert s["allocator_reserve_bytes"] == 20 * MiB
+    assert s["allocator_cap_bytes"] == 1 << 40 and s["allocator_flushes"] == 0
     cpu = _controller(1 << 40)
     _run(cpu, 3, lambda p: p.step_s)
     assert cpu.stats()["measured_reserved_peak_bytes"] is None and cpu.stats()["allocator_reserve_bytes"] is None
+    assert cpu.stats()["allocator_cap_bytes"] is None
 
 
 def test_controller_budget_bounds_what_the_allocator_reserves():
-    """A budget bounds reserved memory: once a step begun on a clean cache shows the allocator
-    holding 50 MiB beyond its allocated peak, a plan fits only with those 50 MiB on top (keeping
-    everything no longer does); the step went over, so the cache is given back as the plan changes."""
+    """A budget bounds reserved memory: the allocator is capped at it from the second step, and
+    once a step shows 50 MiB of fragments the allocator could not give back, a plan fits only
+    with those 50 MiB on top (keeping everything no longer does)."""
     probe = FakeProbe()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
     c = _controller(budget, probe=probe)
     assert c.plan.key == keep_all.key
-    probe.peak_bytes, probe.cached_bytes = keep_all.peak, 50 * MiB  # as modelled, and the allocator's share
+    probe.peak_bytes, probe.fragment_bytes = keep_all.peak, 50 * MiB  # as modelled, and the fragments
     c.step_begins()
-    assert probe.trims == 1  # the first step begins on a clean cache
+    assert probe.trims == 1 and probe.caps == []  # the first step: a clean cache, no cap
     probe.advance(c.plan.step_s)
     c.backward_ends()
     assert c.reserve.bytes == 50 * MiB and c.stats()["allocator_reserve_bytes"] == 50 * MiB
     assert c.plan.key != keep_all.key
     assert c.plan.peak + c.margin + c.reserve.bytes <= budget
-    assert probe.trims == 2 and c.stats()["cache_trims"] == 2
     assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
+    c.step_begins()
+    assert probe.caps == [budget] and probe.trims == 1 and c.stats()["cache_trims"] == 1
 
 
-def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_blocks():
-    """The reserve comes from steps that grew the cache; one its cache served says nothing; a
-    cache that grew between the steps (a loader's before the first, an evaluation forward's) is
-    given back before the step, so its idle blocks are never counted."""
-    probe = FakeProbe()  # allocated: BASE (100 MiB)
-    reserve = AllocatorReserve()
+def test_allocator_share_caps_the_allocator_where_a_plan_reaches_the_budget():
+    """The first step runs uncapped on a clean cache; then the allocator is capped at the budget
+    while a plan reaches it, and given its own limit back while none does and when the share goes.
+    The reserve is the most fragments seen; a capped allocator's flushes are counted. The CPU has
+    no allocator."""
+    probe = FakeProbe()
+    share = AllocatorShare()
     budget = 1000 * MiB
     probe.reserved_bytes = 900 * MiB  # a loader's blocks, cached before the first step
-    reserve.step_begins(probe, budget)
-    assert probe.trims == 1 and probe.reserved_bytes == BASE
-    assert reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
-    assert reserve.bytes == 150 * MiB
-    probe.reserved_bytes = 950 * MiB  # what the step left cached: the next one reuses it
-    reserve.step_begins(probe, budget)
-    assert not reserve.step_ended(probe, budget, allocated_peak=400 * MiB, reserved_peak=950 * MiB)
-    assert probe.trims == 1  # the loop's own cache is kept
-    probe.reserved_bytes = 990 * MiB  # an evaluation forward left 40 MiB more: not the loop's
-    reserve.step_begins(probe, budget)
-    assert probe.trims == 2 and probe.reserved_bytes == BASE
-    assert not reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=900 * MiB)
-    assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
-
-
-def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
-    """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
-    step pays its allocations again); over it as the plan changes, or beginning over it after
-    something between the steps grew it: given back. The CPU has no cache."""
-    probe = FakeProbe()
-    reserve = AllocatorReserve()
-    budget = 1000 * MiB
-    reserve.step_begins(probe, budget)  # the first: 1 trim
-    reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
-    for _ in range(3):  # the least plan, over the budget, again and again
-        probe.reserved_bytes = 1050 * MiB
-        reserve.step_begins(probe, budget)
-        assert not reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
-    assert probe.trims == 1
-    reserve.plan_changed(probe)  # over it, and another plan follows
-    assert probe.trims == 2
-    probe.reserved_bytes = 1100 * MiB  # an evaluation forward's cache, over the budget and the last peak
-    reserve.step_begins(probe, budget)
-    assert probe.trims == 3
+    share.step_begins(probe, budget, reachable=True)
+    assert probe.trims == 1 and probe.reserved_bytes == BASE and probe.caps == [] and share.cap is None
+    probe.fragment_bytes = 40 * MiB
+    assert share.step_ended(probe) and share.bytes == 40 * MiB
+    for _ in range(2):
+        share.step_begins(probe, budget, reachable=True)
+        probe.fragment_bytes, probe.flush_count = 10 * MiB, probe.flush_count + 2
+        assert not share.step_ended(probe)  # fewer fragments: nothing new
+    assert probe.caps == [budget] and share.cap == budget and share.bytes == 40 * MiB and share.flushes == 4
+    share.step_begins(probe, budget, reachable=False)  # no plan reaches it: uncapped, as said
+    assert probe.caps == [budget, None] and share.cap is None
+    share.step_begins(probe, budget, reachable=True)
+    assert probe.caps == [budget, None, budget] and probe.trims == 1
+    del share
+    import gc
+    gc.collect()
+    assert probe.caps[-1] is None  # the allocator's own limit back
     cpu = FakeProbe(cuda=False)
-    AllocatorReserve().step_begins(cpu, budget=1)
-    assert cpu.trims == 0
+    AllocatorShare().step_begins(cpu, budget=1, reachable=True)
+    assert cpu.trims == 0 and cpu.caps == []
+
+
+def test_allocator_shares_of_one_device_each_cap_their_own_steps():
+    """Two offloaders' budgets on one device (a sweep making one per budget, the old one not yet
+    collected): each step runs under its own offloader's cap, and only the share whose cap the
+    allocator has gives it its own limit back."""
+    import gc
+    probe = FakeProbe()
+    old, new = AllocatorShare(), AllocatorShare()
+    for share, budget in ((old, 500 * MiB), (new, 900 * MiB)):
+        share.step_begins(probe, budget, reachable=True)  # the first steps: uncapped
+        share.step_begins(probe, budget, reachable=True)
+    del share
+    old.step_begins(probe, 500 * MiB, reachable=True)
+    assert probe.caps == [500 * MiB, 900 * MiB, 500 * MiB]
+    new.step_begins(probe, 900 * MiB, reachable=True)
+    del old
+    gc.collect()
+    assert probe.caps[-1] == 900 * MiB  # the old share's going leaves the new cap
+    del new
+    gc.collect()
+    assert probe.caps[-1] is None
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():

@@ -56,7 +56,7 @@ from . import costmodel, search
 from .actions import Action, GroupDecision
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
 from .probe import Probe
-from .reserve import AllocatorReserve
+from .allocator import AllocatorShare
 from .search import BudgetTooSmall
 from .tolerances import base_tolerance, least_margin, new_workload, overshoot_margin
 
@@ -144,12 +144,12 @@ class BudgetController:
     """
 
     def __init__(self, budget: int, device: torch.device, probe: Probe | None = None,
-                 reserve: AllocatorReserve | None = None):
+                 allocator: AllocatorShare | None = None):
         self._budget = budget
         self._probe = Probe(device) if probe is None else probe
-        # what the allocator reserves beyond the allocated peak, measured (shared by the
+        # the allocator's cap and the fragments it cannot give back, measured (shared by the
         # controllers of one allocator's workloads): added to every plan's peak
-        self._reserve = AllocatorReserve() if reserve is None else reserve
+        self._reserve = AllocatorShare() if allocator is None else allocator
         self._state = State.PROFILING
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
         # a misjudged plan family would overshoot under each window, one after the other
@@ -230,8 +230,8 @@ class BudgetController:
         return self._plan
 
     @property
-    def reserve(self) -> AllocatorReserve:
-        """What the allocator reserves beyond the allocated peak (:mod:`~.reserve`)."""
+    def reserve(self) -> AllocatorShare:
+        """The allocator's cap, and the reserve left for its fragments (:mod:`~.allocator`)."""
         return self._reserve
 
     @property
@@ -380,7 +380,7 @@ class BudgetController:
         if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
-        self._reserve.step_begins(self._probe, self._budget)
+        self._reserve.step_begins(self._probe, self._budget, reachable=self.too_small is None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -557,14 +557,11 @@ class BudgetController:
             if step.last_touch is not None:  # the first group's backward ran until now
                 last = step.groups[step.last_touch]
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
-            # the peak counters were reset group by group; what the allocator reserves only grows
-            # within a step (nothing gives its cache back before this), so its peak is what it holds now
-            self._reserve.step_ended(self._probe, self._budget, _profiled_peak(step),
-                                     max(self._probe.peak_reserved(), self._probe.reserved()))
+            self._reserve.step_ended(self._probe)
             return
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
-        grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
+        grew = self._reserve.step_ended(self._probe)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -664,11 +661,8 @@ class BudgetController:
             self.planning_s += time.perf_counter() - started
 
     def _choose(self) -> None:
-        before = self._plan.key if self._plan is not None else None
         with self._planning():
             self._choose_plan()
-        if self._plan is not None and self._plan.key != before:
-            self._reserve.plan_changed(self._probe)
 
     def _choose_plan(self) -> None:
         """The fastest plan for the budget less the margin. A plan that has run is judged by
@@ -820,6 +814,8 @@ class BudgetController:
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
+                               "allocator_cap_bytes": self._reserve.cap if cuda else None,
+                               "allocator_flushes": self._reserve.flushes if cuda else None,
                                "planning_s": self.planning_s,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:

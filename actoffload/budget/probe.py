@@ -17,6 +17,7 @@ import torch
 from ..hostmem import exact_host_allocator
 
 _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
+_OWN_LIMIT: dict[str, float] = {}  # device -> its allocator's memory fraction before our cap
 
 
 class Probe:
@@ -57,6 +58,35 @@ class Probe:
         if self.cuda:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
+
+    def limit(self, bytes_: int | None) -> None:
+        """Cap what the caching allocator may reserve at ``bytes_`` (its per-process memory
+        fraction, never above the limit it had before any cap of ours), or with ``None`` give it
+        that limit back. Over the cap, the allocator gives its cached blocks back before it grows."""
+        if not self.cuda:
+            return
+        key = str(self.device)
+        if bytes_ is None:
+            if key in _OWN_LIMIT:
+                torch.cuda.set_per_process_memory_fraction(_OWN_LIMIT.pop(key), self.device)
+            return
+        own = _OWN_LIMIT.setdefault(key, torch.cuda.get_per_process_memory_fraction(self.device))
+        total = torch.cuda.mem_get_info(self.device)[1]
+        torch.cuda.set_per_process_memory_fraction(min(own, bytes_ / total), self.device)
+
+    def fragments_peak(self) -> int:
+        """The most bytes the allocator could not give back since the last :meth:`reset_peak`:
+        free parts of segments that hold live blocks (``inactive_split_bytes``)."""
+        if not self.cuda:
+            return 0
+        return torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0)
+
+    def flushes(self) -> int:
+        """Times the allocator gave its cache back to serve a request it could not otherwise
+        (``num_alloc_retries``: a capped allocator at its cap)."""
+        if not self.cuda:
+            return 0
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def reset_peak(self) -> None:
         if self.cuda:
