@@ -46,9 +46,8 @@ class FakeProbe:
         self.cached_bytes = 0  # what the allocator holds beyond the allocated peak
         self.reserved_bytes = 0  # what it holds now
         self.trims = 0
-        self.fragment_bytes = 0  # what the allocator could not give back at most
-        self.flush_count = 0  # its retries after giving its cache back
-        self.caps: list[int | None] = []  # each cap set (None: the limit before it restored)
+        self.free_count = 0  # blocks the allocator gave back to the device
+        self.collects: list[int | None] = []  # each budget it was told to give back above (None: set back)
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
@@ -82,15 +81,12 @@ class FakeProbe:
     def reset_peak(self) -> None:
         pass
 
-    def fragments_peak(self) -> int:
-        return self.fragment_bytes
+    def device_frees(self) -> int:
+        return self.free_count
 
-    def flushes(self) -> int:
-        return self.flush_count
-
-    def limit(self, bytes_: int | None) -> None:
+    def collect_above(self, bytes_: int | None) -> None:
         if self.cuda:
-            self.caps.append(bytes_)
+            self.collects.append(bytes_)
 
     def host_clock(self) -> float | None:
         if self.host_s is None:
@@ -486,7 +482,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "allocator_cap_bytes", "allocator_flushes", "planning_s"}
+                      "allocator_frees", "planning_s"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -501,34 +497,33 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     """What the caching allocator reserved at most in the latest step is reported beside the
-    allocated peak (on a GPU), and so is the reserve: the fragments it could not give back."""
+    allocated peak (on a GPU), and so is the reserve: from the first step, what it held beyond."""
     probe = FakeProbe()
     c = _controller(1 << 40, probe=probe)
-    probe.peak_bytes, probe.cached_bytes, probe.fragment_bytes = BASE + 100 * MiB, 30 * MiB, 20 * MiB
+    probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
     _run(c, 3, lambda p: p.step_s)
     s = c.stats()
     assert s["measured_peak_bytes"] == BASE + 100 * MiB
     assert s["measured_reserved_peak_bytes"] == BASE + 130 * MiB
-    assert s["allocator_reserve_bytes"] == 20 * MiB
-    assert s["allocator_cap_bytes"] == 1 << 40 and s["allocator_flushes"] == 0
+    assert s["allocator_reserve_bytes"] == 30 * MiB and s["allocator_frees"] == 0
+    assert probe.collects == [1 << 40]  # the allocator told the budget once
     cpu = _controller(1 << 40)
     _run(cpu, 3, lambda p: p.step_s)
     assert cpu.stats()["measured_reserved_peak_bytes"] is None and cpu.stats()["allocator_reserve_bytes"] is None
-    assert cpu.stats()["allocator_cap_bytes"] is None
+    assert cpu.stats()["allocator_frees"] is None
 
 
 def test_controller_budget_bounds_what_the_allocator_reserves():
-    """A budget bounds reserved memory: the allocator is capped at it from the second step, and
-    once a step shows 50 MiB of fragments the allocator could not give back, a plan fits only
-    with those 50 MiB on top (keeping everything no longer does)."""
+    """A budget bounds reserved memory: once a step shows the allocator holding 50 MiB beyond its
+    allocated peak, a plan fits only with those 50 MiB on top (keeping everything no longer does)."""
     probe = FakeProbe()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
     c = _controller(budget, probe=probe)
     assert c.plan.key == keep_all.key
-    probe.peak_bytes, probe.fragment_bytes = keep_all.peak, 50 * MiB  # as modelled, and the fragments
+    probe.peak_bytes, probe.cached_bytes = keep_all.peak, 50 * MiB  # as modelled, and the allocator's share
     c.step_begins()
-    assert probe.trims == 1 and probe.caps == []  # the first step: a clean cache, no cap
+    assert probe.trims == 1 and probe.collects == [budget]  # a clean cache, told the budget
     probe.advance(c.plan.step_s)
     c.backward_ends()
     assert c.reserve.bytes == 50 * MiB and c.stats()["allocator_reserve_bytes"] == 50 * MiB
@@ -536,60 +531,54 @@ def test_controller_budget_bounds_what_the_allocator_reserves():
     assert c.plan.peak + c.margin + c.reserve.bytes <= budget
     assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
     c.step_begins()
-    assert probe.caps == [budget] and probe.trims == 1 and c.stats()["cache_trims"] == 1
+    assert probe.trims == 1 and c.stats()["cache_trims"] == 1 and probe.collects == [budget]
 
 
-def test_allocator_share_caps_the_allocator_where_a_plan_reaches_the_budget():
-    """The first step runs uncapped on a clean cache; then the allocator is capped at the budget
-    while a plan reaches it, and given its own limit back while none does and when the share goes.
-    The reserve is the most fragments seen; a capped allocator's flushes are counted. The CPU has
-    no allocator."""
-    probe = FakeProbe()
+def test_allocator_share_measures_the_reserve_from_the_first_step_and_steps_over_the_budget():
+    """The first step, on a cache emptied before it, measures the reserve; later, only a step over
+    the budget does (in one within it, what is reserved beyond the allocated peak may be cache the
+    allocator would have given back). Blocks given back to the device are counted. The CPU has no
+    allocator."""
+    probe = FakeProbe()  # allocated: BASE (100 MiB)
     share = AllocatorShare()
     budget = 1000 * MiB
     probe.reserved_bytes = 900 * MiB  # a loader's blocks, cached before the first step
-    share.step_begins(probe, budget, reachable=True)
-    assert probe.trims == 1 and probe.reserved_bytes == BASE and probe.caps == [] and share.cap is None
-    probe.fragment_bytes = 40 * MiB
-    assert share.step_ended(probe) and share.bytes == 40 * MiB
-    for _ in range(2):
-        share.step_begins(probe, budget, reachable=True)
-        probe.fragment_bytes, probe.flush_count = 10 * MiB, probe.flush_count + 2
-        assert not share.step_ended(probe)  # fewer fragments: nothing new
-    assert probe.caps == [budget] and share.cap == budget and share.bytes == 40 * MiB and share.flushes == 4
-    share.step_begins(probe, budget, reachable=False)  # no plan reaches it: uncapped, as said
-    assert probe.caps == [budget, None] and share.cap is None
-    share.step_begins(probe, budget, reachable=True)
-    assert probe.caps == [budget, None, budget] and probe.trims == 1
-    del share
-    import gc
-    gc.collect()
-    assert probe.caps[-1] is None  # the allocator's own limit back
+    share.step_begins(probe, budget)
+    assert probe.trims == 1 and probe.reserved_bytes == BASE and probe.collects == [budget]
+    assert share.step_ended(probe, budget, allocated_peak=500 * MiB, reserved_peak=540 * MiB)
+    assert share.bytes == 40 * MiB
+    share.step_begins(probe, budget)
+    probe.free_count = 3  # it gave cached blocks back to stay within the budget
+    assert not share.step_ended(probe, budget, allocated_peak=300 * MiB, reserved_peak=990 * MiB)
+    assert share.bytes == 40 * MiB and share.frees == 3  # 690 MiB of cache: not a reserve
+    share.step_begins(probe, budget)
+    assert share.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=1010 * MiB)
+    assert share.bytes == 110 * MiB  # over the budget: what it could not give back
+    assert probe.trims == 1 and probe.collects == [budget]
     cpu = FakeProbe(cuda=False)
-    AllocatorShare().step_begins(cpu, budget=1, reachable=True)
-    assert cpu.trims == 0 and cpu.caps == []
+    AllocatorShare().step_begins(cpu, budget=1)
+    assert cpu.trims == 0 and cpu.collects == []
 
 
-def test_allocator_shares_of_one_device_each_cap_their_own_steps():
+def test_allocator_shares_of_one_device_each_set_their_own_steps():
     """Two offloaders' budgets on one device (a sweep making one per budget, the old one not yet
-    collected): each step runs under its own offloader's cap, and only the share whose cap the
-    allocator has gives it its own limit back."""
+    collected): each step runs with its own offloader's budget told to the allocator, and only
+    the share whose budget the allocator has sets it back when it goes."""
     import gc
     probe = FakeProbe()
     old, new = AllocatorShare(), AllocatorShare()
-    for share, budget in ((old, 500 * MiB), (new, 900 * MiB)):
-        share.step_begins(probe, budget, reachable=True)  # the first steps: uncapped
-        share.step_begins(probe, budget, reachable=True)
-    del share
-    old.step_begins(probe, 500 * MiB, reachable=True)
-    assert probe.caps == [500 * MiB, 900 * MiB, 500 * MiB]
-    new.step_begins(probe, 900 * MiB, reachable=True)
+    old.step_begins(probe, 500 * MiB)
+    new.step_begins(probe, 900 * MiB)
+    new.step_begins(probe, 900 * MiB)
+    old.step_begins(probe, 500 * MiB)
+    assert probe.collects == [500 * MiB, 900 * MiB, 500 * MiB]
+    new.step_begins(probe, 900 * MiB)
     del old
     gc.collect()
-    assert probe.caps[-1] == 900 * MiB  # the old share's going leaves the new cap
+    assert probe.collects[-1] == 900 * MiB  # the old share's going leaves the new budget
     del new
     gc.collect()
-    assert probe.caps[-1] is None
+    assert probe.collects[-1] is None
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():

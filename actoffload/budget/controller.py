@@ -147,8 +147,8 @@ class BudgetController:
                  allocator: AllocatorShare | None = None):
         self._budget = budget
         self._probe = Probe(device) if probe is None else probe
-        # the allocator's cap and the fragments it cannot give back, measured (shared by the
-        # controllers of one allocator's workloads): added to every plan's peak
+        # the allocator told the budget, and its share beyond the allocated peak, measured (shared
+        # by the controllers of one allocator's workloads): added to every plan's peak
         self._reserve = AllocatorShare() if allocator is None else allocator
         self._state = State.PROFILING
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
@@ -231,7 +231,7 @@ class BudgetController:
 
     @property
     def reserve(self) -> AllocatorShare:
-        """The allocator's cap, and the reserve left for its fragments (:mod:`~.allocator`)."""
+        """The allocator told the budget, and the reserve plans leave it (:mod:`~.allocator`)."""
         return self._reserve
 
     @property
@@ -380,7 +380,7 @@ class BudgetController:
         if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
-        self._reserve.step_begins(self._probe, self._budget, reachable=self.too_small is None)
+        self._reserve.step_begins(self._probe, self._budget)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -557,11 +557,14 @@ class BudgetController:
             if step.last_touch is not None:  # the first group's backward ran until now
                 last = step.groups[step.last_touch]
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
-            self._reserve.step_ended(self._probe)
+            # the peak counters were reset group by group; what the allocator reserves only grows
+            # within a step unless it gives back over the budget, so its peak is at most what it holds now
+            self._reserve.step_ended(self._probe, self._budget, _profiled_peak(step),
+                                     max(self._probe.peak_reserved(), self._probe.reserved()))
             return
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
-        grew = self._reserve.step_ended(self._probe)
+        grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -814,8 +817,7 @@ class BudgetController:
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
-                               "allocator_cap_bytes": self._reserve.cap if cuda else None,
-                               "allocator_flushes": self._reserve.flushes if cuda else None,
+                               "allocator_frees": self._reserve.frees if cuda else None,
                                "planning_s": self.planning_s,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:

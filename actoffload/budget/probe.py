@@ -17,7 +17,6 @@ import torch
 from ..hostmem import exact_host_allocator
 
 _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
-_OWN_LIMIT: dict[str, float] = {}  # device -> its allocator's memory fraction before our cap
 
 
 class Probe:
@@ -59,34 +58,28 @@ class Probe:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
 
-    def limit(self, bytes_: int | None) -> None:
-        """Cap what the caching allocator may reserve at ``bytes_`` (its per-process memory
-        fraction, never above the limit it had before any cap of ours), or with ``None`` give it
-        that limit back. Over the cap, the allocator gives its cached blocks back before it grows."""
+    def collect_above(self, bytes_: float | None) -> None:
+        """Have the caching allocator give cached blocks back, oldest first, where a request it
+        cannot serve from its cache would take what it reserves over ``bytes_`` (PyTorch's
+        ``garbage_collection_threshold``: a share of the memory fraction, enabled by setting
+        that); ``None``: only at the fraction itself, as without. Nothing is capped: where what
+        it cannot give back leaves no room, it grows past ``bytes_``. The threshold is the
+        allocator's for every device."""
         if not self.cuda:
             return
-        key = str(self.device)
-        if bytes_ is None:
-            if key in _OWN_LIMIT:
-                torch.cuda.set_per_process_memory_fraction(_OWN_LIMIT.pop(key), self.device)
-            return
-        own = _OWN_LIMIT.setdefault(key, torch.cuda.get_per_process_memory_fraction(self.device))
-        total = torch.cuda.mem_get_info(self.device)[1]
-        torch.cuda.set_per_process_memory_fraction(min(own, bytes_ / total), self.device)
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)  # (enables the threshold)
+        allowed = fraction * torch.cuda.mem_get_info(self.device)[1]
+        share = 1.0 if bytes_ is None else bytes_ / allowed
+        # the allocator takes a threshold strictly between 0 and 1; 1 - 1e-6 collects only at the fraction
+        torch._C._accelerator_setAllocatorSettings(
+            f"garbage_collection_threshold:{min(max(share, 1e-6), 1 - 1e-6):.9f}")
 
-    def fragments_peak(self) -> int:
-        """The most bytes the allocator could not give back since the last :meth:`reset_peak`:
-        free parts of segments that hold live blocks (``inactive_split_bytes``)."""
+    def device_frees(self) -> int:
+        """Blocks the allocator has given back to the device (``num_device_free``)."""
         if not self.cuda:
             return 0
-        return torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0)
-
-    def flushes(self) -> int:
-        """Times the allocator gave its cache back to serve a request it could not otherwise
-        (``num_alloc_retries``: a capped allocator at its cap)."""
-        if not self.cuda:
-            return 0
-        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        return torch.cuda.memory_stats(self.device).get("num_device_free", 0)
 
     def reset_peak(self) -> None:
         if self.cuda:
