@@ -55,8 +55,3 @@ def pytest_collection_finish(session):
 def pytest_runtest_teardown(item, nextitem):
     if gc.get_freeze_count() == 0:  # a test unfroze everything (gc.unfreeze())
         _freeze()
-    # A memory budget sets the CUDA allocator to give back above it until its offloader goes; an
-    # offloader kept in a reference cycle would leave that over the next tests.
-    from actoffload.budget import allocator
-    if allocator.set_by_a_budget():
-        gc.collect()

@@ -13,7 +13,7 @@ from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, Profile, moves_bytes
-from actoffload.budget.allocator import AllocatorShare
+from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
@@ -39,15 +39,12 @@ class FakeProbe:
 
     def __init__(self, cuda: bool = True, allocated: int = BASE, host_s: float | None = None):
         self.cuda = cuda
-        self.device = torch.device("cuda" if cuda else "cpu")
         self.now = 0.0
         self.allocated_bytes = allocated
         self.peak_bytes = 0
         self.cached_bytes = 0  # what the allocator holds beyond the allocated peak
         self.reserved_bytes = 0  # what it holds now
         self.trims = 0
-        self.free_count = 0  # blocks the allocator gave back to the device
-        self.collects: list[int | None] = []  # each budget it was told to give back above (None: set back)
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
@@ -80,13 +77,6 @@ class FakeProbe:
 
     def reset_peak(self) -> None:
         pass
-
-    def device_frees(self) -> int:
-        return self.free_count
-
-    def collect_above(self, bytes_: int | None) -> None:
-        if self.cuda:
-            self.collects.append(bytes_)
 
     def host_clock(self) -> float | None:
         if self.host_s is None:
@@ -482,7 +472,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "allocator_frees", "planning_s"}
+                      "planning_s"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str
@@ -497,7 +487,7 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     """What the caching allocator reserved at most in the latest step is reported beside the
-    allocated peak (on a GPU), and so is the reserve: from the first step, what it held beyond."""
+    allocated peak (on a GPU), and so is the reserve measured from their difference."""
     probe = FakeProbe()
     c = _controller(1 << 40, probe=probe)
     probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
@@ -505,17 +495,16 @@ def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     s = c.stats()
     assert s["measured_peak_bytes"] == BASE + 100 * MiB
     assert s["measured_reserved_peak_bytes"] == BASE + 130 * MiB
-    assert s["allocator_reserve_bytes"] == 30 * MiB and s["allocator_frees"] == 0
-    assert probe.collects == [1 << 40]  # the allocator told the budget once
+    assert s["allocator_reserve_bytes"] == 30 * MiB
     cpu = _controller(1 << 40)
     _run(cpu, 3, lambda p: p.step_s)
     assert cpu.stats()["measured_reserved_peak_bytes"] is None and cpu.stats()["allocator_reserve_bytes"] is None
-    assert cpu.stats()["allocator_frees"] is None
 
 
 def test_controller_budget_bounds_what_the_allocator_reserves():
-    """A budget bounds reserved memory: once a step shows the allocator holding 50 MiB beyond its
-    allocated peak, a plan fits only with those 50 MiB on top (keeping everything no longer does)."""
+    """A budget bounds reserved memory: once a step begun on a clean cache shows the allocator
+    holding 50 MiB beyond its allocated peak, a plan fits only with those 50 MiB on top (keeping
+    everything no longer does); the step went over, so the cache is given back as the plan changes."""
     probe = FakeProbe()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
@@ -523,62 +512,61 @@ def test_controller_budget_bounds_what_the_allocator_reserves():
     assert c.plan.key == keep_all.key
     probe.peak_bytes, probe.cached_bytes = keep_all.peak, 50 * MiB  # as modelled, and the allocator's share
     c.step_begins()
-    assert probe.trims == 1 and probe.collects == [budget]  # a clean cache, told the budget
+    assert probe.trims == 1  # the first step begins on a clean cache
     probe.advance(c.plan.step_s)
     c.backward_ends()
     assert c.reserve.bytes == 50 * MiB and c.stats()["allocator_reserve_bytes"] == 50 * MiB
     assert c.plan.key != keep_all.key
     assert c.plan.peak + c.margin + c.reserve.bytes <= budget
+    assert probe.trims == 2 and c.stats()["cache_trims"] == 2
     assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
-    c.step_begins()
-    assert probe.trims == 1 and c.stats()["cache_trims"] == 1 and probe.collects == [budget]
 
 
-def test_allocator_share_measures_the_reserve_from_the_first_step_and_steps_over_the_budget():
-    """The first step, on a cache emptied before it, measures the reserve; later, only a step over
-    the budget does (in one within it, what is reserved beyond the allocated peak may be cache the
-    allocator would have given back). Blocks given back to the device are counted. The CPU has no
-    allocator."""
+def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_blocks():
+    """The reserve comes from steps that grew the cache; one its cache served says nothing; a
+    cache that grew between the steps (a loader's before the first, an evaluation forward's) is
+    given back before the step, so its idle blocks are never counted."""
     probe = FakeProbe()  # allocated: BASE (100 MiB)
-    share = AllocatorShare()
+    reserve = AllocatorReserve()
     budget = 1000 * MiB
     probe.reserved_bytes = 900 * MiB  # a loader's blocks, cached before the first step
-    share.step_begins(probe, budget)
-    assert probe.trims == 1 and probe.reserved_bytes == BASE and probe.collects == [budget]
-    assert share.step_ended(probe, budget, allocated_peak=500 * MiB, reserved_peak=540 * MiB)
-    assert share.bytes == 40 * MiB
-    share.step_begins(probe, budget)
-    probe.free_count = 3  # it gave cached blocks back to stay within the budget
-    assert not share.step_ended(probe, budget, allocated_peak=300 * MiB, reserved_peak=990 * MiB)
-    assert share.bytes == 40 * MiB and share.frees == 3  # 690 MiB of cache: not a reserve
-    share.step_begins(probe, budget)
-    assert share.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=1010 * MiB)
-    assert share.bytes == 110 * MiB  # over the budget: what it could not give back
-    assert probe.trims == 1 and probe.collects == [budget]
-    cpu = FakeProbe(cuda=False)
-    AllocatorShare().step_begins(cpu, budget=1)
-    assert cpu.trims == 0 and cpu.collects == []
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 1 and probe.reserved_bytes == BASE
+    assert reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
+    assert reserve.bytes == 150 * MiB
+    probe.reserved_bytes = 950 * MiB  # what the step left cached: the next one reuses it
+    reserve.step_begins(probe, budget)
+    assert not reserve.step_ended(probe, budget, allocated_peak=400 * MiB, reserved_peak=950 * MiB)
+    assert probe.trims == 1  # the loop's own cache is kept
+    probe.reserved_bytes = 990 * MiB  # an evaluation forward left 40 MiB more: not the loop's
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 2 and probe.reserved_bytes == BASE
+    assert not reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=900 * MiB)
+    assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
-def test_allocator_shares_of_one_device_each_set_their_own_steps():
-    """Two offloaders' budgets on one device (a sweep making one per budget, the old one not yet
-    collected): each step runs with its own offloader's budget told to the allocator, and only
-    the share whose budget the allocator has sets it back when it goes."""
-    import gc
+def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
+    """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
+    step pays its allocations again); over it as the plan changes, or beginning over it after
+    something between the steps grew it: given back. The CPU has no cache."""
     probe = FakeProbe()
-    old, new = AllocatorShare(), AllocatorShare()
-    old.step_begins(probe, 500 * MiB)
-    new.step_begins(probe, 900 * MiB)
-    new.step_begins(probe, 900 * MiB)
-    old.step_begins(probe, 500 * MiB)
-    assert probe.collects == [500 * MiB, 900 * MiB, 500 * MiB]
-    new.step_begins(probe, 900 * MiB)
-    del old
-    gc.collect()
-    assert probe.collects[-1] == 900 * MiB  # the old share's going leaves the new budget
-    del new
-    gc.collect()
-    assert probe.collects[-1] is None
+    reserve = AllocatorReserve()
+    budget = 1000 * MiB
+    reserve.step_begins(probe, budget)  # the first: 1 trim
+    reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
+    for _ in range(3):  # the least plan, over the budget, again and again
+        probe.reserved_bytes = 1050 * MiB
+        reserve.step_begins(probe, budget)
+        assert not reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
+    assert probe.trims == 1
+    reserve.plan_changed(probe)  # over it, and another plan follows
+    assert probe.trims == 2
+    probe.reserved_bytes = 1100 * MiB  # an evaluation forward's cache, over the budget and the last peak
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 3
+    cpu = FakeProbe(cuda=False)
+    AllocatorReserve().step_begins(cpu, budget=1)
+    assert cpu.trims == 0
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():

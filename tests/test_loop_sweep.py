@@ -46,7 +46,7 @@ def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
                 assert {"budget_bytes", "max_step_reserved_bytes", "max_step_allocated_bytes", "steps_over_budget",
                         "steps_over_budget_allocated", "total_s", "vs_checkpoint_all", "bitwise", "plan_state",
                         "plan_settled", "steps_to_settle", "planning_s", "gc_s", "cache_trims",
-                        "allocator_frees", "host_allocations"} <= set(cell)
+                        "host_allocations"} <= set(cell)
                 assert cell["max_step_reserved_bytes"] is None and cell["steps_over_budget"] is None  # no allocator
                 assert cell["total_s"] > 0 and cell["vs_checkpoint_all"] > 0 and cell["plan_state"]
                 assert cell["steps_to_settle"] and all(n is None or n >= 1 for n in cell["steps_to_settle"].values())
@@ -171,7 +171,7 @@ def test_each_budget_step_says_what_the_host_did_meanwhile(run):
     for w in doc["workloads"]:
         for b in w["variable_length"]["budgets"] + w["accumulation"]["budgets"]:
             steps = b["plan_steps"]
-            assert steps and all({"planning_s_all", "host_allocations", "cache_trims", "allocator_frees", "gc"} <= set(r) for r in steps)
+            assert steps and all({"planning_s_all", "host_allocations", "cache_trims", "gc"} <= set(r) for r in steps)
             totals = [r["planning_s_all"] for r in steps]
             assert totals[-1] > 0 and totals == sorted(totals)  # a running total, once plans were made
             assert all(r["cache_trims"] is None for r in steps)  # the CPU has no cache to give back

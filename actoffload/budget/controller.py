@@ -56,7 +56,7 @@ from . import costmodel, search
 from .actions import Action, GroupDecision
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
 from .probe import Probe
-from .allocator import AllocatorShare
+from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
 from .tolerances import base_tolerance, least_margin, new_workload, overshoot_margin
 
@@ -144,12 +144,12 @@ class BudgetController:
     """
 
     def __init__(self, budget: int, device: torch.device, probe: Probe | None = None,
-                 allocator: AllocatorShare | None = None):
+                 reserve: AllocatorReserve | None = None):
         self._budget = budget
         self._probe = Probe(device) if probe is None else probe
-        # the allocator told the budget, and its share beyond the allocated peak, measured (shared
-        # by the controllers of one allocator's workloads): added to every plan's peak
-        self._reserve = AllocatorShare() if allocator is None else allocator
+        # what the allocator reserves beyond the allocated peak, measured (shared by the
+        # controllers of one allocator's workloads): added to every plan's peak
+        self._reserve = AllocatorReserve() if reserve is None else reserve
         self._state = State.PROFILING
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
         # a misjudged plan family would overshoot under each window, one after the other
@@ -230,8 +230,8 @@ class BudgetController:
         return self._plan
 
     @property
-    def reserve(self) -> AllocatorShare:
-        """The allocator told the budget, and the reserve plans leave it (:mod:`~.allocator`)."""
+    def reserve(self) -> AllocatorReserve:
+        """What the allocator reserves beyond the allocated peak (:mod:`~.reserve`)."""
         return self._reserve
 
     @property
@@ -558,7 +558,7 @@ class BudgetController:
                 last = step.groups[step.last_touch]
                 last.backward_peak = max(last.backward_peak, self._probe.peak())
             # the peak counters were reset group by group; what the allocator reserves only grows
-            # within a step unless it gives back over the budget, so its peak is at most what it holds now
+            # within a step (nothing gives its cache back before this), so its peak is what it holds now
             self._reserve.step_ended(self._probe, self._budget, _profiled_peak(step),
                                      max(self._probe.peak_reserved(), self._probe.reserved()))
             return
@@ -664,8 +664,11 @@ class BudgetController:
             self.planning_s += time.perf_counter() - started
 
     def _choose(self) -> None:
+        before = self._plan.key if self._plan is not None else None
         with self._planning():
             self._choose_plan()
+        if self._plan is not None and self._plan.key != before:
+            self._reserve.plan_changed(self._probe)
 
     def _choose_plan(self) -> None:
         """The fastest plan for the budget less the margin. A plan that has run is judged by
@@ -817,7 +820,6 @@ class BudgetController:
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
-                               "allocator_frees": self._reserve.frees if cuda else None,
                                "planning_s": self.planning_s,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:

@@ -58,29 +58,6 @@ class Probe:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
 
-    def collect_above(self, bytes_: float | None) -> None:
-        """Have the caching allocator give cached blocks back, oldest first, where a request it
-        cannot serve from its cache would take what it reserves over ``bytes_`` (PyTorch's
-        ``garbage_collection_threshold``: a share of the memory fraction, enabled by setting
-        that); ``None``: only at the fraction itself, as without. Nothing is capped: where what
-        it cannot give back leaves no room, it grows past ``bytes_``. The threshold is the
-        allocator's for every device."""
-        if not self.cuda:
-            return
-        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
-        torch.cuda.set_per_process_memory_fraction(fraction, self.device)  # (enables the threshold)
-        allowed = fraction * torch.cuda.mem_get_info(self.device)[1]
-        share = 1.0 if bytes_ is None else bytes_ / allowed
-        # the allocator takes a threshold strictly between 0 and 1; 1 - 1e-6 collects only at the fraction
-        torch._C._accelerator_setAllocatorSettings(
-            f"garbage_collection_threshold:{min(max(share, 1e-6), 1 - 1e-6):.9f}")
-
-    def device_frees(self) -> int:
-        """Blocks the allocator has given back to the device (``num_device_free``)."""
-        if not self.cuda:
-            return 0
-        return torch.cuda.memory_stats(self.device).get("num_device_free", 0)
-
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -29,7 +29,7 @@ import torch
 from . import predict
 from .controller import BudgetController, State
 from .probe import Probe
-from .allocator import AllocatorShare
+from .reserve import AllocatorReserve
 from .tolerances import base_tolerance
 
 CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
@@ -103,7 +103,7 @@ class Workloads:
     def __init__(self, budget: int, device: torch.device, probe: Probe | None = None, capacity: int = CAPACITY):
         self.budget, self.device = budget, device
         self.probe = Probe(device) if probe is None else probe
-        self.reserve = AllocatorShare()  # one allocator: one cap and reserve for every workload
+        self.reserve = AllocatorReserve()  # one allocator: one reserve for every workload
         self.capacity = capacity
         self._first: BudgetController | None = BudgetController(budget, device, self.probe, self.reserve)
         self._entries: list[Workload] = []  # least recently used first

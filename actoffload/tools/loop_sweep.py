@@ -325,8 +325,8 @@ class _Loop:
 
 
 def _plan_reading(off: ao.Offloader) -> dict[str, Any]:
-    """What the plan says after a step; the counters (planning seconds, cache trims, blocks
-    the allocator gave back, host allocations) are running totals: a step's share is the difference from the step before."""
+    """What the plan says after a step; the counters (planning seconds, cache trims, host
+    allocations) are running totals: a step's share is the difference from the step before."""
     stats = off.stats()
     plan = stats.get("plan", {})
     workload = plan.get("workload") or {}
@@ -336,7 +336,6 @@ def _plan_reading(off: ao.Offloader) -> dict[str, Any]:
             "measured_peak_bytes": plan.get("measured_peak_bytes"),
             "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes"),
             "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
-            "allocator_frees": plan.get("allocator_frees"),
             "planning_s_all": workload.get("planning_s_all"), "host_allocations": stats.get("host_allocations")}
 
 
@@ -649,7 +648,6 @@ def _plan_figures(b: dict[str, Any]) -> dict[str, Any]:
             "planning_s": readings[-1].get("planning_s_all") if readings else None,
             "gc_s": sum((r.get("gc") or {}).get("seconds", 0.0) for r in readings),
             "cache_trims": readings[-1].get("cache_trims") if readings else None,
-            "allocator_frees": readings[-1].get("allocator_frees") if readings else None,
             "host_allocations": readings[-1].get("host_allocations") if readings else None}
 
 

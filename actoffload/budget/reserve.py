@@ -1,0 +1,83 @@
+"""The allocator's reserve: what PyTorch's caching allocator holds from the device beyond what
+it has handed out, during a step.
+
+A budget bounds the device memory the allocator reserves during a step, which is what runs out
+(docs/budgets.md, "What the budget counts"). Plans are modelled in allocated bytes, which the
+engine can follow group by group; the allocator adds its rounding and the cached blocks a
+step's requests could not reuse (freed blocks of other sizes, split blocks too small to serve).
+That difference is measured, not modelled: after a step whose reserved peak grew beyond what
+was reserved when it began (its cache did not serve it), its reserved peak less its allocated
+peak. The most seen is the **reserve**, added to every plan's peak before it is judged against
+the budget. A step its cache served says nothing new. The cache a training loop builds over its
+first steps serves the steps after (a cache warmed by every length serves them all), so it is
+kept: emptying it would make the next steps build it again, each growing it its own way.
+
+It is given back to the device (``torch.cuda.empty_cache``) only where what it holds is not the
+loop's: before the first step (a loader's blocks), and before a step that begins with more
+reserved than the last step's peak (beyond the base tolerance: something between the steps grew
+it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
+the end of a step over the budget when the plan changes, so that the new plan's blocks are made
+for it. A step over the budget whose plan does not change (no plan reaches the budget) leaves
+the cache alone: emptying it would cost every step its allocations and change nothing. Each
+workload's controller shares one reserve: they share one allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .tolerances import base_tolerance
+
+
+class AllocatorReserve:
+    """The reserve for one device's caching allocator (see the module).
+
+    Example::
+
+        reserve = AllocatorReserve()
+        reserve.step_begins(probe, budget)                                  # may empty the cache
+        ...                                                                  # the step
+        reserve.step_ended(probe, budget, allocated_peak, reserved_peak)    # measure
+        plan_peak + reserve.bytes <= budget                                 # what fits
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
+        self.trims = 0  # times the cache was given back
+        self._start: int | None = None  # reserved when the latest step began
+        self._last_peak = 0  # the latest step's reserved peak
+        self._over = False  # the latest step's reserved peak is over the budget
+        self._trimmed = False  # the cache was given back since the latest step's peak was read
+
+    def step_begins(self, probe: Any, budget: int) -> None:
+        """A step begins: give back a cache that is not the loop's (see the module), and note
+        what is reserved now."""
+        if not probe.cuda:
+            return
+        now = probe.reserved()
+        if self.trims == 0 or now > self._last_peak + base_tolerance(budget):
+            self._give_back(probe)
+        self._over = False
+        self._start = probe.reserved()
+
+    def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
+        """A step's backward pass ended with these peaks so far (bytes; a step of several
+        backward passes calls this at each): whether the reserve grew."""
+        if self._start is None:
+            return False
+        self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
+        if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
+            return False  # its cache served it, or it adds nothing
+        self.bytes = reserved_peak - allocated_peak
+        return True
+
+    def plan_changed(self, probe: Any) -> None:
+        """The controller chose another plan: after a step over the budget, give the cache back,
+        so that the new plan's blocks are made for it."""
+        if self._over and not self._trimmed:
+            self._give_back(probe)
+
+    def _give_back(self, probe: Any) -> None:
+        probe.trim()
+        self.trims += 1
+        self._trimmed = True
