@@ -176,3 +176,22 @@ def test_each_budget_step_says_what_the_host_did_meanwhile(run):
             assert totals[-1] > 0 and totals == sorted(totals)  # a running total, once plans were made
             assert all(r["cache_trims"] is None for r in steps)  # the CPU has no cache to give back
             assert all(set(r["gc"]) == {"passes", "oldest", "seconds"} for r in steps)
+
+
+def test_the_warm_up_runs_fast_under_a_budget_before_any_method(monkeypatch):
+    """What a process does once for a budget (compiling fast's kernels, measuring the bus) is
+    done in the warm-up, so that the first budget measured does not pay it alone."""
+    w = loop_sweep.llama(torch.device("cpu"), small=True)
+    loop = loop_sweep._Loop(w, log=lambda s: None)
+    made = []
+    real = loop_sweep.ao.Offloader
+
+    def recording(*args, **kwargs):
+        off = real(*args, **kwargs)
+        made.append((kwargs.get("memory_budget"), off))
+        return off
+
+    monkeypatch.setattr(loop_sweep.ao, "Offloader", recording)
+    loop_sweep._warm_up(loop, [w.seq_len // 2, w.seq_len])
+    assert [budget for budget, _ in made] == [loop_sweep.WARM_UP_BUDGET]
+    assert loop.forwards[True] == 2 * 2 + 2  # plain and checkpointed at each length, two under the budget
