@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
+from .settings import parse_memory_budget
+
 if TYPE_CHECKING:
     from .engine import Engine
     from .policy import SavePlan
@@ -81,6 +83,9 @@ class Plan:
     """
 
     keep_last: int | None = None  # overrides the offloader's keep_last (R4) where set
+    # what the plan keeps a step's device memory under (bytes, or a share of the device's
+    # memory: "auto", "90%"), reported in the offloader's settings; None: it keeps none
+    memory_budget: int | str | None = None
     wants_inputs: bool = False  # ao.wrap calls step_inputs while this is set (a plan sets it when it needs them)
 
     def __init__(self) -> None:
@@ -169,7 +174,9 @@ WARMUPS = ("auto", "offload", "recompute")
 def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.device, plan: Plan | None) -> Plan:
     """The plan ``fast``'s settings ask for: a memory budget's, else the warm-up
     (``warmup="auto"``: recompute on CUDA, where host memory is pinned, else offload), unless
-    the caller gives a ``plan`` of its own."""
+    the caller gives a ``plan`` of its own. ``memory_budget`` is checked here, before any work."""
+    if memory_budget is not None:
+        memory_budget = parse_memory_budget("memory_budget", memory_budget)
     if plan is not None:
         if memory_budget is not None:
             raise ValueError("give either memory_budget or a plan, not both: a memory budget is a plan itself")

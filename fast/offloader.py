@@ -46,7 +46,7 @@ from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
 from actoffload.policy import Span
 from actoffload.records import Group, GroupState, Moved, holds_span
-from actoffload.settings import check_choice, check_count, parse_memory_budget, resolve_device
+from actoffload.settings import check_choice, check_count, resolve_device
 from actoffload.warmup import WarmUp
 
 from .packing import PACKERS, Packer
@@ -175,9 +175,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.prefetch = check_count("prefetch", prefetch)
         self.pack_below = check_count("pack_below", pack_below)
         self.warmup = check_choice("warmup", warmup, WARMUPS)
-        self.memory_budget = None if memory_budget is None else parse_memory_budget("memory_budget", memory_budget)
         device = resolve_device(settings.pop("device", None))
-        super().__init__(impl, device=device, plan=plans.for_fast(warmup=self.warmup, memory_budget=self.memory_budget,
+        super().__init__(impl, device=device, plan=plans.for_fast(warmup=self.warmup, memory_budget=memory_budget,
                                                                   device=device, plan=plan), **settings)
         if self.warmup == "auto":  # as plans.for_fast resolved it
             self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"
@@ -191,6 +190,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         # (one bound method each for every commit's finalizers, not one a commit)
         self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
         self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def memory_budget(self) -> int | str | None:
+        """The plan's memory budget (bytes, or a share of the device's memory), if it keeps one."""
+        return self.plan.memory_budget
 
     @property
     def settings(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ class BudgetPlan(Plan):
 
     def __init__(self, budget: int | str, device: torch.device):
         super().__init__()
-        self.memory_budget = budget  # bytes, or a share of the device's memory ("auto", "90%")
+        self.memory_budget: int | str = budget  # bytes, or a share of the device's memory ("auto", "90%")
         self.device = device
         # each workload's controller (workloads.py); made at the first step where the budget
         # is a share of the device's memory, once the model is there
