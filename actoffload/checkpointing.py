@@ -11,8 +11,9 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from . import compat, marks, multibuffer, policy
+from . import compat, marks, multibuffer, policy, selective
 from .records import Group
+from .selective import OpMeter
 
 
 def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeError:
@@ -24,10 +25,12 @@ def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeErr
 
 
 def contexts(group: Group, see: Callable[[torch.Tensor], None],
-             recomputation: Callable[[], ContextManager[None]]) -> tuple[Any, Any]:
+             recomputation: Callable[[], ContextManager[None]], meter: OpMeter | None = None) -> tuple[Any, Any]:
     """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
     on to checkpoint's hooks, shown to ``see`` on the way; each recomputation in backward
-    runs inside ``recomputation()``, after the version check.
+    runs inside ``recomputation()``, after the version check. A ``group.selective`` keeps its
+    costly ops' outputs and recomputes the rest (:func:`actoffload.selective.contexts`); a
+    ``meter`` measures those ops (profiling).
 
     Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
     saved tensor after its save would go unnoticed where autograd raises (R6): each save's
@@ -40,15 +43,21 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
         see(t)
         seen.append(_guarded(group, t))
 
+    modes = [selective.contexts()] if group.selective else []
+    if meter is not None:
+        modes.append((meter.forward(), meter.recomputation()))
+
     @contextlib.contextmanager
     def checked() -> Iterator[None]:
         for guard, version, shape in seen:
             if guard._version != version:
                 raise modified_error(group, shape, version, guard._version)
-        with recomputation():
+        with recomputation(), contextlib.ExitStack() as stack:
+            for _, recomputing in modes:
+                stack.enter_context(recomputing)
             yield
 
-    return _SeeingSaves(saw), _EachTime(checked)
+    return _Entered(_SeeingSaves(saw), *(forward for forward, _ in modes)), _EachTime(checked)
 
 
 def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
@@ -158,3 +167,22 @@ class _EachTime:
     def __exit__(self, *exc: Any) -> Any:
         return self._entered.pop().__exit__(*exc)
 
+
+
+class _Entered:
+    """Several contexts entered as one, in order (left in reverse)."""
+
+    def __init__(self, *contexts: ContextManager[Any]):
+        self._contexts = contexts
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for c in self._contexts:
+                stack.enter_context(c)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> Any:
+        stack, self._stack = self._stack, None
+        assert stack is not None
+        return stack.__exit__(*exc)

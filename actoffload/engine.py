@@ -217,6 +217,7 @@ class Engine(Generic[GroupT, MovedT]):
                 group.release_inputs = group.recompute and opening.release_inputs
                 group.kept_whole = opening.keep_all and not group.recompute
                 group.guard_inputs = group.recompute and opening.guard_inputs
+                group.selective = group.recompute and opening.selective
             if "opened" in self._asks:
                 self.plan.opened(group)
             if group.kept_whole:
@@ -269,7 +270,7 @@ class Engine(Generic[GroupT, MovedT]):
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
         """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
         return checkpointing.contexts(group, partial(self.plan.saved_under_checkpoint, group),
-                                      partial(self.plan.recomputation, group))
+                                      partial(self.plan.recomputation, group), self.plan.op_meter(group))
 
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:

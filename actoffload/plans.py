@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .policy import SavePlan
     from .records import Group
+    from .selective import OpMeter
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class Opening:
     forward read (``h += block(h)`` is allowed where autograd saved no ``h``); ``False``
     lets their copies run alongside
     compute, for a plan that saw no such write (the engine reports one to
-    :meth:`Plan.inputs_written`).
+    :meth:`Plan.inputs_written`). ``selective`` (a recomputed group): its forward keeps the
+    outputs of its costly ops (matmuls, attention) on the device, and its recomputation runs
+    only the other ops again (:mod:`actoffload.selective`).
     """
 
     hooked: bool = True
@@ -64,6 +67,7 @@ class Opening:
     release_inputs: bool = False
     keep_all: bool = False
     guard_inputs: bool = True
+    selective: bool = False
 
 
 # The points of a step where a plan may act: its methods of these names.
@@ -143,6 +147,12 @@ class Plan:
     def recomputation(self, group: Group) -> ContextManager[Any]:
         """Entered around each recomputation of ``group``'s forward in backward."""
         return contextlib.nullcontext()
+
+    def op_meter(self, group: Group) -> OpMeter | None:
+        """A meter of the costly ops in recomputed ``group``'s forward and recomputation
+        (:class:`actoffload.selective.OpMeter`: what a selective recomputation of it would keep
+        and skip), or ``None``: asked when its checkpoint begins."""
+        return None
 
     def committed(self, group: Group, saves: SavePlan) -> None:
         """``group`` was committed: ``saves`` is what moved and what stayed."""

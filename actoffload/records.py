@@ -150,6 +150,7 @@ class Group:
     recomputable = False  # a wrapped module: it can run under activation checkpointing
     parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
     recompute = False  # it does: its plan says so (plans.Opening)
+    selective = False  # recomputed, it keeps its costly ops' outputs and runs only the rest again (selective.py)
     # its recomputed module lets go of its kept inputs once recomputed from; a second
     # backward through the module then needs the first to keep the graph
     release_inputs = False

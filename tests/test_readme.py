@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from actoffload.budget.actions import Action
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", flags=re.M | re.S)
@@ -50,7 +52,7 @@ def _python_blocks() -> list[tuple[str, str, str | None]]:
 
 
 PYTHON = _python_blocks()
-ACTIONS = "keep|offload|recompute|recompute_offload|recompute_whole|recompute_whole_offload|inside"
+ACTIONS = "|".join(a.value for a in Action)
 # Output whose figures the README says vary: the shape it must have (both the README's and the run's)
 SHAPES = {
     "A memory budget": re.compile(rf"^\[(?:'(?:{ACTIONS})'(?:, )?){{4}}\] (\d+) MiB predicted, (settled|not settled)$"),

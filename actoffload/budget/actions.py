@@ -12,7 +12,9 @@ class Action(str, enum.Enum):
     ``KEEP``: everything it saves stays on the device. ``OFFLOAD``: its largest spans (up
     to a share of its offloadable bytes) move to host memory and come back for backward.
     ``RECOMPUTE``: its module runs under activation checkpointing, saving only its inputs,
-    and runs again in backward; ``RECOMPUTE_OFFLOAD`` also moves those inputs out.
+    and runs again in backward; ``RECOMPUTE_OFFLOAD`` also moves those inputs out;
+    ``RECOMPUTE_SELECTIVE`` keeps its inputs and the outputs of its costly ops (matmuls,
+    attention) and runs only its other ops again (:mod:`actoffload.selective`).
     ``RECOMPUTE_WHOLE`` and ``RECOMPUTE_WHOLE_OFFLOAD``: on the first part of a module given
     to ``ao.wrap`` with ``parts``, that whole module is recomputed as one group; its other
     parts are ``INSIDE`` it and open no group.
@@ -25,6 +27,7 @@ class Action(str, enum.Enum):
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
     RECOMPUTE_OFFLOAD = "recompute_offload"
+    RECOMPUTE_SELECTIVE = "recompute_selective"
     RECOMPUTE_WHOLE = "recompute_whole"
     RECOMPUTE_WHOLE_OFFLOAD = "recompute_whole_offload"
     INSIDE = "inside"
@@ -33,6 +36,11 @@ class Action(str, enum.Enum):
     def recomputes(self) -> bool:
         """Its module runs under checkpointing (as a group of its own, or a whole module)."""
         return self in _RECOMPUTING
+
+    @property
+    def selective(self) -> bool:
+        """It keeps its costly ops' outputs, and recomputes only the rest."""
+        return self is Action.RECOMPUTE_SELECTIVE
 
     @property
     def whole(self) -> bool:
@@ -60,8 +68,8 @@ class Action(str, enum.Enum):
         return self.value
 
 
-_RECOMPUTING = frozenset({Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_WHOLE,
-                          Action.RECOMPUTE_WHOLE_OFFLOAD})
+_RECOMPUTING = frozenset({Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_SELECTIVE,
+                          Action.RECOMPUTE_WHOLE, Action.RECOMPUTE_WHOLE_OFFLOAD})
 
 
 @dataclass(frozen=True)

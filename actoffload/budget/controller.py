@@ -52,6 +52,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 
 from .. import compat, policy
+from ..selective import OpMeter
 from . import costmodel, search
 from .actions import Action, GroupDecision
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
@@ -116,6 +117,9 @@ class _Group:
     host_end: float | None = None
     recompute_host_start: float | None = None
     recompute_host_end: float | None = None
+    # its costly ops (what a selective recomputation keeps): measured in the first of the
+    # profiling steps only, whose times run long anyway (metering ops costs host time)
+    meter: OpMeter | None = None
 
 
 @dataclass
@@ -436,9 +440,10 @@ class BudgetController:
         i = self._position
         self._position += parts or 1
         if self._step is not None:
+            meter = OpMeter(self._probe.mark, self._probe.seconds) if recomputable and self._partial is None else None
             self._step.groups.append(_Group(recomputed=recomputable, start=self._probe.mark(),
                                             allocated_at_start=self._probe.allocated(),
-                                            host_start=self._probe.host_clock()))
+                                            host_start=self._probe.host_clock(), meter=meter))
             self._probe.reset_peak()
             return costmodel.profiling_decision(recomputable)
         assert self._plan is not None and self._profile is not None
@@ -449,6 +454,11 @@ class BudgetController:
             self._replan()
             return GroupDecision(Action.OFFLOAD)
         return planned
+
+    def op_meter(self, position: int) -> OpMeter | None:
+        """The meter of the costly ops of the group at ``position`` (profiling), else ``None``."""
+        step = self._step
+        return step.groups[position].meter if step is not None and position < len(step.groups) else None
 
     def group_closing(self, position: int) -> None:
         if self._step is not None and position < len(self._step.groups):
@@ -633,7 +643,9 @@ class BudgetController:
                 moved=m.moved, spans=m.spans, kept=m.kept, inputs=m.inputs, forward_peak=m.forward_peak,
                 backward_peak=m.backward_peak, recompute_peak=m.recompute_peak,
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
-                                                                                     m.recompute_host_end)))
+                                                                                     m.recompute_host_end),
+                costly_bytes=m.meter.costly_bytes if m.meter is not None else None,
+                costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = seconds(step.last_exit, touches[-1])

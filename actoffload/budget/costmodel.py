@@ -11,7 +11,8 @@ actions (:class:`~.actions.Action`):
   memory and come back for backward (bus time, hidden behind compute where it can be);
 - ``RECOMPUTE``: the group's module runs under activation checkpointing, so it saves only
   its inputs, and its forward runs again in backward (compute time); ``RECOMPUTE_OFFLOAD``
-  also moves those inputs to host memory;
+  also moves those inputs to host memory; ``RECOMPUTE_SELECTIVE`` also keeps its costly ops'
+  outputs (matmuls, attention), and runs only the rest of its forward again;
 - ``RECOMPUTE_WHOLE`` (and ``RECOMPUTE_WHOLE_OFFLOAD``): where groups are the parts of one
   module (``ao.wrap(blocks, off, parts=...)``), that module runs whole under checkpointing,
   as one group: it keeps one set of inputs instead of each part's, and its parts, marked
@@ -60,7 +61,10 @@ class GroupProfile:
     group moved out and reloaded skips that peak); ``grads``: bytes of parameter gradients
     its backward allocates; ``recompute_s``: how long backward took to run its forward again
     (less than ``forward_s``: checkpointing stops once the last saved tensor is back);
-    ``host_s``: the host's time for its forward (``None`` where the host is the device).
+    ``host_s``: the host's time for its forward (``None`` where the host is the device);
+    ``costly``: bytes its costly ops' outputs take, which a selective recomputation keeps
+    beside its inputs, and ``costly_share``: the share of its recomputation's time those ops
+    took, which it does not spend again (``None``: not measured; no selective recomputation).
     """
 
     name: str
@@ -76,6 +80,8 @@ class GroupProfile:
     recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
     reached: bool = True  # backward unpacked something it saved
     host_s: float | None = None
+    costly: int | None = None
+    costly_share: float | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -105,6 +111,17 @@ class GroupProfile:
         return known
 
 
+def recompute_seconds(d: GroupDecision, g: GroupProfile) -> float:
+    """Seconds backward spends recomputing ``g`` under ``d``: its :func:`recompute_time`, less
+    the costly ops' share where it recomputes selectively (all of it where its forward ran at
+    the host's pace: the host runs every op again, kept outputs or not)."""
+    if not d.action.recomputes:
+        return 0.0
+    if d.action.selective and g.costly_share is not None and not _host_paced(g):
+        return _device_recompute(g) * (1.0 - g.costly_share)
+    return recompute_time(g)
+
+
 def recompute_time(g: GroupProfile) -> float:
     """Seconds backward spends running ``g``'s forward again (its forward's, if not measured).
 
@@ -115,10 +132,18 @@ def recompute_time(g: GroupProfile) -> float:
     a value back (a MoE's routing) waits for the device's queue, and counts as host-paced:
     recomputed in backward, it makes the device wait as well, however little device time
     its kernels take."""
-    device = g.forward_s if g.recompute_s is None else g.recompute_s
-    if g.host_s is not None and g.host_s >= HOST_PACED * g.forward_s:
-        return max(device, g.host_s)
+    device = _device_recompute(g)
+    if _host_paced(g):
+        return max(device, g.host_s or 0.0)
     return device
+
+
+def _device_recompute(g: GroupProfile) -> float:
+    return g.forward_s if g.recompute_s is None else g.recompute_s
+
+
+def _host_paced(g: GroupProfile) -> bool:
+    return g.host_s is not None and g.host_s >= HOST_PACED * g.forward_s
 
 
 @dataclass(frozen=True)
@@ -174,6 +199,8 @@ def resident(d: GroupDecision, g: GroupProfile) -> int:
         return g.offloadable - g.moved(d.fraction) + g.kept
     if a is Action.RECOMPUTE or a is Action.RECOMPUTE_WHOLE:
         return g.inputs or 0
+    if a is Action.RECOMPUTE_SELECTIVE:
+        return (g.inputs or 0) + (g.costly or 0)
     return 0
 
 
@@ -257,8 +284,10 @@ def _row(p: GroupDecision, g: GroupProfile) -> _Row:
     recomputes = p.action.recomputes
     activations = g.offloadable + g.kept
     # forward_extra was measured recomputed, where what the group saves was temporary:
-    # saving it keeps those bytes (at least) alive until the group ends
-    forward = max(0 if recomputes else activations, g.forward_extra)
+    # saving it keeps those bytes (at least) alive until the group ends (a selective
+    # recomputation: its costly ops' outputs)
+    kept = (g.costly or 0) if p.action.selective else 0
+    forward = max(kept if recomputes else activations, g.forward_extra)
     # its activations are all back (reloaded or recomputed) while its backward runs
     backward = activations + g.backward_extra + (g.recompute_extra if recomputes else 0)
     row = (resident(p, g), moved(p, g), recomputes, forward, backward, g.grads)
@@ -304,7 +333,7 @@ def _columns(profile: Profile, run: list[tuple[int, GroupProfile, GroupDecision]
         r = _row(p, g)
         rows.append(r)
         forward_s.append(g.forward_s)
-        backward_s.append(g.backward_s + (g.recompute_time if r[2] else 0.0))
+        backward_s.append(g.backward_s + (recompute_seconds(p, g) if r[2] else 0.0))
         out_s.append(r[1] / profile.d2h_bps if r[1] else None)
         back_s.append(r[1] / profile.h2d_bps if r[1] else None)
     return cols
@@ -1300,7 +1329,9 @@ class MeasuredGroup:
     opened; ``backward_peak``, ``recompute_peak``: the most allocated (absolute) during its
     backward and during its recomputation; ``host_s``: the host's time for its forward, and
     ``recompute_host_s`` for its recomputation (``None`` where the host is the device; the
-    latter is for diagnostics: the model charges a recomputation its forward's host time).
+    latter is for diagnostics: the model charges a recomputation its forward's host time);
+    ``costly_bytes``, ``costly_s``: what its costly ops' outputs took in its forward, and their
+    time in its recomputation (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
     """
 
     recomputed: bool
@@ -1316,6 +1347,8 @@ class MeasuredGroup:
     recompute_peak: int
     host_s: float | None = None
     recompute_host_s: float | None = None
+    costly_bytes: int | None = None
+    costly_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1352,12 +1385,21 @@ def profile_of(step: MeasuredStep) -> Profile:
                          max(m.forward_s, 0.0), max(bwd, 0.0), max(m.forward_peak, 0),
                          max(m.backward_peak - (step.base + held + saves), 0),
                          recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
-                         recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s)
+                         recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s,
+                         costly=m.costly_bytes if m.recomputed else None,
+                         costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None)
         groups.append(g)
         held += resident(profiling_decision(m.recomputed), g)
     return Profile(tuple(groups), step.base, max(step.outside_s, 0.0), step.d2h_bps, step.h2d_bps,
                    outside_extra=max(step.outside_peak - (step.base + held), 0),
                    wholes=tuple(w for w in step.wholes if w.first + w.parts <= len(groups)))
+
+
+def _share(part: float | None, whole: float | None) -> float | None:
+    """``part`` of ``whole`` (at most all of it), where both were measured."""
+    if part is None or whole is None:
+        return None
+    return min(part / whole, 1.0) if whole > 0 else 0.0
 
 
 def same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
@@ -1377,18 +1419,24 @@ def _least(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
+def _larger(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
 def merged(a: Profile, b: Profile) -> Profile:
     """Two profiling steps of one workload: the faster time and the larger memory of each (the
     first also pins host memory and grows the allocator's pools: its times run long, its peaks
     do not lie). Whether the host set a group's pace is judged within one step: the host time
-    goes with the faster forward's."""
+    goes with the faster forward's. The costly ops are metered in one of the two (the first):
+    their figures come from it, their share of a recomputation applied to the faster one."""
     groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
                            recompute_s=_least(x.recompute_s, y.recompute_s),
                            host_s=x.host_s if x.forward_s < y.forward_s else y.host_s,
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
-                           reached=x.reached or y.reached)
+                           reached=x.reached or y.reached,
+                           costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share))
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))

@@ -14,6 +14,7 @@ from .. import policy
 from ..checkpointing import WouldSave
 from ..plans import Opening, Plan
 from ..records import Group
+from ..selective import OpMeter
 from ..settings import budget_of
 from .actions import Action
 from .controller import BudgetController
@@ -134,9 +135,13 @@ class BudgetPlan(Plan):
                                  WouldSave(self.offloader.device) if self.offloader is not None and recompute and c.profiling else None)
         # Inputs are guarded while profiling (its copies are synchronous anyway) and where a
         # write after the forward was seen; elsewhere their copies overlap compute as modelled.
-        return Opening(recompute=recompute, release_inputs=recompute,
+        return Opening(recompute=recompute, release_inputs=recompute, selective=recompute and action.selective,
                        keep_all=action is Action.KEEP and not c.profiling,
                        guard_inputs=c.profiling or position in self._written)
+
+    def op_meter(self, group: Group) -> OpMeter | None:
+        planned: _Planned | None = group.plan_state
+        return planned.controller.op_meter(planned.position) if planned is not None else None
 
     def opened(self, group: Group) -> None:
         group.plan_state, self._opening = self._opening, None

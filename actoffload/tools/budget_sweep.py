@@ -8,9 +8,9 @@ checkpointing (every block checkpointed, the outputs of its matmuls and attentio
 (``checkpoint_offload``, what transformers' offloaded checkpointing and Unsloth's do),
 ``save_on_cpu``, ref and fast offloading everything, and fast with a ``memory_budget`` at
 five levels from the smallest peak it can reach to the peak without offloading (plus one
-just under the peak of checkpointing every block). A budget gets this repository's blocks
-with their three parts each a group (or the whole block where its plan recomputes it), and
-transformers' layers whole, as users wrap them. Each figure is a pair: median step time
+just under the peak of checkpointing every block, and one at 1.25 times it). A budget gets
+this repository's blocks with their three parts each a group (or the whole block where its
+plan recomputes it), and transformers' layers whole, as users wrap them. Each figure is a pair: median step time
 (forward + backward) and peak device memory during the step, everything included: what the
 caching allocator reserved (``reserved_peak_bytes``, each method starting from an emptied
 cache), which is what a budget bounds and what budgets are set from and judged by, and beside
@@ -49,6 +49,7 @@ import torch.utils.checkpoint
 import actoffload as ao
 from actoffload import compat, hostmem
 from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.selective import sac_policy
 from .peaks import Peaks
 from .sweep_models import (MODEL_SETS, Call, Scale, Workload, have_transformers, plain, workload_names,
                            workloads)
@@ -66,23 +67,9 @@ SLOW_S = 6.0  # a method whose measured steps take this long stops after 3 (it i
 
 
 # ---------------------------------------------------------------- one method, measured
-# ops whose outputs torch's selective activation checkpointing keeps (the rest is recomputed):
-# the matmuls and the fused attention kernels, those this torch has
-SAC_SAVED_OPS = tuple(getattr(torch.ops.aten, name) for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name))
-
-
-def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Selective activation checkpointing's choice for ``op``: keep the outputs of matmuls and
-    fused attention, recompute everything else."""
-    CheckpointPolicy = torch.utils.checkpoint.CheckpointPolicy
-    packet = getattr(op, "overloadpacket", op)
-    return CheckpointPolicy.MUST_SAVE if packet in SAC_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# a fresh pair of contexts for each checkpointed call
+# a fresh pair of contexts for each checkpointed call: torch's selective activation
+# checkpointing, keeping what a budget's selective recomputation keeps (the matmuls' and fused
+# attention's outputs), recomputing everything else
 _sac_context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, sac_policy)
 
 
@@ -92,7 +79,7 @@ CHECKPOINT_KINDS = ("plain", "selective", "offload")
 def _checkpointed(first: int, kind: str = "plain", pin: bool = False) -> Call:
     """Call blocks ``0 .. first-1`` under activation checkpointing (non-reentrant), the others
     plainly. ``kind``: ``plain`` recomputes the whole block; ``selective`` keeps what
-    :func:`sac_policy` keeps; ``offload`` moves the checkpoint's saved inputs to host memory
+    :func:`actoffload.selective.sac_policy` keeps; ``offload`` moves the checkpoint's saved inputs to host memory
     (``save_on_cpu`` around the checkpoint: what it saves itself, the recomputation's
     inputs, moves; what the block saves is its checkpoint's to drop)."""
     if kind not in CHECKPOINT_KINDS:
@@ -379,8 +366,11 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
                       least["smallest_reachable_bytes"]) * 1.01)
         res["smallest_reachable_bytes"] = low
         levels = [int(low + (high - low) * k / (n_levels - 1)) for k in range(n_levels)]
-        under_ckpt = budget_peak(res["methods"]["checkpoint_all"]) - (1 << 20)  # strictly below it
-        budgets = sorted(set(levels + [under_ckpt]))
+        ckpt = budget_peak(res["methods"]["checkpoint_all"])
+        under_ckpt = ckpt - (1 << 20)  # strictly below it
+        # a quarter more than checkpointing's: room to keep part of what it recomputes
+        above_ckpt = [int(1.25 * ckpt)] if 1.25 * ckpt < high else []
+        budgets = sorted(set(levels + [under_ckpt] + above_ckpt))
     # a budget's first steps profile, then it may try a few plans the model rates fastest and
     # the fastest that moves no bytes before keeping the fastest measured: its steady steps
     # begin once its plan is settled

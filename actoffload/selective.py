@@ -1,0 +1,265 @@
+"""Selective recomputation: a recomputed group that keeps the outputs of its costly ops
+(matmuls, fused attention) from its forward, and in backward runs again only the cheap ones
+(norms, activation functions, elementwise products) from them. The cheap ops hold a large
+share of what a transformer layer saves for a few percent of its time: recomputing them frees
+those bytes almost for nothing, where recomputing the whole layer costs its forward again.
+
+:func:`contexts` gives the pair of contexts a group runs its checkpoint under (a memory
+budget's ``recompute_selective`` action); :class:`OpMeter` is what profiling measures of a
+group to cost that action (the bytes the costly ops' outputs take, their time within the
+recomputation). Both classify ops with :func:`is_costly`, as does :func:`sac_policy`, the same
+choice for torch's own selective activation checkpointing (the benchmarks' alternative).
+
+Example (what a memory budget does to a group it recomputes selectively)::
+
+    import torch, torch.utils.checkpoint as cp
+    from actoffload import selective
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    y = cp.checkpoint(layer, x, use_reentrant=False, context_fn=selective.contexts)
+    y.sum().backward()          # the matmuls' outputs came from the forward; GELU ran again
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import compat
+
+# ops whose outputs a selective recomputation keeps: the matmuls and the fused attention
+# kernels (those this torch has); everything else is recomputed
+COSTLY_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+    "_efficient_attention_forward", "convolution") if hasattr(torch.ops.aten, name))
+
+
+def is_costly(func: Any) -> bool:
+    """Whether a selective recomputation keeps the outputs of ``func`` (an ATen op overload)."""
+    return getattr(func, "overloadpacket", func) in COSTLY_OPS
+
+
+def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The same choice as :func:`is_costly` for torch's selective activation checkpointing
+    (``torch.utils.checkpoint.create_selective_checkpoint_contexts(sac_policy)``)."""
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if is_costly(op) else policy.PREFER_RECOMPUTE
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _signature(args: Any) -> tuple[Any, ...]:
+    """What must match for a kept output to stand for the op run again: its tensor arguments'
+    shapes, dtypes and devices (a recomputation that took another path calls it otherwise)."""
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in _tensors(args))
+
+
+@dataclass
+class _Kept:
+    """The outputs one costly op gave in the forward, detached (the forward's graph is not
+    kept), what they were made from, and what tells whether they were written since.
+
+    A tensor detached below autograd (in a dispatch mode) does not share the version counter of
+    the one autograd hands on, so writes are followed in two ways: those within the forward
+    through the dispatch mode (:func:`_written`), those after it by a guard sharing the counter
+    of each output still alive when the forward ends (:meth:`_Keeping.__exit__`)."""
+
+    outputs: Any
+    signature: tuple[Any, ...]
+    made: list[tuple[Any, int]]  # (a weak reference to each output tensor, its version when made), until the forward ends
+    guards: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (its version counter, that version)
+    stale: bool = False  # written in place since it was made
+
+    def stands(self, signature: tuple[Any, ...]) -> bool:
+        return not self.stale and self.signature == signature and all(g._version == v for g, v in self.guards)
+
+
+@dataclass
+class _Cache:
+    """The costly ops' outputs of one forward, by (op, its call number in the forward)."""
+
+    kept: dict[tuple[Any, int], _Kept] = field(default_factory=dict)
+    by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's mutable arguments)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    out: list[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else None
+            out += _tensors(value)
+    return out
+
+
+class _Keeping(TorchDispatchMode):
+    """The forward: each costly op's outputs are kept."""
+
+    def __init__(self, cache: _Cache):
+        super().__init__()
+        self.cache = cache
+        self.calls: dict[Any, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for key in map(_storage, _written(func, args, kwargs)):
+            for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
+                kept.stale = True
+        out = func(*args, **kwargs)
+        if is_costly(func):
+            n = self.calls.get(func, 0)
+            self.calls[func] = n + 1
+            made = _tensors(out)
+            detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            kept = self.cache.kept[(func, n)] = _Kept(detached, _signature((args, kwargs)),
+                                                      [(weakref.ref(t), t._version) for t in made])
+            for key in map(_storage, made):
+                if key is not None:
+                    self.cache.by_storage.setdefault(key, []).append(kept)
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        for kept in self.cache.kept.values():  # above autograd now: a guard shares the counter
+            for ref, version in kept.made:
+                t = ref()
+                if t is not None:
+                    guard = compat.version_guard(t)
+                    kept.stale |= guard._version != version
+                    kept.guards.append((guard, version))
+            kept.made = []
+        self.cache.by_storage.clear()
+        return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return compat.storage_key(t)
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+        return None
+
+
+class _Reusing(TorchDispatchMode):
+    """A recomputation: each costly op gives the output the forward kept (and lets go of it),
+    where it still stands for the op: not written in place since, called with the same shapes.
+    Otherwise, and in a second recomputation (a graph kept for another backward), the op runs
+    again: recomputing is always right, only slower."""
+
+    def __init__(self, cache: _Cache):
+        super().__init__()
+        self.cache = cache
+        self.calls: dict[Any, int] = {}
+
+    def __enter__(self) -> Any:
+        self.calls = {}  # each recomputation counts the calls from the start
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if is_costly(func):
+            n = self.calls.get(func, 0)
+            self.calls[func] = n + 1
+            kept = self.cache.kept.pop((func, n), None)
+            if kept is not None and kept.stands(_signature((args, kwargs))):
+                return kept.outputs
+        return func(*args, **kwargs)
+
+
+def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """A fresh ``(forward, recomputation)`` pair for one checkpointed call
+    (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
+    keeps the costly ops' outputs, the recomputation takes them instead of running those ops.
+
+    Gradients are bitwise those of plain checkpointing: the kept outputs are the forward's own,
+    and the ops run again are run on the same inputs."""
+    cache = _Cache()
+    return _Keeping(cache), _Reusing(cache)
+
+
+class OpMeter:
+    """What a profiled group's checkpointed forward and recomputation tell of a selective
+    recomputation of it: ``costly_bytes``, the bytes its costly ops' outputs take (distinct
+    storages), which it would hold until its backward; and the time of those ops within its
+    recomputation (:meth:`costly_s`), which it would not spend again.
+
+    ``mark`` and ``seconds``: the profiling clock (CUDA events on a GPU, the host's clock on
+    the CPU: :class:`actoffload.budget.probe.Probe`'s).
+
+    Example::
+
+        meter = OpMeter(time.perf_counter, lambda a, b: b - a)
+        with meter.forward():
+            y = layer(x)
+        with meter.recomputation():
+            layer(x)
+        meter.costly_bytes, meter.costly_s()
+    """
+
+    def __init__(self, mark: Callable[[], Any] = time.perf_counter,
+                 seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
+        self._mark, self._seconds = mark, seconds
+        self.costly_bytes = 0
+        # storage key -> a weak reference to it, which keeps the key from going to another storage
+        # once this one is freed (an output freed within the forward is still one a selective
+        # recomputation would keep)
+        self._storages: dict[int, Any] = {}
+        self._spans: list[tuple[Any, Any]] = []  # marks around each costly op of the recomputation
+
+    def forward(self) -> TorchDispatchMode:
+        return _Counting(self)
+
+    def recomputation(self) -> TorchDispatchMode:
+        return _Timing(self)
+
+    def costly_s(self) -> float:
+        """Seconds the costly ops took in the recomputation (on CUDA: waits for them)."""
+        return sum(self._seconds(a, b) for a, b in self._spans)
+
+    def _count(self, out: Any) -> None:
+        for t in _tensors(out):
+            if t.layout is not torch.strided or t.is_meta:
+                continue
+            key = compat.storage_key(t)
+            if key not in self._storages:
+                self._storages[key] = compat.storage_weakref(t)
+                self.costly_bytes += t.untyped_storage().nbytes()
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, meter: OpMeter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if is_costly(func):
+            self.meter._count(out)
+        return out
+
+
+class _Timing(TorchDispatchMode):
+    def __init__(self, meter: OpMeter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not is_costly(func):
+            return func(*args, **(kwargs or {}))
+        start = self.meter._mark()
+        out = func(*args, **(kwargs or {}))
+        self.meter._spans.append((start, self.meter._mark()))
+        return out

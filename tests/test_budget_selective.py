@@ -1,0 +1,228 @@
+"""Selective recomputation under a memory budget (``recompute_selective``): a recomputed group
+keeps its costly ops' outputs (matmuls, attention) and runs only its other ops again; gradients
+stay bitwise (R1); profiling measures what the action keeps and skips; the model and the search
+cost it and choose it."""
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import actoffload as ao
+from actoffload import selective
+from actoffload.budget import costmodel, predict, search
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.budget.costmodel import GroupProfile, Profile
+from helpers import assert_bitwise, deterministic
+from test_budget import D, H, _blocks, _forced, _step
+
+ROWS = 64
+COSTLY = ROWS * (H + D) * 4  # each block's two Linear outputs (fp32)
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops run while entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def _profiled():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    blocks = _blocks()
+    handle = ao.wrap(blocks, off)
+    for step in range(PROFILE_STEPS + 1):
+        _step(blocks, step)
+    return off, blocks, handle
+
+
+def test_R1_selective_recomputation_reruns_only_the_cheap_ops_and_is_bitwise():
+    expected = [_step(_blocks(), step) for step in range(PROFILE_STEPS + 3)]
+    off, blocks, handle = _profiled()
+    _forced(off, ["recompute_selective", "keep", "recompute_selective", "recompute"])
+    got = [_step(blocks, PROFILE_STEPS + 1)]
+    with _Ops() as seen:
+        got.append(_step(blocks, PROFILE_STEPS + 2))
+    handle.remove()
+    for a, b in zip(got, expected[PROFILE_STEPS + 1:]):
+        assert_bitwise(a, b)
+    # the forward runs 8 Linear layers (addmm); backward's gradients use mm: an addmm in backward is
+    # a recomputed Linear, and only the block recomputed in full runs one (its first: checkpoint stops
+    # once the last saved tensor is back)
+    assert seen.ops.count(torch.ops.aten.addmm) == 8 + 1
+    assert seen.ops.count(torch.ops.aten.gelu) == 4 + 3  # GELU runs again in every recomputed block
+    plan = off.stats()["plan"]["groups"]
+    assert [g["action"] for g in plan] == ["recompute_selective", "keep", "recompute_selective", "recompute"]
+    assert plan[0]["resident_bytes"] == ROWS * D * 4 + COSTLY  # its input and the Linear outputs
+
+
+def test_selective_profiling_measures_the_costly_outputs_and_their_share_of_the_recomputation():
+    off, _, handle = _profiled()
+    handle.remove()
+    for g in off.plan.controller.profile.groups:
+        assert g.costly == COSTLY
+        assert 0.0 < g.costly_share <= 1.0
+
+
+class _WritesItsMatmul(torch.nn.Module):
+    """``gelu(fc(x))``, returning ``fc(x)`` too; ``within``: its forward then writes ``fc(x)`` in
+    place (through an alias autograd does not follow)."""
+
+    def __init__(self, within):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, H)
+        self.within = within
+
+    def forward(self, x):
+        y = self.fc(x)
+        z = torch.nn.functional.gelu(y)  # saves y
+        if self.within:  # and y is gone when the forward ends: no one can write it after
+            y.detach().mul_(0)
+            return z, z
+        return z, y
+
+
+@pytest.mark.parametrize("within", [True, False], ids=["within its forward", "after its forward"])
+def test_R1_selective_contexts_run_an_op_again_whose_kept_output_was_written_in_place(within):
+    """Plain checkpointing recomputes ``fc(x)``, so gelu's backward sees what the forward made, not
+    the zeros; a selective recomputation must not hand back the written output instead. A write
+    within the forward is seen as it runs; one after it, by the output's version."""
+    torch.manual_seed(0)
+    m = _WritesItsMatmul(within)
+    x = torch.randn(ROWS, D, requires_grad=True)
+    grads = []
+    for context_fn in (cp.noop_context_fn, selective.contexts):
+        z, y = cp.checkpoint(m, x, use_reentrant=False, context_fn=context_fn)
+        if not within:
+            y.detach().mul_(0)
+        z.sum().backward()
+        grads.append([x.grad, m.fc.weight.grad])
+        x.grad, m.fc.weight.grad, m.fc.bias.grad = None, None, None
+    assert_bitwise(grads[1], grads[0])
+
+
+def test_R1_selective_contexts_recompute_every_op_in_a_second_backward():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
+    x = torch.randn(ROWS, D, requires_grad=True)
+    m(x).square().sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    loss = cp.checkpoint(m, x, use_reentrant=False, context_fn=selective.contexts).square().sum()
+    loss.backward(retain_graph=True)
+    first, x.grad = x.grad.clone(), None
+    with _Ops() as seen:
+        loss.backward()
+    assert_bitwise([first, x.grad], [expected, expected])
+    assert torch.ops.aten.addmm in seen.ops  # the kept outputs were taken: the second runs the op
+
+
+def test_the_op_meter_counts_a_freed_and_reused_address_as_another_output():
+    a = torch.randn(32, 32)
+    meter = selective.OpMeter()
+    with meter.forward():
+        for _ in range(3):
+            y = a @ a  # each output freed before the next is made: it may reuse the address
+            del y
+    assert meter.costly_bytes == 3 * 32 * 32 * 4
+
+
+def _group(costly=None, share=None, host_s=None, inputs=100):
+    return GroupProfile("0", spans=(1000,), kept=0, inputs=inputs, forward_s=1.0, backward_s=2.0, recompute_s=0.8,
+                        host_s=host_s, costly=costly, costly_share=share)
+
+
+def test_the_model_charges_a_selective_recomputation_its_cheap_share_and_keeps_its_costly_bytes():
+    g = _group(costly=400, share=0.75)
+    d = GroupDecision(Action.RECOMPUTE_SELECTIVE)
+    assert costmodel.resident(d, g) == 100 + 400
+    assert costmodel.recompute_seconds(d, g) == pytest.approx(0.8 * 0.25)
+    assert costmodel.recompute_seconds(GroupDecision(Action.RECOMPUTE), g) == 0.8
+    # at the host's pace the host issues every op again: all of it
+    paced = _group(costly=400, share=0.75, host_s=1.5)
+    assert costmodel.recompute_seconds(d, paced) == costmodel.recompute_time(paced) == 1.5
+
+
+def test_profile_of_takes_the_costly_figures_and_merged_keeps_the_metered_steps():
+    def measured(costly_bytes, costly_s):
+        m = costmodel.MeasuredGroup(recomputed=True, forward_s=1.0, backward_s=3.0, recompute_s=0.5, moved=100,
+                                    spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
+                                    recompute_peak=0, costly_bytes=costly_bytes, costly_s=costly_s)
+        return costmodel.profile_of(costmodel.MeasuredStep(0, (m,), 0.0, 0, 1e9, 1e9))
+
+    metered, plain = measured(400, 0.4), measured(None, None)
+    assert (metered.groups[0].costly, metered.groups[0].costly_share) == (400, pytest.approx(0.8))
+    for a, b in ((metered, plain), (plain, metered)):
+        g = costmodel.merged(a, b).groups[0]
+        assert (g.costly, g.costly_share) == (400, pytest.approx(0.8))
+
+
+def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
+    p = Profile((_group(costly=400, share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    g = predict.predicted(p, 100, 200, base=0).groups[0]
+    assert (g.costly, g.costly_share) == (1600, 0.5)  # twice the tokens: bounded by 4x
+
+
+def test_a_group_may_move_to_a_selective_recomputation_once_its_costly_ops_were_measured():
+    keep = (GroupDecision(Action.KEEP),)
+    for costly, offered in ((None, False), (400, True)):
+        p = Profile((_group(costly=costly, share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+        moves = [m[0].action for m in search.moves(p, keep, 0)]
+        assert (Action.RECOMPUTE_SELECTIVE in moves) is offered
+        selective_now = (GroupDecision(Action.RECOMPUTE_SELECTIVE),)
+        if offered:  # and on from it to recomputing in full
+            assert {m[0].action for m in search.moves(p, selective_now, 0)} == {Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD}
+
+
+def test_the_search_recomputes_selectively_where_the_cheap_ops_hold_the_bytes():
+    """Four groups whose cheap ops hold most of what they save and take little of their time,
+    on a slow bus: between keeping everything and checkpointing, recomputing some selectively
+    is the fastest plan that fits; without the costly figures it cannot be chosen."""
+    def profile(costly):
+        g = GroupProfile("g", spans=(1000,), kept=0, inputs=50, forward_s=1.0, backward_s=2.0, recompute_s=1.0,
+                         costly=costly, costly_share=0.9 if costly is not None else None)
+        return Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=1.0, h2d_bps=1.0)
+
+    budget = 2 * 1000 + 2 * 300 + 1000  # two kept, two selective, and a backward's activations
+    plan = search.choose(profile(250), budget)
+    actions = [d.action for d in plan.groups]
+    assert Action.RECOMPUTE_SELECTIVE in actions
+    assert plan.step_s < search.choose(profile(None), budget).step_s
+    assert Action.RECOMPUTE_SELECTIVE not in [d.action for d in search.choose(profile(None), budget).groups]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the costly ops timed with CUDA events")
+def test_R1_selective_recomputation_on_cuda_is_bitwise_and_profiled_with_events():
+    def blocks():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
+                                   for _ in range(4)).cuda()
+
+    def step(model, k):
+        x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(k)).cuda().requires_grad_()
+        h = x * 1
+        for b in model:
+            h = h + b(h)
+        h.square().sum().backward()
+        out = [x.grad] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    with deterministic():
+        expected = [step(blocks(), k) for k in range(PROFILE_STEPS + 2)]
+        off = ao.Offloader(impl="fast", memory_budget=1 << 40)
+        model = blocks()
+        with ao.wrap(model, off):
+            got = [step(model, k) for k in range(PROFILE_STEPS + 1)]
+            for g in off.plan.controller.profile.groups:
+                assert g.costly == COSTLY and 0.0 < g.costly_share <= 1.0
+            _forced(off, ["recompute_selective"] * 4)
+            got.append(step(model, PROFILE_STEPS + 1))
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
