@@ -25,12 +25,14 @@ def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeErr
 
 
 def contexts(group: Group, see: Callable[[torch.Tensor], None],
-             recomputation: Callable[[], ContextManager[None]], meter: OpMeter | None = None) -> tuple[Any, Any]:
+             recomputation: Callable[[], ContextManager[None]], meter: OpMeter | None = None,
+             store: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None) -> tuple[Any, Any]:
     """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
     on to checkpoint's hooks, shown to ``see`` on the way; each recomputation in backward
     runs inside ``recomputation()``, after the version check. A ``group.selective`` keeps its
-    costly ops' outputs and recomputes the rest (:func:`actoffload.selective.contexts`); a
-    ``meter`` measures those ops (profiling).
+    costly ops' outputs and recomputes the rest (:func:`actoffload.selective.contexts`), each
+    one stored by ``store``'s pack and unpack (the group's own: it moves them as it moves its
+    saves); a ``meter`` measures those ops (profiling).
 
     Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
     saved tensor after its save would go unnoticed where autograd raises (R6): each save's
@@ -43,7 +45,7 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
         see(t)
         seen.append(_guarded(group, t))
 
-    modes = [selective.contexts()] if group.selective else []
+    modes = [selective.contexts(*store) if store is not None else selective.contexts()] if group.selective else []
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
 

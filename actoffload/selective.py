@@ -87,8 +87,11 @@ class _Kept:
 
 @dataclass
 class _Cache:
-    """The costly ops' outputs of one forward, by (op, its call number in the forward)."""
+    """The costly ops' outputs of one forward, by (op, its call number in the forward); once
+    the forward is over, each output tensor as ``keep`` made it (what ``take`` gives back)."""
 
+    keep: Callable[[torch.Tensor], Any]
+    take: Callable[[Any], torch.Tensor]
     kept: dict[tuple[Any, int], _Kept] = field(default_factory=dict)
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
@@ -134,6 +137,7 @@ class _Keeping(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> Any:
         out = super().__exit__(*exc)
+        keep = self.cache.keep
         for kept in self.cache.kept.values():  # above autograd now: a guard shares the counter
             for ref, version in kept.made:
                 t = ref()
@@ -142,8 +146,17 @@ class _Keeping(TorchDispatchMode):
                     kept.stale |= guard._version != version
                     kept.guards.append((guard, version))
             kept.made = []
+            if exc[0] is None and not kept.stale:
+                kept.outputs = tree_map(lambda t: _Stored(keep(t)) if isinstance(t, torch.Tensor) else t, kept.outputs)
         self.cache.by_storage.clear()
         return out
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """An output tensor as ``keep`` made it (a leaf to pytree, whatever ``keep`` returns)."""
+
+    stored: Any
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -175,25 +188,34 @@ class _Reusing(TorchDispatchMode):
             self.calls[func] = n + 1
             kept = self.cache.kept.pop((func, n), None)
             if kept is not None and kept.stands(_signature((args, kwargs))):
-                return kept.outputs
+                take = self.cache.take
+                return tree_map(lambda v: take(v.stored) if isinstance(v, _Stored) else v, kept.outputs)
         return func(*args, **kwargs)
 
 
-def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+def _same(t: Any) -> Any:
+    return t
+
+
+def contexts(keep: Callable[[torch.Tensor], Any] = _same,
+             take: Callable[[Any], torch.Tensor] = _same) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """A fresh ``(forward, recomputation)`` pair for one checkpointed call
     (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
     keeps the costly ops' outputs, the recomputation takes them instead of running those ops.
+    ``keep`` is handed each output tensor when the forward is over, and its result is held
+    instead (an offloader's pack hook: the output is then one of the group's saves, moved as its
+    plan says); ``take`` gives the tensor back from it (the unpack hook), in the recomputation.
 
     Gradients are bitwise those of plain checkpointing: the kept outputs are the forward's own,
     and the ops run again are run on the same inputs."""
-    cache = _Cache()
+    cache = _Cache(keep, take)
     return _Keeping(cache), _Reusing(cache)
 
 
 class OpMeter:
     """What a profiled group's checkpointed forward and recomputation tell of a selective
-    recomputation of it: ``costly_bytes``, the bytes its costly ops' outputs take (distinct
-    storages), which it would hold until its backward; and the time of those ops within its
+    recomputation of it: ``costly``, the bytes of each of its costly ops' outputs (distinct
+    storages), which it would hold until its backward (``costly_bytes``: their sum); and the time of those ops within its
     recomputation (:meth:`costly_s`), which it would not spend again.
 
     ``mark`` and ``seconds``: the profiling clock (CUDA events on a GPU, the host's clock on
@@ -206,13 +228,13 @@ class OpMeter:
             y = layer(x)
         with meter.recomputation():
             layer(x)
-        meter.costly_bytes, meter.costly_s()
+        meter.costly_bytes, meter.costly_s()   # (each output's bytes: meter.costly)
     """
 
     def __init__(self, mark: Callable[[], Any] = time.perf_counter,
                  seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
         self._mark, self._seconds = mark, seconds
-        self.costly_bytes = 0
+        self.costly: list[int] = []
         # storage key -> a weak reference to it, which keeps the key from going to another storage
         # once this one is freed (an output freed within the forward is still one a selective
         # recomputation would keep)
@@ -225,6 +247,10 @@ class OpMeter:
     def recomputation(self) -> TorchDispatchMode:
         return _Timing(self)
 
+    @property
+    def costly_bytes(self) -> int:
+        return sum(self.costly)
+
     def costly_s(self) -> float:
         """Seconds the costly ops took in the recomputation (on CUDA: waits for them)."""
         return sum(self._seconds(a, b) for a, b in self._spans)
@@ -236,7 +262,7 @@ class OpMeter:
             key = compat.storage_key(t)
             if key not in self._storages:
                 self._storages[key] = compat.storage_weakref(t)
-                self.costly_bytes += t.untyped_storage().nbytes()
+                self.costly.append(t.untyped_storage().nbytes())
 
 
 class _Counting(TorchDispatchMode):

@@ -62,11 +62,32 @@ def test_R1_selective_recomputation_reruns_only_the_cheap_ops_and_is_bitwise():
     assert plan[0]["resident_bytes"] == ROWS * D * 4 + COSTLY  # its input and the Linear outputs
 
 
+def test_R1_selective_recomputation_moving_what_it_keeps_is_bitwise_and_moves_its_costly_outputs():
+    expected = [_step(_blocks(), step) for step in range(PROFILE_STEPS + 3)]
+    off, blocks, handle = _profiled()
+    actions = ["recompute_selective_offload", "recompute_selective", "keep", "recompute_selective_offload"]
+    _forced(off, actions)
+    got = [_step(blocks, PROFILE_STEPS + 1)]
+    with _Ops() as seen:
+        got.append(_step(blocks, PROFILE_STEPS + 2))
+        groups = off.stats()["groups"]
+    handle.remove()
+    for a, b in zip(got, expected[PROFILE_STEPS + 1:]):
+        assert_bitwise(a, b)
+    assert seen.ops.count(torch.ops.aten.addmm) == 8  # no Linear ran again: their outputs came back
+    # its inputs and its two Linear outputs are its saves, and all of them moved (fraction 1)
+    assert groups["0"]["offloaded_bytes"] == groups["3"]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
+    assert groups["1"]["offloaded_bytes"] == 0 and groups["1"]["saved"] == 3
+    plan = off.stats()["plan"]["groups"]
+    assert [g["action"] for g in plan] == actions
+    assert plan[0]["resident_bytes"] == 0 and plan[0]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
+
+
 def test_selective_profiling_measures_the_costly_outputs_and_their_share_of_the_recomputation():
     off, _, handle = _profiled()
     handle.remove()
     for g in off.plan.controller.profile.groups:
-        assert g.costly == COSTLY
+        assert g.costly == (ROWS * H * 4, ROWS * D * 4)  # each Linear's output
         assert 0.0 < g.costly_share <= 1.0
 
 
@@ -130,7 +151,7 @@ def test_the_op_meter_counts_a_freed_and_reused_address_as_another_output():
         for _ in range(3):
             y = a @ a  # each output freed before the next is made: it may reuse the address
             del y
-    assert meter.costly_bytes == 3 * 32 * 32 * 4
+    assert meter.costly == [32 * 32 * 4] * 3
 
 
 def _group(costly=None, share=None, host_s=None, inputs=100):
@@ -139,45 +160,55 @@ def _group(costly=None, share=None, host_s=None, inputs=100):
 
 
 def test_the_model_charges_a_selective_recomputation_its_cheap_share_and_keeps_its_costly_bytes():
-    g = _group(costly=400, share=0.75)
+    g = _group(costly=(300, 100), share=0.75)
     d = GroupDecision(Action.RECOMPUTE_SELECTIVE)
     assert costmodel.resident(d, g) == 100 + 400
     assert costmodel.recompute_seconds(d, g) == pytest.approx(0.8 * 0.25)
     assert costmodel.recompute_seconds(GroupDecision(Action.RECOMPUTE), g) == 0.8
     # at the host's pace the host issues every op again: all of it
-    paced = _group(costly=400, share=0.75, host_s=1.5)
+    paced = _group(costly=(300, 100), share=0.75, host_s=1.5)
     assert costmodel.recompute_seconds(d, paced) == costmodel.recompute_time(paced) == 1.5
 
 
+def test_a_selective_recomputation_moves_its_largest_kept_outputs_first():
+    g = _group(costly=(300, 100), share=0.5)  # and its inputs: 100
+    half = GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 0.5)
+    assert costmodel.moved(half, g) == 300 - 0 and costmodel.resident(half, g) == 200  # the largest alone
+    whole = GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0)
+    assert costmodel.moved(whole, g) == 500 and costmodel.resident(whole, g) == 0
+    assert costmodel.recompute_seconds(whole, g) == pytest.approx(0.8 * 0.5)
+
+
 def test_profile_of_takes_the_costly_figures_and_merged_keeps_the_metered_steps():
-    def measured(costly_bytes, costly_s):
+    def measured(costly, costly_s):
         m = costmodel.MeasuredGroup(recomputed=True, forward_s=1.0, backward_s=3.0, recompute_s=0.5, moved=100,
                                     spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
-                                    recompute_peak=0, costly_bytes=costly_bytes, costly_s=costly_s)
+                                    recompute_peak=0, costly=costly, costly_s=costly_s)
         return costmodel.profile_of(costmodel.MeasuredStep(0, (m,), 0.0, 0, 1e9, 1e9))
 
-    metered, plain = measured(400, 0.4), measured(None, None)
-    assert (metered.groups[0].costly, metered.groups[0].costly_share) == (400, pytest.approx(0.8))
+    metered, plain = measured((300, 100), 0.4), measured(None, None)
+    assert (metered.groups[0].costly, metered.groups[0].costly_share) == ((300, 100), pytest.approx(0.8))
     for a, b in ((metered, plain), (plain, metered)):
         g = costmodel.merged(a, b).groups[0]
-        assert (g.costly, g.costly_share) == (400, pytest.approx(0.8))
+        assert (g.costly, g.costly_share) == ((300, 100), pytest.approx(0.8))
 
 
 def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
-    p = Profile((_group(costly=400, share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    p = Profile((_group(costly=(300, 100), share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
     g = predict.predicted(p, 100, 200, base=0).groups[0]
-    assert (g.costly, g.costly_share) == (1600, 0.5)  # twice the tokens: bounded by 4x
+    assert (g.costly, g.costly_share) == ((1200, 400), 0.5)  # twice the tokens: bounded by 4x
 
 
 def test_a_group_may_move_to_a_selective_recomputation_once_its_costly_ops_were_measured():
     keep = (GroupDecision(Action.KEEP),)
-    for costly, offered in ((None, False), (400, True)):
+    for costly, offered in ((None, False), ((300, 100), True)):
         p = Profile((_group(costly=costly, share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
         moves = [m[0].action for m in search.moves(p, keep, 0)]
         assert (Action.RECOMPUTE_SELECTIVE in moves) is offered
         selective_now = (GroupDecision(Action.RECOMPUTE_SELECTIVE),)
-        if offered:  # and on from it to recomputing in full
-            assert {m[0].action for m in search.moves(p, selective_now, 0)} == {Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD}
+        if offered:  # and on from it to moving what it keeps, or recomputing in full
+            assert {m[0].action for m in search.moves(p, selective_now, 0)} == {
+                Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD}
 
 
 def test_the_search_recomputes_selectively_where_the_cheap_ops_hold_the_bytes():
@@ -190,7 +221,7 @@ def test_the_search_recomputes_selectively_where_the_cheap_ops_hold_the_bytes():
         return Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=1.0, h2d_bps=1.0)
 
     budget = 2 * 1000 + 2 * 300 + 1000  # two kept, two selective, and a backward's activations
-    plan = search.choose(profile(250), budget)
+    plan = search.choose(profile((150, 100)), budget)
     actions = [d.action for d in plan.groups]
     assert Action.RECOMPUTE_SELECTIVE in actions
     assert plan.step_s < search.choose(profile(None), budget).step_s
@@ -198,7 +229,7 @@ def test_the_search_recomputes_selectively_where_the_cheap_ops_hold_the_bytes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the costly ops timed with CUDA events")
-def test_R1_selective_recomputation_on_cuda_is_bitwise_and_profiled_with_events():
+def test_R1_selective_recomputation_on_cuda_is_bitwise_moved_or_not_and_profiled_with_events():
     def blocks():
         torch.manual_seed(0)
         return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
@@ -221,8 +252,12 @@ def test_R1_selective_recomputation_on_cuda_is_bitwise_and_profiled_with_events(
         with ao.wrap(model, off):
             got = [step(model, k) for k in range(PROFILE_STEPS + 1)]
             for g in off.plan.controller.profile.groups:
-                assert g.costly == COSTLY and 0.0 < g.costly_share <= 1.0
-            _forced(off, ["recompute_selective"] * 4)
+                assert g.costly_bytes == COSTLY and 0.0 < g.costly_share <= 1.0
+            # moved ones with copies in flight and reloads ahead, as fast runs them
+            off.plan.controller.force([GroupDecision(Action(a)) for a in (
+                "recompute_selective", "recompute_selective_offload", "recompute_selective_offload", "keep")],
+                max_inflight=1, prefetch=1)
             got.append(step(model, PROFILE_STEPS + 1))
+            assert off.stats()["groups"]["1"]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
     for a, b in zip(got, expected):
         assert_bitwise(a, b)

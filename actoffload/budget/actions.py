@@ -14,7 +14,9 @@ class Action(str, enum.Enum):
     ``RECOMPUTE``: its module runs under activation checkpointing, saving only its inputs,
     and runs again in backward; ``RECOMPUTE_OFFLOAD`` also moves those inputs out;
     ``RECOMPUTE_SELECTIVE`` keeps its inputs and the outputs of its costly ops (matmuls,
-    attention) and runs only its other ops again (:mod:`actoffload.selective`).
+    attention) and runs only its other ops again (:mod:`actoffload.selective`);
+    ``RECOMPUTE_SELECTIVE_OFFLOAD`` also moves the largest of those (up to a share of their
+    bytes) to host memory, to come back for its recomputation.
     ``RECOMPUTE_WHOLE`` and ``RECOMPUTE_WHOLE_OFFLOAD``: on the first part of a module given
     to ``ao.wrap`` with ``parts``, that whole module is recomputed as one group; its other
     parts are ``INSIDE`` it and open no group.
@@ -28,6 +30,7 @@ class Action(str, enum.Enum):
     RECOMPUTE = "recompute"
     RECOMPUTE_OFFLOAD = "recompute_offload"
     RECOMPUTE_SELECTIVE = "recompute_selective"
+    RECOMPUTE_SELECTIVE_OFFLOAD = "recompute_selective_offload"
     RECOMPUTE_WHOLE = "recompute_whole"
     RECOMPUTE_WHOLE_OFFLOAD = "recompute_whole_offload"
     INSIDE = "inside"
@@ -39,8 +42,8 @@ class Action(str, enum.Enum):
 
     @property
     def selective(self) -> bool:
-        """It keeps its costly ops' outputs, and recomputes only the rest."""
-        return self is Action.RECOMPUTE_SELECTIVE
+        """It keeps its costly ops' outputs (on the device or moved), and recomputes only the rest."""
+        return self in (Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD)
 
     @property
     def whole(self) -> bool:
@@ -55,7 +58,7 @@ class Action(str, enum.Enum):
     @property
     def moves(self) -> bool:
         """It moves bytes to host memory (what it saves, or its inputs)."""
-        return self is Action.OFFLOAD or self.moves_inputs
+        return self in (Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE_OFFLOAD) or self.moves_inputs
 
     @property
     def as_group(self) -> Action:
@@ -69,14 +72,15 @@ class Action(str, enum.Enum):
 
 
 _RECOMPUTING = frozenset({Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_SELECTIVE,
-                          Action.RECOMPUTE_WHOLE, Action.RECOMPUTE_WHOLE_OFFLOAD})
+                          Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_WHOLE, Action.RECOMPUTE_WHOLE_OFFLOAD})
 
 
 @dataclass(frozen=True)
 class GroupDecision:
     """What a memory plan has one group do: its ``action``, and for ``Action.OFFLOAD`` the
     ``fraction`` of its offloadable bytes that moves (largest spans first, see
-    :func:`actoffload.spans.largest_within`). A plain name is taken for its action."""
+    :func:`actoffload.spans.largest_within`; for ``Action.RECOMPUTE_SELECTIVE_OFFLOAD``, of
+    what it keeps). A plain name is taken for its action."""
 
     action: Action = Action.KEEP
     fraction: float = 1.0

@@ -472,7 +472,7 @@ class BudgetController:
         """Bytes the plan lets the group at ``position`` move (``None``: all it can)."""
         if not decision.action.moves:
             return 0
-        if (decision.action.moves_inputs or self._step is not None or self._profile is None
+        if ((decision.action.moves_inputs and not decision.action.selective) or self._step is not None or self._profile is None
                 or position >= len(self._profile.groups)):  # more groups than profiled: all it can
             return None
         return costmodel.moved(decision, self._profile.groups[position])
@@ -508,6 +508,8 @@ class BudgetController:
         g = self._profile.groups[position]
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
         then = (g.inputs or 0) if recomputed else g.offloadable
+        if decision is not None and decision.action.selective:  # its costly outputs are its saves too
+            then += g.costly_bytes
         if decision is not None and decision.action.whole:
             then = self._profile.whole_at[position].inputs
         if new_workload(now, then):
@@ -644,7 +646,7 @@ class BudgetController:
                 backward_peak=m.backward_peak, recompute_peak=m.recompute_peak,
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
                                                                                      m.recompute_host_end),
-                costly_bytes=m.meter.costly_bytes if m.meter is not None else None,
+                costly=tuple(m.meter.costly) if m.meter is not None else None,
                 costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:

@@ -62,9 +62,10 @@ class GroupProfile:
     its backward allocates; ``recompute_s``: how long backward took to run its forward again
     (less than ``forward_s``: checkpointing stops once the last saved tensor is back);
     ``host_s``: the host's time for its forward (``None`` where the host is the device);
-    ``costly``: bytes its costly ops' outputs take, which a selective recomputation keeps
-    beside its inputs, and ``costly_share``: the share of its recomputation's time those ops
-    took, which it does not spend again (``None``: not measured; no selective recomputation).
+    ``costly``: the bytes of each of its costly ops' outputs (largest first), which a selective
+    recomputation keeps beside its inputs, and ``costly_share``: the share of its
+    recomputation's time those ops took, which it does not spend again (``None``: not
+    measured; no selective recomputation).
     """
 
     name: str
@@ -80,7 +81,7 @@ class GroupProfile:
     recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
     reached: bool = True  # backward unpacked something it saved
     host_s: float | None = None
-    costly: int | None = None
+    costly: tuple[int, ...] | None = None
     costly_share: float | None = None
 
     @property
@@ -96,9 +97,31 @@ class GroupProfile:
     def _moved_at(self) -> dict[float, int]:
         return {}
 
+    @cached_property
+    def _moved_selective_at(self) -> dict[float, int]:
+        return {}
+
     @cached_property  # what a simulation reads of it under a decision: see _row
     def _rows(self) -> dict[int, tuple[GroupDecision, _Row]]:
         return {}
+
+    @cached_property
+    def costly_bytes(self) -> int:
+        return sum(self.costly or ())
+
+    @cached_property  # what a selective recomputation may move: its costly outputs and its inputs
+    def _selective_spans(self) -> tuple[int, ...]:
+        return tuple(sorted((self.costly or ()) + ((self.inputs,) if self.inputs else ()), reverse=True))
+
+    def moved_selective(self, fraction: float) -> int:
+        """Bytes a selective recomputation moves when moving up to ``fraction`` of what it keeps
+        (its costly outputs and its inputs): the largest that fit, at least the largest."""
+        known = self._moved_selective_at.get(fraction)
+        if known is None:
+            spans = self._selective_spans
+            cap = max(fraction * sum(spans), max(spans, default=0))
+            known = self._moved_selective_at[fraction] = sum(spans[i] for i in largest_within(spans, cap))
+        return known
 
     def moved(self, fraction: float) -> int:
         """Bytes moved when offloading up to ``fraction`` of the offloadable bytes: the largest
@@ -185,6 +208,8 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
     first part)."""
     if d.action is Action.OFFLOAD:
         return g.moved(d.fraction)
+    if d.action is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
+        return g.moved_selective(d.fraction)
     if d.action.moves_inputs:
         return g.inputs or 0
     return 0
@@ -200,7 +225,9 @@ def resident(d: GroupDecision, g: GroupProfile) -> int:
     if a is Action.RECOMPUTE or a is Action.RECOMPUTE_WHOLE:
         return g.inputs or 0
     if a is Action.RECOMPUTE_SELECTIVE:
-        return (g.inputs or 0) + (g.costly or 0)
+        return (g.inputs or 0) + g.costly_bytes
+    if a is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
+        return (g.inputs or 0) + g.costly_bytes - g.moved_selective(d.fraction)
     return 0
 
 
@@ -286,7 +313,7 @@ def _row(p: GroupDecision, g: GroupProfile) -> _Row:
     # forward_extra was measured recomputed, where what the group saves was temporary:
     # saving it keeps those bytes (at least) alive until the group ends (a selective
     # recomputation: its costly ops' outputs)
-    kept = (g.costly or 0) if p.action.selective else 0
+    kept = g.costly_bytes if p.action.selective else 0
     forward = max(kept if recomputes else activations, g.forward_extra)
     # its activations are all back (reloaded or recomputed) while its backward runs
     backward = activations + g.backward_extra + (g.recompute_extra if recomputes else 0)
@@ -1330,8 +1357,8 @@ class MeasuredGroup:
     backward and during its recomputation; ``host_s``: the host's time for its forward, and
     ``recompute_host_s`` for its recomputation (``None`` where the host is the device; the
     latter is for diagnostics: the model charges a recomputation its forward's host time);
-    ``costly_bytes``, ``costly_s``: what its costly ops' outputs took in its forward, and their
-    time in its recomputation (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
+    ``costly``, ``costly_s``: the bytes of each of its costly ops' outputs in its forward, and
+    their time in its recomputation (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
     """
 
     recomputed: bool
@@ -1347,7 +1374,7 @@ class MeasuredGroup:
     recompute_peak: int
     host_s: float | None = None
     recompute_host_s: float | None = None
-    costly_bytes: int | None = None
+    costly: tuple[int, ...] | None = None
     costly_s: float | None = None
 
 
@@ -1386,7 +1413,7 @@ def profile_of(step: MeasuredStep) -> Profile:
                          max(m.backward_peak - (step.base + held + saves), 0),
                          recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
                          recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s,
-                         costly=m.costly_bytes if m.recomputed else None,
+                         costly=tuple(sorted(m.costly, reverse=True)) if m.recomputed and m.costly is not None else None,
                          costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None)
         groups.append(g)
         held += resident(profiling_decision(m.recomputed), g)
@@ -1419,8 +1446,8 @@ def _least(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _larger(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else max(a, b)
+def _larger(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return b if a is None else a if b is None else max(a, b, key=sum)
 
 
 def merged(a: Profile, b: Profile) -> Profile:

@@ -77,7 +77,7 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         recompute_s=None if g.recompute_s is None else g.recompute_s * time,
         host_s=None if g.host_s is None else g.host_s * time,
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
-        recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else _up(g.costly, f))
+        recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly))
 
 
 def same_groups(a: Profile, b: Profile) -> bool:

@@ -272,10 +272,11 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     """Plans the greedy path need not pass through: recompute the first k recomputable
     groups and keep the others, for every k (what a user checkpointing by hand would pick),
     also with those groups' inputs offloaded; recompute every group with the first k
-    groups' inputs offloaded; recompute the first k selectively, and every group selectively
-    with the first k recomputed in full; where groups are the parts of modules, the same two with those
-    modules recomputed whole; and offload the first j groups whole while recomputing the
-    others with their inputs offloaded. A family's plans run the same groups, and are
+    groups' inputs offloaded; recompute the first k selectively, every group selectively
+    with the first k recomputed in full, and every group selectively moving half of what it
+    keeps, the first k all of it; where groups are the parts of modules, the first two with
+    those modules recomputed whole; and offload the first j groups whole while recomputing
+    the others with their inputs offloaded. A family's plans run the same groups, and are
     simulated at once; those recomputing modules whole differ one from the next in one
     module: each is simulated next to the one before."""
     n = len(profile.groups)
@@ -294,15 +295,20 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     for plans in zip(*_firsts(profile, everything, recompute_offload, recomputable[:-1], [(1, 1), (2, 2)])):
         out += plans
     # selective recomputation (costly ops' outputs kept): the first k groups, the others kept (what
-    # a user of torch's selective checkpointing writes); and every group, the first k recomputed
-    # in full (the costly ops' outputs held longest go first)
+    # a user of torch's selective checkpointing writes); every group, the first k recomputed in
+    # full (the costly ops' outputs held longest go first); and every group with what it keeps
+    # moved out, the first k moving all of it and the others half
     selective = [i for i in recomputable if profile.groups[i].costly is not None]
     if selective:
         recompute_selective = _decision(Action.RECOMPUTE_SELECTIVE)
         (firsts,) = _firsts(profile, keep_all, recompute_selective, selective, [(0, 0)])
         every = tuple(recompute_selective if i in selective else d for i, d in enumerate(keep_all))
-        (then_whole,) = _firsts(profile, every, recompute, selective[:-1], [(0, 0)])
-        out += firsts + then_whole
+        (then_full,) = _firsts(profile, every, recompute, selective[:-1], [(0, 0)])
+        out += firsts + then_full
+        half, whole = (_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f) for f in FRACTIONS)
+        halves = tuple(half if i in selective else d for i, d in enumerate(keep_all))
+        for plans in zip(*_firsts(profile, halves, whole, selective, [(1, 1), (2, 2)])):
+            out += plans
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
     # inputs moved out; and all of them, the first k's inputs moved out
     if profile.wholes:
@@ -378,11 +384,18 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
         out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS]
     if a is Action.OFFLOAD and fraction < 1.0:
         out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS if f > fraction]
-    if g.inputs is not None and g.costly is not None and a in (Action.KEEP, Action.OFFLOAD):
+    selective = g.inputs is not None and g.costly is not None
+    if selective and a in (Action.KEEP, Action.OFFLOAD):
         out.append((_decision(Action.RECOMPUTE_SELECTIVE),))
-    if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE):
+    if selective and (a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE)
+                      or (a is Action.RECOMPUTE_SELECTIVE_OFFLOAD and fraction < 1.0)):
+        out += [(_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f),) for f in FRACTIONS
+                if a is not Action.RECOMPUTE_SELECTIVE_OFFLOAD or f > fraction]
+    if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE,
+                                      Action.RECOMPUTE_SELECTIVE_OFFLOAD):
         out.append((_decision(Action.RECOMPUTE),))
-    if g.inputs and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE):
+    if g.inputs and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
+                          Action.RECOMPUTE):
         out.append((_decision(Action.RECOMPUTE_OFFLOAD),))
     whole = profile.whole_at.get(i)
     if whole is not None:
