@@ -73,11 +73,14 @@ class _Kept:
     A tensor detached below autograd (in a dispatch mode) does not share the version counter of
     the one autograd hands on, so writes are followed in two ways: those within the forward
     through the dispatch mode (:func:`_written`), those after it by a guard sharing the counter
-    of each output still alive when the forward ends (:meth:`_Keeping.__exit__`)."""
+    of each output, and of each alias of it the forward made (``_unsafe_view``'s, which has a
+    counter of its own), still alive when the forward ends (:meth:`_Keeping.__exit__`): only
+    those can be written after it."""
 
     outputs: Any
     signature: tuple[Any, ...]
-    made: list[tuple[Any, int]]  # (a weak reference to each output tensor, its version when made), until the forward ends
+    # (a weak reference to each output tensor and alias of one, its version when made), until the forward ends
+    made: list[tuple[Any, int]]
     guards: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (its version counter, that version)
     stale: bool = False  # written in place since it was made
 
@@ -123,6 +126,10 @@ class _Keeping(TorchDispatchMode):
             for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
                 kept.stale = True
         out = func(*args, **kwargs)
+        if self.cache.by_storage:  # an alias of a kept output: followed as the output is
+            for t in _tensors(out):
+                for kept in self.cache.by_storage.get(_storage(t) or 0, ()):
+                    kept.made.append((weakref.ref(t), t._version))
         if is_costly(func):
             n = self.calls.get(func, 0)
             self.calls[func] = n + 1
@@ -138,7 +145,7 @@ class _Keeping(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> Any:
         out = super().__exit__(*exc)
         keep = self.cache.keep
-        for kept in self.cache.kept.values():  # above autograd now: a guard shares the counter
+        for key, kept in list(self.cache.kept.items()):  # above autograd now: a guard shares the counter
             for ref, version in kept.made:
                 t = ref()
                 if t is not None:
@@ -146,7 +153,9 @@ class _Keeping(TorchDispatchMode):
                     kept.stale |= guard._version != version
                     kept.guards.append((guard, version))
             kept.made = []
-            if exc[0] is None and not kept.stale:
+            if kept.stale or exc[0] is not None:  # its op runs again: nothing to hold
+                del self.cache.kept[key]
+            else:
                 kept.outputs = tree_map(lambda t: _Stored(keep(t)) if isinstance(t, torch.Tensor) else t, kept.outputs)
         self.cache.by_storage.clear()
         return out
@@ -187,7 +196,7 @@ class _Reusing(TorchDispatchMode):
             n = self.calls.get(func, 0)
             self.calls[func] = n + 1
             kept = self.cache.kept.pop((func, n), None)
-            if kept is not None and kept.stands(_signature((args, kwargs))):
+            if kept is not None and kept.stands(_signature((args, kwargs))):  # (else it runs again)
                 take = self.cache.take
                 return tree_map(lambda v: take(v.stored) if isinstance(v, _Stored) else v, kept.outputs)
         return func(*args, **kwargs)
