@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import functools
+import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -233,7 +234,8 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
-        recomputable = not torch.compiler.is_compiling() and not _updates_stats(w.norms)
+        recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
+                        and not _appends_to_cache(args, kwargs))
         group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
@@ -336,6 +338,14 @@ def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
     """Whether a forward updates running statistics (batch norm in training): recomputing it
     would update them twice."""
     return any(m.training and m.track_running_stats for m in norms)
+
+
+def _appends_to_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call is handed a key-value cache its forward appends to (transformers'
+    ``Cache``, which a model makes when ``use_cache`` is on, in training too): a recomputation
+    would append again, and attend over twice the keys."""
+    return any(callable(getattr(v, "get_seq_length", None)) and callable(getattr(v, "update", None))
+               for v in itertools.chain(args, kwargs.values()))
 
 
 # what every nn.Module has in its __dict__ from Module.__init__ (hooks, registries), except the training flag

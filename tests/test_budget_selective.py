@@ -262,3 +262,61 @@ def test_R1_selective_recomputation_on_cuda_is_bitwise_moved_or_not_and_profiled
             assert off.stats()["groups"]["1"]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
+
+
+def _hf_model(kind, use_cache=False):
+    transformers = pytest.importorskip("transformers", reason="transformers' models (pip install -e '.[integrations]')")
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=128,
+                 max_position_embeddings=64, use_cache=use_cache, attn_implementation="eager")
+    if kind == "llama":
+        config = transformers.LlamaConfig(num_key_value_heads=2, **shape)
+        model = transformers.LlamaForCausalLM(config)
+        return model, model.model.layers
+    config = transformers.GPTNeoXConfig(**shape)  # parallel residual, fused qkv, GELU
+    model = transformers.GPTNeoXForCausalLM(config)
+    return model, model.gpt_neox.layers
+
+
+def _hf_step(model, k):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(k))
+    model(input_ids=ids, labels=ids).loss.backward()
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_R1_a_transformers_layer_wrapped_whole_is_recomputed_selectively_bitwise(kind):
+    """A decoder layer as users have it, wrapped whole (no parts): profiling meters its costly ops,
+    and recomputing it selectively, moving what it keeps or not, gives the same gradients."""
+    model, _ = _hf_model(kind)
+    expected = [_hf_step(model, k) for k in range(PROFILE_STEPS + 2)]
+    model, layers = _hf_model(kind)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(layers, off):
+        got = [_hf_step(model, k) for k in range(PROFILE_STEPS + 1)]
+        groups = off.plan.controller.profile.groups
+        assert len(groups) == 3 and all(g.costly and 0.0 < g.costly_share <= 1.0 for g in groups)
+        _forced(off, ["recompute_selective", "recompute_selective_offload", "recompute_selective_offload"])
+        got.append(_hf_step(model, PROFILE_STEPS + 1))
+        moved = off.stats()["groups"]
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    assert moved["0"]["offloaded_bytes"] == 0
+    assert moved["1"]["offloaded_bytes"] == groups[1].costly_bytes + groups[1].inputs
+
+
+def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_still_trains_bitwise():
+    """transformers makes a cache whenever ``use_cache`` is on (its default), in training too, and
+    each layer appends to it: recomputed, a layer would append again and attend over twice the keys
+    (a shape error in backward). Such a call is not recomputable; the plan keeps or moves instead."""
+    model, _ = _hf_model("llama", use_cache=True)
+    expected = [_hf_step(model, k) for k in range(PROFILE_STEPS + 2)]
+    model, layers = _hf_model("llama", use_cache=True)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(layers, off):
+        got = [_hf_step(model, k) for k in range(PROFILE_STEPS + 2)]
+        assert all(g.inputs is None for g in off.plan.controller.profile.groups)  # profiled moving, not recomputing
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
