@@ -43,9 +43,29 @@ COSTLY_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
     "_efficient_attention_forward", "convolution") if hasattr(torch.ops.aten, name))
 
 
+# What is asked of every op a forward runs, by id(op overload) (its own hash is Python code;
+# overloads live as long as the process): whether it is costly, which arguments it writes (position,
+# name), and whether an output may alias an input (a view, ``detach``; ``_unsafe_view`` says not)
+_IS_COSTLY: dict[int, bool] = {}
+_WRITES: dict[int, tuple[tuple[int, str], ...]] = {}
+_ALIASES: dict[int, bool] = {}
+
+
 def is_costly(func: Any) -> bool:
     """Whether a selective recomputation keeps the outputs of ``func`` (an ATen op overload)."""
-    return getattr(func, "overloadpacket", func) in COSTLY_OPS
+    known = _IS_COSTLY.get(id(func))
+    if known is None:
+        known = _IS_COSTLY[id(func)] = getattr(func, "overloadpacket", func) in COSTLY_OPS
+    return known
+
+
+def _aliases(func: Any) -> bool:
+    known = _ALIASES.get(id(func))
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _ALIASES[id(func)] = (schema is None or getattr(func, "overloadpacket", None) is torch.ops.aten._unsafe_view
+                                      or any(r.alias_info is not None for r in schema.returns))
+    return known
 
 
 def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +76,8 @@ def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
+    if type(tree) is torch.Tensor:  # most ops' output: no tree to walk
+        return [tree]
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -95,20 +117,21 @@ class _Cache:
 
     keep: Callable[[torch.Tensor], Any]
     take: Callable[[Any], torch.Tensor]
-    kept: dict[tuple[Any, int], _Kept] = field(default_factory=dict)
+    kept: dict[tuple[int, int], _Kept] = field(default_factory=dict)  # (id of the op, call number) -> its outputs
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's mutable arguments)."""
-    schema = func._schema
-    if not schema.is_mutable:
-        return []
+    writes = _WRITES.get(id(func))
+    if writes is None:
+        schema = func._schema
+        writes = _WRITES[id(func)] = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                                           if a.alias_info is not None and a.alias_info.is_write)
     out: list[torch.Tensor] = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else None
-            out += _tensors(value)
+    for i, name in writes:
+        value = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+        out += _tensors(value)
     return out
 
 
@@ -118,24 +141,25 @@ class _Keeping(TorchDispatchMode):
     def __init__(self, cache: _Cache):
         super().__init__()
         self.cache = cache
-        self.calls: dict[Any, int] = {}
+        self.calls: dict[int, int] = {}  # id of a costly op -> its calls so far
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for key in map(_storage, _written(func, args, kwargs)):
-            for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
-                kept.stale = True
+        if self.cache.by_storage:
+            for key in map(_storage, _written(func, args, kwargs)):
+                for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
+                    kept.stale = True
         out = func(*args, **kwargs)
-        if self.cache.by_storage:  # an alias of a kept output: followed as the output is
+        if self.cache.by_storage and _aliases(func):  # an alias of a kept output: followed as the output is
             for t in _tensors(out):
                 for kept in self.cache.by_storage.get(_storage(t) or 0, ()):
                     kept.made.append((weakref.ref(t), t._version))
         if is_costly(func):
-            n = self.calls.get(func, 0)
-            self.calls[func] = n + 1
+            n = self.calls.get(id(func), 0)
+            self.calls[id(func)] = n + 1
             made = _tensors(out)
             detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-            kept = self.cache.kept[(func, n)] = _Kept(detached, _signature((args, kwargs)),
+            kept = self.cache.kept[(id(func), n)] = _Kept(detached, _signature((args, kwargs)),
                                                       [(weakref.ref(t), t._version) for t in made])
             for key in map(_storage, made):
                 if key is not None:
@@ -184,7 +208,7 @@ class _Reusing(TorchDispatchMode):
     def __init__(self, cache: _Cache):
         super().__init__()
         self.cache = cache
-        self.calls: dict[Any, int] = {}
+        self.calls: dict[int, int] = {}  # id of a costly op -> its calls so far
 
     def __enter__(self) -> Any:
         self.calls = {}  # each recomputation counts the calls from the start
@@ -193,9 +217,9 @@ class _Reusing(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if is_costly(func):
-            n = self.calls.get(func, 0)
-            self.calls[func] = n + 1
-            kept = self.cache.kept.pop((func, n), None)
+            n = self.calls.get(id(func), 0)
+            self.calls[id(func)] = n + 1
+            kept = self.cache.kept.pop((id(func), n), None)
             if kept is not None and kept.stands(_signature((args, kwargs))):  # (else it runs again)
                 take = self.cache.take
                 return tree_map(lambda v: take(v.stored) if isinstance(v, _Stored) else v, kept.outputs)

@@ -3,6 +3,8 @@ keeps its costly ops' outputs (matmuls, attention) and runs only its other ops a
 stay bitwise (R1); profiling measures what the action keeps and skips; the model and the search
 cost it and choose it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.utils.checkpoint as cp
@@ -77,7 +79,7 @@ def test_R1_selective_recomputation_moving_what_it_keeps_is_bitwise_and_moves_it
     assert seen.ops.count(torch.ops.aten.addmm) == 8  # no Linear ran again: their outputs came back
     # its inputs and its two Linear outputs are its saves, and all of them moved (fraction 1)
     assert groups["0"]["offloaded_bytes"] == groups["3"]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
-    assert groups["1"]["offloaded_bytes"] == 0 and groups["1"]["saved"] == 3
+    assert groups["1"]["offloaded_bytes"] == 0
     plan = off.stats()["plan"]["groups"]
     assert [g["action"] for g in plan] == actions
     assert plan[0]["resident_bytes"] == 0 and plan[0]["offloaded_bytes"] == ROWS * D * 4 + COSTLY
@@ -171,6 +173,16 @@ def test_the_model_charges_a_selective_recomputation_its_cheap_share_and_keeps_i
     assert costmodel.recompute_seconds(d, paced) == costmodel.recompute_time(paced) == 1.5
 
 
+def test_a_selective_recomputation_is_charged_the_hosts_time_where_dispatching_in_python_outruns_the_device():
+    d = GroupDecision(Action.RECOMPUTE_SELECTIVE)
+    fast_host = _group(costly=(300, 100), share=0.75, host_s=0.2)  # forward 1.0 s on the device, 0.2 on the host
+    slow = replace(fast_host, dispatch_host_s=(1.5, 0.6))
+    # the device is slower than dispatching: nothing more than its cheap share (0.8 * 0.25)
+    assert costmodel.recompute_seconds(d, replace(fast_host, dispatch_host_s=(0.5, 0.1))) == pytest.approx(0.2)
+    # dispatching outruns it: the recomputation at the host's pace, and the forward's wait for the host
+    assert costmodel.recompute_seconds(d, slow) == pytest.approx(0.6 + (1.5 - 1.0))
+
+
 def test_a_selective_recomputation_moves_its_largest_kept_outputs_first():
     g = _group(costly=(300, 100), share=0.5)  # and its inputs: 100
     half = GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 0.5)
@@ -181,17 +193,21 @@ def test_a_selective_recomputation_moves_its_largest_kept_outputs_first():
 
 
 def test_profile_of_takes_the_costly_figures_and_merged_keeps_the_metered_steps():
-    def measured(costly, costly_s):
+    def measured(costly, costly_s, host_s):
         m = costmodel.MeasuredGroup(recomputed=True, forward_s=1.0, backward_s=3.0, recompute_s=0.5, moved=100,
                                     spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
-                                    recompute_peak=0, costly=costly, costly_s=costly_s)
+                                    recompute_peak=0, host_s=host_s, recompute_host_s=host_s / 2,
+                                    costly=costly, costly_s=costly_s)
         return costmodel.profile_of(costmodel.MeasuredStep(0, (m,), 0.0, 0, 1e9, 1e9))
 
-    metered, plain = measured((300, 100), 0.4), measured(None, None)
-    assert (metered.groups[0].costly, metered.groups[0].costly_share) == ((300, 100), pytest.approx(0.8))
+    # metered: every op went through a dispatch mode, whose host times stand for a selective one's
+    metered, plain = measured((300, 100), 0.4, 0.9), measured(None, None, 0.3)
+    g = metered.groups[0]
+    assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
+    assert plain.groups[0].dispatch_host_s is None
     for a, b in ((metered, plain), (plain, metered)):
         g = costmodel.merged(a, b).groups[0]
-        assert (g.costly, g.costly_share) == ((300, 100), pytest.approx(0.8))
+        assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
 
 
 def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
@@ -248,7 +264,7 @@ def test_R1_selective_recomputation_on_cuda_is_bitwise_moved_or_not_and_profiled
 
     with deterministic():
         expected = [step(blocks(), k) for k in range(PROFILE_STEPS + 2)]
-        off = ao.Offloader(impl="fast", memory_budget=1 << 40)
+        off = ao.Offloader(impl="fast", memory_budget=1 << 40, min_offload_bytes=0)
         model = blocks()
         with ao.wrap(model, off):
             got = [step(model, k) for k in range(PROFILE_STEPS + 1)]

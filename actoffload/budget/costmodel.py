@@ -65,7 +65,10 @@ class GroupProfile:
     ``costly``: the bytes of each of its costly ops' outputs (largest first), which a selective
     recomputation keeps beside its inputs, and ``costly_share``: the share of its
     recomputation's time those ops took, which it does not spend again (``None``: not
-    measured; no selective recomputation).
+    measured; no selective recomputation); ``dispatch_host_s``: the host's time for its forward
+    and for its recomputation while every op went through a dispatch mode in Python (the
+    metered profiling step), as a selective recomputation's do (``None`` where the host is the
+    device, or not measured).
     """
 
     name: str
@@ -83,6 +86,7 @@ class GroupProfile:
     host_s: float | None = None
     costly: tuple[int, ...] | None = None
     costly_share: float | None = None
+    dispatch_host_s: tuple[float, float] | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -137,12 +141,22 @@ class GroupProfile:
 def recompute_seconds(d: GroupDecision, g: GroupProfile) -> float:
     """Seconds backward spends recomputing ``g`` under ``d``: its :func:`recompute_time`, less
     the costly ops' share where it recomputes selectively (all of it where its forward ran at
-    the host's pace: the host runs every op again, kept outputs or not)."""
+    the host's pace: the host runs every op again, kept outputs or not).
+
+    A selective recomputation runs every op of the group's forward and of its recomputation
+    through a dispatch mode in Python: where the host then falls behind the device
+    (``dispatch_host_s``), its recomputation is charged the host's time, and the forward's own
+    wait for the host (the model keeps one forward time per group, whatever its decision: the
+    step's time is the same wherever the wait is counted)."""
     if not d.action.recomputes:
         return 0.0
-    if d.action.selective and g.costly_share is not None and not _host_paced(g):
-        return _device_recompute(g) * (1.0 - g.costly_share)
-    return recompute_time(g)
+    if not d.action.selective or g.costly_share is None:
+        return recompute_time(g)
+    seconds = recompute_time(g) if _host_paced(g) else _device_recompute(g) * (1.0 - g.costly_share)
+    if g.dispatch_host_s is not None:
+        forward_host, recompute_host = g.dispatch_host_s
+        seconds = max(seconds, recompute_host) + max(0.0, forward_host - max(g.forward_s, g.host_s or 0.0))
+    return seconds
 
 
 def recompute_time(g: GroupProfile) -> float:
@@ -1414,12 +1428,19 @@ def profile_of(step: MeasuredStep) -> Profile:
                          recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
                          recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s,
                          costly=tuple(sorted(m.costly, reverse=True)) if m.recomputed and m.costly is not None else None,
-                         costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None)
+                         costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None,
+                         dispatch_host_s=(m.host_s, m.recompute_host_s) if (
+                             m.recomputed and m.costly is not None and m.host_s is not None
+                             and m.recompute_host_s is not None) else None)
         groups.append(g)
         held += resident(profiling_decision(m.recomputed), g)
     return Profile(tuple(groups), step.base, max(step.outside_s, 0.0), step.d2h_bps, step.h2d_bps,
                    outside_extra=max(step.outside_peak - (step.base + held), 0),
                    wholes=tuple(w for w in step.wholes if w.first + w.parts <= len(groups)))
+
+
+def _times(pair: tuple[float, float] | None, factor: float) -> tuple[float, float] | None:
+    return None if pair is None else (pair[0] * factor, pair[1] * factor)
 
 
 def _share(part: float | None, whole: float | None) -> float | None:
@@ -1463,7 +1484,8 @@ def merged(a: Profile, b: Profile) -> Profile:
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
                            reached=x.reached or y.reached,
-                           costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share))
+                           costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
+                           dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s)
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))
@@ -1481,7 +1503,8 @@ def compute_scaled(profile: Profile, factor: float) -> Profile:
     return replace(profile, outside_s=profile.outside_s * factor, groups=tuple(
         replace(g, forward_s=g.forward_s * factor, backward_s=g.backward_s * factor,
                 recompute_s=None if g.recompute_s is None else g.recompute_s * factor,
-                host_s=None if g.host_s is None else g.host_s * factor)
+                host_s=None if g.host_s is None else g.host_s * factor,
+                dispatch_host_s=_times(g.dispatch_host_s, factor))
         for g in profile.groups))
 
 
