@@ -1,10 +1,11 @@
 """How long planning takes: the search's candidates and the choice among them, for a step of
 24 to 384 synthetic groups (a transformer's blocks, each group the size of a block's
 activations; with ``--parts``, every three groups the parts of a block that may be recomputed
-whole). Planning is host work done in the step that chooses (docs/budgets.md, "What planning
-costs"). Prints seconds per size; asserts nothing.
+whole; with ``--selective``, each group's costly ops measured, so that the search also tries
+recomputing it selectively). Planning is host work done in the step that chooses
+(docs/budgets.md, "What planning costs"). Prints seconds per size; asserts nothing.
 
-    .venv/bin/python benchmarks/bench_planning.py [--parts] [--sizes 24,96,128,192,384] [--repeat 3]
+    .venv/bin/python benchmarks/bench_planning.py [--parts] [--selective] [--sizes 24,96,128,192,384] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from actoffload.budget import search
 from actoffload.budget.costmodel import GroupProfile, Profile, Whole
 
 
-def synthetic(n: int, parts: bool = False, seed: int = 0) -> Profile:
-    """``n`` groups with a block's spans (a few large, some small), inputs, times and extras."""
+def synthetic(n: int, parts: bool = False, seed: int = 0, selective: bool = False) -> Profile:
+    """``n`` groups with a block's spans (a few large, some small), inputs, times and extras
+    (``selective``: and costly ops holding half the large spans' bytes, a third of the
+    recomputation's time)."""
     rng = random.Random(seed)
     groups = []
     for i in range(n):
@@ -27,7 +30,9 @@ def synthetic(n: int, parts: bool = False, seed: int = 0) -> Profile:
         fwd = rng.uniform(2e-3, 4e-3)
         groups.append(GroupProfile(str(i), spans=spans, kept=1 << 16, inputs=16 << 20, forward_s=fwd,
                                    backward_s=2 * fwd, forward_extra=big, backward_extra=big // 2,
-                                   grads=8 << 20, recompute_extra=big // 4, recompute_s=0.8 * fwd))
+                                   grads=8 << 20, recompute_extra=big // 4, recompute_s=0.8 * fwd,
+                                   costly=(big // 2, big // 4) if selective else None,
+                                   costly_share=1 / 3 if selective else None))
     wholes = tuple(Whole(i, 3, 16 << 20) for i in range(0, n - 2, 3)) if parts else ()
     return Profile(tuple(groups), base=8 << 30, outside_s=5e-3, d2h_bps=25e9, h2d_bps=25e9,
                    outside_extra=256 << 20, wholes=wholes)
@@ -44,14 +49,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="24,96,128,192,384")
     ap.add_argument("--parts", action="store_true", help="every three groups the parts of a block")
+    ap.add_argument("--selective", action="store_true", help="costly ops measured: selective recomputation tried")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     for n in (int(s) for s in args.sizes.split(",")):
-        profile = synthetic(n, args.parts)
+        profile = synthetic(n, args.parts, selective=args.selective)
         keep_all = sum(g.offloadable + g.kept for g in profile.groups) + profile.base
         budget = profile.base + (keep_all - profile.base) // 3  # a third of the activations fit
         best = min(planning_seconds(profile, budget) for _ in range(args.repeat))
-        print(f"{n:4d} groups{' (parts)' if args.parts else ''}: {best:.3f} s", flush=True)
+        print(f"{n:4d} groups{' (parts)' if args.parts else ''}{' (selective)' if args.selective else ''}: {best:.3f} s",
+              flush=True)
 
 
 if __name__ == "__main__":

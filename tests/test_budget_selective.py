@@ -218,7 +218,8 @@ def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
 
 def test_a_group_may_move_to_a_selective_recomputation_once_its_costly_ops_were_measured():
     keep = (GroupDecision(Action.KEEP),)
-    for costly, offered in ((None, False), ((300, 100), True)):
+    # not measured; measured; measured, but they and the inputs come to more than it saves (1000)
+    for costly, offered in ((None, False), ((300, 100), True), ((700, 300), False)):
         p = Profile((_group(costly=costly, share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
         moves = [m[0].action for m in search.moves(p, keep, 0)]
         assert (Action.RECOMPUTE_SELECTIVE in moves) is offered

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .actions import Action, GroupDecision
-from .costmodel import Change, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
+from .costmodel import Change, GroupProfile, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -298,7 +298,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     # a user of torch's selective checkpointing writes); every group, the first k recomputed in
     # full (the costly ops' outputs held longest go first); and every group with what it keeps
     # moved out, the first k moving all of it and the others half
-    selective = [i for i in recomputable if profile.groups[i].costly is not None]
+    selective = [i for i in recomputable if _selective_helps(profile.groups[i])]
     if selective:
         recompute_selective = _decision(Action.RECOMPUTE_SELECTIVE)
         (firsts,) = _firsts(profile, keep_all, recompute_selective, selective, [(0, 0)])
@@ -373,6 +373,14 @@ def _inside(profile: Profile, i: int, d: GroupDecision) -> tuple[GroupDecision, 
     return (INSIDE,) * (profile.whole_at[i].parts - 1) if d.action.whole else ()
 
 
+def _selective_helps(g: GroupProfile) -> bool:
+    """Whether recomputing ``g`` selectively keeps less than it saves: its costly ops' outputs
+    were measured, and they and its inputs come to less than its saves (not so for a part that
+    is one matmul, which saves only its input). Else the search does not try it: every move
+    tried costs planning time."""
+    return g.inputs is not None and g.costly is not None and g.inputs + g.costly_bytes < g.offloadable + g.kept
+
+
 def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
     """The next decisions from group ``i`` on (a group never goes back to keeping more of its
     own; a move is taken only where it saves modelled memory, so a path ends), each as the
@@ -384,7 +392,7 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
         out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS]
     if a is Action.OFFLOAD and fraction < 1.0:
         out += [(_decision(Action.OFFLOAD, f),) for f in FRACTIONS if f > fraction]
-    selective = g.inputs is not None and g.costly is not None
+    selective = _selective_helps(g)
     if selective and a in (Action.KEEP, Action.OFFLOAD):
         out.append((_decision(Action.RECOMPUTE_SELECTIVE),))
     if selective and (a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE)
