@@ -45,7 +45,10 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
         see(t)
         seen.append(_guarded(group, t))
 
-    modes = [selective.contexts(*store) if store is not None else selective.contexts()] if group.selective else []
+    modes = []
+    if group.selective:
+        modes.append(selective.contexts(calls=group.selective_calls) if store is None else
+                     selective.contexts(*store, calls=group.selective_calls))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
 

@@ -218,6 +218,7 @@ class Engine(Generic[GroupT, MovedT]):
                 group.kept_whole = opening.keep_all and not group.recompute
                 group.guard_inputs = group.recompute and opening.guard_inputs
                 group.selective = group.recompute and opening.selective
+                group.selective_calls = opening.selective_calls if group.selective else None
             if "opened" in self._asks:
                 self.plan.opened(group)
             if group.kept_whole:

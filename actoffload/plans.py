@@ -59,7 +59,8 @@ class Opening:
     compute, for a plan that saw no such write (the engine reports one to
     :meth:`Plan.inputs_written`). ``selective`` (a recomputed group): its forward keeps the
     outputs of its costly ops (matmuls, attention) on the device, and its recomputation runs
-    only the other ops again (:mod:`actoffload.selective`).
+    only the other ops again (:mod:`actoffload.selective`); ``selective_calls``: only those of
+    its first this many costly ops (the ones its recomputation reaches before it stops), else all.
     """
 
     hooked: bool = True
@@ -68,6 +69,7 @@ class Opening:
     keep_all: bool = False
     guard_inputs: bool = True
     selective: bool = False
+    selective_calls: int | None = None
 
 
 # The points of a step where a plan may act: its methods of these names.

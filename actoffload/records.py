@@ -151,6 +151,7 @@ class Group:
     parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
     recompute = False  # it does: its plan says so (plans.Opening)
     selective = False  # recomputed, it keeps its costly ops' outputs and runs only the rest again (selective.py)
+    selective_calls: int | None = None  # ... of its first this many costly ops (None: all)
     # its recomputed module lets go of its kept inputs once recomputed from; a second
     # backward through the module then needs the first to keep the graph
     release_inputs = False

@@ -117,6 +117,7 @@ class _Cache:
 
     keep: Callable[[torch.Tensor], Any]
     take: Callable[[Any], torch.Tensor]
+    calls: int | None  # the costly ops (in forward order) whose outputs are kept: the first this many (None: all)
     kept: dict[tuple[int, int], _Kept] = field(default_factory=dict)  # (id of the op, call number) -> its outputs
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
@@ -142,6 +143,7 @@ class _Keeping(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.calls: dict[int, int] = {}  # id of a costly op -> its calls so far
+        self.costly = 0  # costly ops so far
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -157,6 +159,9 @@ class _Keeping(TorchDispatchMode):
         if is_costly(func):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
+            self.costly += 1
+            if self.cache.calls is not None and self.costly > self.cache.calls:
+                return out  # past where the recomputation stops: never asked for
             made = _tensors(out)
             detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
             kept = self.cache.kept[(id(func), n)] = _Kept(detached, _signature((args, kwargs)),
@@ -230,26 +235,34 @@ def _same(t: Any) -> Any:
     return t
 
 
-def contexts(keep: Callable[[torch.Tensor], Any] = _same,
-             take: Callable[[Any], torch.Tensor] = _same) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+def contexts(keep: Callable[[torch.Tensor], Any] = _same, take: Callable[[Any], torch.Tensor] = _same,
+             calls: int | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """A fresh ``(forward, recomputation)`` pair for one checkpointed call
     (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
     keeps the costly ops' outputs, the recomputation takes them instead of running those ops.
     ``keep`` is handed each output tensor when the forward is over, and its result is held
     instead (an offloader's pack hook: the output is then one of the group's saves, moved as its
     plan says); ``take`` gives the tensor back from it (the unpack hook), in the recomputation.
+    ``calls``: keep only the outputs of the first this many costly ops (those the recomputation
+    reaches before it stops, as profiled: :attr:`OpMeter.reached`); a later one runs again
+    should a recomputation ever reach it.
 
     Gradients are bitwise those of plain checkpointing: the kept outputs are the forward's own,
     and the ops run again are run on the same inputs."""
-    cache = _Cache(keep, take)
+    cache = _Cache(keep, take, calls)
     return _Keeping(cache), _Reusing(cache)
 
 
 class OpMeter:
     """What a profiled group's checkpointed forward and recomputation tell of a selective
     recomputation of it: ``costly``, the bytes of each of its costly ops' outputs (distinct
-    storages), which it would hold until its backward (``costly_bytes``: their sum); and the time of those ops within its
-    recomputation (:meth:`costly_s`), which it would not spend again.
+    storages), which it would hold until its backward (``costly_bytes``: their sum); and the
+    time of those ops within its recomputation (:meth:`costly_s`), which it would not spend again.
+
+    A recomputation stops once the last tensor backward needs is back: the costly ops after
+    that point (a layer's last projection, whose output only its caller reads) never run in
+    it. ``reached`` is how many costly ops it ran (``None`` before one ran); ``costly`` counts
+    only theirs, and a selective recomputation keeps only theirs (:func:`contexts`' ``calls``).
 
     ``mark`` and ``seconds``: the profiling clock (CUDA events on a GPU, the host's clock on
     the CPU: :class:`actoffload.budget.probe.Probe`'s).
@@ -267,7 +280,8 @@ class OpMeter:
     def __init__(self, mark: Callable[[], Any] = time.perf_counter,
                  seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
         self._mark, self._seconds = mark, seconds
-        self.costly: list[int] = []
+        self._calls: list[list[int]] = []  # per costly op of the forward, in order: the bytes of each output it made
+        self.reached: int | None = None
         # storage key -> a weak reference to it, which keeps the key from going to another storage
         # once this one is freed (an output freed within the forward is still one a selective
         # recomputation would keep)
@@ -281,6 +295,11 @@ class OpMeter:
         return _Timing(self)
 
     @property
+    def costly(self) -> list[int]:
+        calls = self._calls if self.reached is None else self._calls[:self.reached]
+        return [n for spans in calls for n in spans]
+
+    @property
     def costly_bytes(self) -> int:
         return sum(self.costly)
 
@@ -289,13 +308,15 @@ class OpMeter:
         return sum(self._seconds(a, b) for a, b in self._spans)
 
     def _count(self, out: Any) -> None:
+        spans = []
         for t in _tensors(out):
             if t.layout is not torch.strided or t.is_meta:
                 continue
             key = compat.storage_key(t)
             if key not in self._storages:
                 self._storages[key] = compat.storage_weakref(t)
-                self.costly.append(t.untyped_storage().nbytes())
+                spans.append(t.untyped_storage().nbytes())
+        self._calls.append(spans)
 
 
 class _Counting(TorchDispatchMode):
@@ -314,11 +335,19 @@ class _Timing(TorchDispatchMode):
     def __init__(self, meter: OpMeter):
         super().__init__()
         self.meter = meter
+        self.calls = 0  # costly ops this recomputation ran
+
+    def __enter__(self) -> Any:
+        self.calls = 0
+        return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not is_costly(func):
             return func(*args, **(kwargs or {}))
-        start = self.meter._mark()
+        meter = self.meter
+        self.calls += 1
+        meter.reached = max(meter.reached or 0, self.calls)
+        start = meter._mark()
         out = func(*args, **(kwargs or {}))
-        self.meter._spans.append((start, self.meter._mark()))
+        meter._spans.append((start, meter._mark()))
         return out

@@ -20,7 +20,9 @@ from helpers import assert_bitwise, deterministic
 from test_budget import D, H, _blocks, _forced, _step
 
 ROWS = 64
-COSTLY = ROWS * (H + D) * 4  # each block's two Linear outputs (fp32)
+# what a selective recomputation of a block keeps: its first Linear's output (fp32). Its second's is
+# read only by the block's caller: the recomputation stops before it (the block's last save is its input)
+COSTLY = ROWS * H * 4
 
 
 class _Ops(TorchDispatchMode):
@@ -61,7 +63,7 @@ def test_R1_selective_recomputation_reruns_only_the_cheap_ops_and_is_bitwise():
     assert seen.ops.count(torch.ops.aten.gelu) == 4 + 3  # GELU runs again in every recomputed block
     plan = off.stats()["plan"]["groups"]
     assert [g["action"] for g in plan] == ["recompute_selective", "keep", "recompute_selective", "recompute"]
-    assert plan[0]["resident_bytes"] == ROWS * D * 4 + COSTLY  # its input and the Linear outputs
+    assert plan[0]["resident_bytes"] == ROWS * D * 4 + COSTLY  # its input and the first Linear's output
 
 
 def test_R1_selective_recomputation_moving_what_it_keeps_is_bitwise_and_moves_its_costly_outputs():
@@ -89,7 +91,7 @@ def test_selective_profiling_measures_the_costly_outputs_and_their_share_of_the_
     off, _, handle = _profiled()
     handle.remove()
     for g in off.plan.controller.profile.groups:
-        assert g.costly == (ROWS * H * 4, ROWS * D * 4)  # each Linear's output
+        assert g.costly == (COSTLY,) and g.costly_calls == 1  # the first Linear's output: the one recomputing reaches
         assert 0.0 < g.costly_share <= 1.0
 
 
@@ -145,6 +147,26 @@ def test_R1_selective_contexts_recompute_every_op_in_a_second_backward():
         loss.backward()
     assert_bitwise([first, x.grad], [expected, expected])
     assert torch.ops.aten.addmm in seen.ops  # the kept outputs were taken: the second runs the op
+
+
+def test_only_the_costly_outputs_the_recomputation_reaches_are_kept():
+    """A block's recomputation stops once its last save is back: its second Linear never runs
+    again, so its output is not kept (it would be held until backward for nothing)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
+    x = torch.randn(ROWS, D, requires_grad=True)
+    meter = selective.OpMeter()
+    y = cp.checkpoint(block, x, use_reentrant=False, context_fn=lambda: (meter.forward(), meter.recomputation()))
+    y.sum().backward()
+    assert (meter.reached, meter.costly) == (1, [ROWS * H * 4])
+    expected = x.grad.clone()
+    x.grad = None
+    modes = selective.contexts(calls=meter.reached)
+    y = cp.checkpoint(block, x, use_reentrant=False, context_fn=lambda: modes)
+    assert len(modes[0].cache.kept) == 1  # the first Linear's: held until backward
+    with _Ops() as seen:
+        y.sum().backward()
+    assert torch.ops.aten.addmm not in seen.ops and torch.equal(x.grad, expected)
 
 
 def test_the_op_meter_counts_a_freed_and_reused_address_as_another_output():

@@ -455,6 +455,12 @@ class BudgetController:
             return GroupDecision(Action.OFFLOAD)
         return planned
 
+    def costly_calls(self, position: int) -> int | None:
+        """How many of the costly ops of the group at ``position`` its recomputation reaches, as
+        profiled (a selective recomputation keeps only their outputs); ``None``: all."""
+        profile = self._profile
+        return profile.groups[position].costly_calls if profile is not None and position < len(profile.groups) else None
+
     def op_meter(self, position: int) -> OpMeter | None:
         """The meter of the costly ops of the group at ``position`` (profiling), else ``None``."""
         step = self._step
@@ -647,6 +653,7 @@ class BudgetController:
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
                                                                                      m.recompute_host_end),
                 costly=tuple(m.meter.costly) if m.meter is not None else None,
+                costly_calls=m.meter.reached if m.meter is not None else None,
                 costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:

@@ -63,7 +63,8 @@ class GroupProfile:
     (less than ``forward_s``: checkpointing stops once the last saved tensor is back);
     ``host_s``: the host's time for its forward (``None`` where the host is the device);
     ``costly``: the bytes of each of its costly ops' outputs (largest first), which a selective
-    recomputation keeps beside its inputs, and ``costly_share``: the share of its
+    recomputation keeps beside its inputs (those of the first ``costly_calls`` costly ops, which
+    its recomputation reaches before it stops; ``None``: all of them), and ``costly_share``: the share of its
     recomputation's time those ops took, which it does not spend again (``None``: not
     measured; no selective recomputation); ``dispatch_host_s``: the host's time for its forward
     and for its recomputation while every op went through a dispatch mode in Python (the
@@ -87,6 +88,7 @@ class GroupProfile:
     costly: tuple[int, ...] | None = None
     costly_share: float | None = None
     dispatch_host_s: tuple[float, float] | None = None
+    costly_calls: int | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -1371,8 +1373,9 @@ class MeasuredGroup:
     backward and during its recomputation; ``host_s``: the host's time for its forward, and
     ``recompute_host_s`` for its recomputation (``None`` where the host is the device; the
     latter is for diagnostics: the model charges a recomputation its forward's host time);
-    ``costly``, ``costly_s``: the bytes of each of its costly ops' outputs in its forward, and
-    their time in its recomputation (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
+    ``costly``, ``costly_s``, ``costly_calls``: the bytes of each of its costly ops' outputs in
+    its forward (of those its recomputation reached), their time in its recomputation, and how
+    many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
     """
 
     recomputed: bool
@@ -1390,6 +1393,7 @@ class MeasuredGroup:
     recompute_host_s: float | None = None
     costly: tuple[int, ...] | None = None
     costly_s: float | None = None
+    costly_calls: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1428,6 +1432,7 @@ def profile_of(step: MeasuredStep) -> Profile:
                          recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
                          recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s,
                          costly=tuple(sorted(m.costly, reverse=True)) if m.recomputed and m.costly is not None else None,
+                         costly_calls=m.costly_calls if m.recomputed else None,
                          costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None,
                          dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
@@ -1485,7 +1490,8 @@ def merged(a: Profile, b: Profile) -> Profile:
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
                            reached=x.reached or y.reached,
                            costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
-                           dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s)
+                           dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
+                           costly_calls=x.costly_calls if x.costly is not None else y.costly_calls)
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))

@@ -135,7 +135,9 @@ class BudgetPlan(Plan):
                                  WouldSave(self.offloader.device) if self.offloader is not None and recompute and c.profiling else None)
         # Inputs are guarded while profiling (its copies are synchronous anyway) and where a
         # write after the forward was seen; elsewhere their copies overlap compute as modelled.
-        return Opening(recompute=recompute, release_inputs=recompute, selective=recompute and action.selective,
+        selective = recompute and action.selective
+        return Opening(recompute=recompute, release_inputs=recompute, selective=selective,
+                       selective_calls=c.costly_calls(position) if selective else None,
                        keep_all=action is Action.KEEP and not c.profiling,
                        guard_inputs=c.profiling or position in self._written)
 
