@@ -312,8 +312,10 @@ class OpMeter:
         for t in _tensors(out):
             if t.layout is not torch.strided or t.is_meta:
                 continue
-            key = compat.storage_key(t)
-            if key not in self._storages:
+            key = _storage(t)
+            if key is None:  # no storage of its own (a wrapper subclass): its bytes, once
+                spans.append(t.nbytes)
+            elif key not in self._storages:
                 self._storages[key] = compat.storage_weakref(t)
                 spans.append(t.untyped_storage().nbytes())
         self._calls.append(spans)
