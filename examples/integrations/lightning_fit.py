@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rank {int(os.environ.get('LOCAL_RANK', 0))}: {strategy} on {opts.devices} device(s), layers {names}, "
               f"{moved} bytes offloaded by the latest forward; weights bitwise equal: {same}", flush=True)
         failed |= not same or moved == 0
+    if torch.distributed.is_initialized():
+        # Lightning leaves its process group up; torn down at the interpreter's exit instead, gloo's
+        # threads once ended a rank with "terminate called without an active exception" (SIGABRT)
+        torch.distributed.destroy_process_group()
     if failed:
         raise SystemExit(1)
 
