@@ -45,18 +45,41 @@ COSTLY_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
 
 # What is asked of every op a forward runs, by id(op overload) (its own hash is Python code;
 # overloads live as long as the process): whether it is costly, which arguments it writes (position,
-# name), and whether an output may alias an input (a view, ``detach``; ``_unsafe_view`` says not)
+# name), whether an output may alias an input (a view, ``detach``; ``_unsafe_view`` says not), and
+# where its dropout probability is (position, name; None: it has none)
 _IS_COSTLY: dict[int, bool] = {}
 _WRITES: dict[int, tuple[tuple[int, str], ...]] = {}
 _ALIASES: dict[int, bool] = {}
+_DROPOUT: dict[int, tuple[int, str] | None] = {}
 
 
 def is_costly(func: Any) -> bool:
-    """Whether a selective recomputation keeps the outputs of ``func`` (an ATen op overload)."""
+    """Whether a selective recomputation keeps the outputs of ``func`` (an ATen op overload):
+    a matmul or fused attention, in its functional form (an ``out=`` form writes a buffer the
+    recomputation must write again)."""
     known = _IS_COSTLY.get(id(func))
     if known is None:
-        known = _IS_COSTLY[id(func)] = getattr(func, "overloadpacket", func) in COSTLY_OPS
+        schema = getattr(func, "_schema", None)
+        known = _IS_COSTLY[id(func)] = (getattr(func, "overloadpacket", func) in COSTLY_OPS
+                                        and schema is not None and not schema.is_mutable)
     return known
+
+
+def keeps(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a selective recomputation keeps the outputs of this call: a costly op that draws
+    no random numbers (attention with ``dropout_p > 0`` does, on CUDA: skipped in the
+    recomputation, it would shift the random numbers of every op after it)."""
+    if not is_costly(func):
+        return False
+    at = _DROPOUT.get(id(func), False)
+    if at is False:
+        at = _DROPOUT[id(func)] = next(((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                        if a.name == "dropout_p"), None)
+    if at is None:
+        return True
+    i, name = at  # type: ignore[misc]
+    p = kwargs[name] if name in kwargs else args[i] if i < len(args) else 0.0
+    return not p
 
 
 def _aliases(func: Any) -> bool:
@@ -69,10 +92,10 @@ def _aliases(func: Any) -> bool:
 
 
 def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The same choice as :func:`is_costly` for torch's selective activation checkpointing
+    """The same choice as :func:`keeps` for torch's selective activation checkpointing
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts(sac_policy)``)."""
     policy = torch.utils.checkpoint.CheckpointPolicy
-    return policy.MUST_SAVE if is_costly(op) else policy.PREFER_RECOMPUTE
+    return policy.MUST_SAVE if keeps(op, args, kwargs) else policy.PREFER_RECOMPUTE
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -154,9 +177,10 @@ class _Keeping(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.cache.by_storage and _aliases(func):  # an alias of a kept output: followed as the output is
             for t in _tensors(out):
-                for kept in self.cache.by_storage.get(_storage(t) or 0, ()):
+                key = _storage(t)
+                for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
                     kept.made.append((weakref.ref(t), t._version))
-        if is_costly(func):
+        if keeps(func, args, kwargs):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             self.costly += 1
@@ -221,7 +245,7 @@ class _Reusing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if is_costly(func):
+        if keeps(func, args, kwargs):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             kept = self.cache.kept.pop((id(func), n), None)
@@ -261,8 +285,10 @@ class OpMeter:
 
     A recomputation stops once the last tensor backward needs is back: the costly ops after
     that point (a layer's last projection, whose output only its caller reads) never run in
-    it. ``reached`` is how many costly ops it ran (``None`` before one ran); ``costly`` counts
-    only theirs, and a selective recomputation keeps only theirs (:func:`contexts`' ``calls``).
+    it. ``reached`` is how many costly ops it ran (``None`` before a recomputation ran);
+    ``costly`` counts only theirs, and a selective recomputation keeps only theirs
+    (:func:`contexts`' ``calls``). An output the forward wrote in place after its op counts for
+    nothing: a selective recomputation would run that op again.
 
     ``mark`` and ``seconds``: the profiling clock (CUDA events on a GPU, the host's clock on
     the CPU: :class:`actoffload.budget.probe.Probe`'s).
@@ -286,6 +312,7 @@ class OpMeter:
         # once this one is freed (an output freed within the forward is still one a selective
         # recomputation would keep)
         self._storages: dict[int, Any] = {}
+        self._storage_call: dict[int, int] = {}  # storage key -> the costly op (its index in _calls) that made it
         self._spans: list[tuple[Any, Any]] = []  # marks around each costly op of the recomputation
 
     def forward(self) -> TorchDispatchMode:
@@ -317,6 +344,7 @@ class OpMeter:
                 spans.append(t.nbytes)
             elif key not in self._storages:
                 self._storages[key] = compat.storage_weakref(t)
+                self._storage_call[key] = len(self._calls)
                 spans.append(t.untyped_storage().nbytes())
         self._calls.append(spans)
 
@@ -327,9 +355,15 @@ class _Counting(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if is_costly(func):
-            self.meter._count(out)
+        kwargs = kwargs or {}
+        meter = self.meter
+        if meter._storages:
+            for key in map(_storage, _written(func, args, kwargs)):
+                if key is not None and key in meter._storage_call:  # written: a selective one would not keep it
+                    meter._calls[meter._storage_call[key]] = []
+        out = func(*args, **kwargs)
+        if keeps(func, args, kwargs):
+            meter._count(out)
         return out
 
 
@@ -341,14 +375,17 @@ class _Timing(TorchDispatchMode):
 
     def __enter__(self) -> Any:
         self.calls = 0
+        if self.meter.reached is None:  # a recomputation runs: it reaches none until it runs one
+            self.meter.reached = 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not is_costly(func):
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if not keeps(func, args, kwargs):
+            return func(*args, **kwargs)
         meter = self.meter
         self.calls += 1
-        meter.reached = max(meter.reached or 0, self.calls)
+        meter.reached = max(meter.reached or 0, self.calls)  # (set by __enter__; 'or' for the type check)
         start = meter._mark()
         out = func(*args, **(kwargs or {}))
         meter._spans.append((start, meter._mark()))

@@ -359,3 +359,87 @@ def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_sti
         assert all(g.inputs is None for g in off.plan.controller.profile.groups)  # profiled moving, not recomputing
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
+
+
+def test_R1_an_out_variant_of_a_costly_op_runs_again_in_the_recomputation():
+    """``torch.mm(a, b, out=buf)`` writes ``buf``: handing back a kept output instead would leave
+    the recomputation's ``buf`` unwritten. Only an op's functional form is costly."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    c, k = torch.randn(8, 16), torch.randn(16, 16)
+
+    def f(x):
+        buf = torch.empty(8, 16)
+        torch.mm(c, k, out=buf)
+        return torch.tanh(x @ w) * buf
+
+    grads = []
+    for context_fn in (cp.noop_context_fn, selective.contexts):
+        cp.checkpoint(f, x, use_reentrant=False, context_fn=context_fn).sum().backward()
+        grads.append([x.grad, w.grad])
+        x.grad = w.grad = None
+    assert_bitwise(grads[1], grads[0])
+    assert selective.is_costly(torch.ops.aten.mm.default) and not selective.is_costly(torch.ops.aten.mm.out)
+
+
+def test_a_fused_attention_that_draws_random_numbers_is_not_kept():
+    """On CUDA, fused attention with ``dropout_p > 0`` draws random numbers: skipped in the
+    recomputation, it would shift those of every random op after it (R1)."""
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.empty(1, 1, 4, 8)
+    assert selective.keeps(op, (q, q, q, None, True), {})
+    assert not selective.keeps(op, (q, q, q, None, True, 0.1), {})
+    assert not selective.keeps(op, (q, q, q, None, True), {"dropout_p": 0.1})
+    policy = torch.utils.checkpoint.CheckpointPolicy  # torch's selective checkpointing, as the benchmarks run it
+    assert selective.sac_policy(None, op, q, q, q, None, True, 0.1) is policy.PREFER_RECOMPUTE
+
+
+class _WritesItsMatmulInPlace(torch.nn.Module):
+    """``fc2(gelu(x @ w1.T + b1))`` with the bias added in place to the matmul's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(H, D) / D**0.5)
+        self.b1 = torch.nn.Parameter(torch.zeros(H))
+        self.fc2 = torch.nn.Linear(H, D)
+
+    def forward(self, x):
+        y = x @ self.w1.t()
+        y += self.b1  # mm saves no output: autograd allows it
+        return self.fc2(torch.nn.functional.gelu(y))
+
+
+def test_an_output_written_in_its_forward_is_not_counted_and_the_plan_settles():
+    """A selective recomputation keeps no output its forward wrote in place (it runs that op again):
+    profiling counts none either, so what the group saves matches the profile and the plan settles
+    (it had re-profiled at every other step)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_WritesItsMatmulInPlace() for _ in range(4))
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            _step(blocks, step)
+        assert all(g.costly == () for g in off.plan.controller.profile.groups)
+        _forced(off, ["recompute_selective"] * 4)
+        states = []
+        for step in range(PROFILE_STEPS + 1, PROFILE_STEPS + 6):
+            _step(blocks, step)
+            states.append(off.stats()["plan"]["state"])
+    assert "profiling" not in states and "re-planning" not in states, states
+
+
+def test_a_recomputation_that_runs_no_costly_op_keeps_none():
+    torch.manual_seed(0)
+    w = torch.randn(D, D, requires_grad=True)
+    x = torch.randn(ROWS, D, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(x) @ w  # backward needs tanh(x) and w: the recomputation stops before the matmul
+
+    meter = selective.OpMeter()
+    cp.checkpoint(f, x, use_reentrant=False, context_fn=lambda: (meter.forward(), meter.recomputation())).sum().backward()
+    assert (meter.reached, meter.costly) == (0, [])
+    modes = selective.contexts(calls=meter.reached)
+    cp.checkpoint(f, x, use_reentrant=False, context_fn=lambda: modes).sum().backward()
+    assert modes[0].cache.kept == {}

@@ -307,6 +307,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
         out += firsts + then_full
         half, whole = (_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f) for f in FRACTIONS)
         halves = tuple(half if i in selective else d for i, d in enumerate(keep_all))
+        out += [evaluated(profile, halves, w, pf) for w, pf in ((1, 1), (2, 2))]
         for plans in zip(*_firsts(profile, halves, whole, selective, [(1, 1), (2, 2)])):
             out += plans
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
