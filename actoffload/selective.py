@@ -7,8 +7,8 @@ those bytes almost for nothing, where recomputing the whole layer costs its forw
 :func:`contexts` gives the pair of contexts a group runs its checkpoint under (a memory
 budget's ``recompute_selective`` action); :class:`OpMeter` is what profiling measures of a
 group to cost that action (the bytes the costly ops' outputs take, their time within the
-recomputation). Both classify ops with :func:`is_costly`, as does :func:`sac_policy`, the same
-choice for torch's own selective activation checkpointing (the benchmarks' alternative).
+recomputation). Both choose the calls kept with :func:`keeps`, as does :func:`sac_policy`, the
+same choice for torch's own selective activation checkpointing (the benchmarks' alternative).
 
 Example (what a memory budget does to a group it recomputes selectively)::
 
