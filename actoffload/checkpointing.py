@@ -57,11 +57,17 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
         for guard, version, shape in seen:
             if guard._version != version:
                 raise modified_error(group, shape, version, guard._version)
+        if not modes:  # (most groups: no stack to build, a recomputation at a time)
+            with recomputation():
+                yield
+            return
         with recomputation(), contextlib.ExitStack() as stack:
             for _, recomputing in modes:
                 stack.enter_context(recomputing)
             yield
 
+    if not modes:
+        return _SeeingSaves(saw), _EachTime(checked)
     return _Entered(_SeeingSaves(saw), *(forward for forward, _ in modes)), _EachTime(checked)
 
 
