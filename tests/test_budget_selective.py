@@ -443,3 +443,23 @@ def test_a_recomputation_that_runs_no_costly_op_keeps_none():
     modes = selective.contexts(calls=meter.reached)
     cp.checkpoint(f, x, use_reentrant=False, context_fn=lambda: modes).sum().backward()
     assert modes[0].cache.kept == {}
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, 1 << 20])
+def test_what_the_model_moves_is_what_the_engine_moves_under_min_offload_bytes(min_offload_bytes):
+    """Inputs and kept outputs under ``min_offload_bytes`` stay, as the engine's policy keeps them
+    (the profiling step moved every input, small ones too): the plan's figures say so."""
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=min_offload_bytes)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            _step(blocks, step)
+        _forced(off, ["recompute_selective_offload", "recompute_offload", "recompute_selective_offload", "keep"])
+        _step(blocks, PROFILE_STEPS + 1)
+        engine = off.stats()["groups"]
+    plan = off.stats()["plan"]["groups"]
+    for i in (0, 1, 2):
+        assert plan[i]["offloaded_bytes"] == engine[str(i)]["offloaded_bytes"]
+    moves = min_offload_bytes == 0  # the tiny blocks' inputs and outputs are all under 1 MiB
+    assert plan[0]["offloaded_bytes"] == (ROWS * D * 4 + COSTLY if moves else 0)
+    assert plan[1]["resident_bytes"] == (0 if moves else ROWS * D * 4)

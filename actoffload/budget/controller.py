@@ -120,6 +120,7 @@ class _Group:
     # its costly ops (what a selective recomputation keeps): measured in the first of the
     # profiling steps only, whose times run long anyway (metering ops costs host time)
     meter: OpMeter | None = None
+    min_move: int = 0  # the offloader's min_offload_bytes
 
 
 @dataclass
@@ -483,15 +484,17 @@ class BudgetController:
             return None
         return costmodel.moved(decision, self._profile.groups[position])
 
-    def committed(self, position: int, recomputed: bool, plan: policy.SavePlan, would_save: policy.SavePlan | None) -> None:
-        """A group's commit: what it saved (profiling), or whether the workload changed."""
+    def committed(self, position: int, recomputed: bool, plan: policy.SavePlan, would_save: policy.SavePlan | None,
+                  min_move: int = 0) -> None:
+        """A group's commit: what it saved (profiling), or whether the workload changed;
+        ``min_move``: the offloader's ``min_offload_bytes`` (a smaller span stays)."""
         moved = sum(s.nbytes for s in plan.spans)
         kept = sum(n for reason, n in plan.stayed if reason not in ("parameter",))
         if self._step is not None:
             if position >= len(self._step.groups):
                 return
             m = self._step.groups[position]
-            m.moved = moved
+            m.moved, m.min_move = moved, min_move
             if recomputed:
                 m.inputs = moved + kept
                 inner = would_save or policy.SavePlan([], [])
@@ -653,7 +656,7 @@ class BudgetController:
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
                                                                                      m.recompute_host_end),
                 costly=tuple(m.meter.costly) if m.meter is not None else None,
-                costly_calls=m.meter.reached if m.meter is not None else None,
+                costly_calls=m.meter.reached if m.meter is not None else None, min_move=m.min_move,
                 costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:

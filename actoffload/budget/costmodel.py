@@ -66,7 +66,9 @@ class GroupProfile:
     recomputation keeps beside its inputs (those of the first ``costly_calls`` costly ops, which
     its recomputation reaches before it stops; ``None``: all of them), and ``costly_share``: the share of its
     recomputation's time those ops took, which it does not spend again (``None``: not
-    measured; no selective recomputation); ``dispatch_host_s``: the host's time for its forward
+    measured; no selective recomputation); ``min_move``: the least bytes a span needs to move
+    (the offloader's ``min_offload_bytes``): inputs, or a kept output, under it stay, whatever
+    the plan (its offloadable ``spans`` were measured past it already); ``dispatch_host_s``: the host's time for its forward
     and for its recomputation while every op went through a dispatch mode in Python (the
     metered profiling step), as a selective recomputation's do (``None`` where the host is the
     device, or not measured).
@@ -89,6 +91,7 @@ class GroupProfile:
     costly_share: float | None = None
     dispatch_host_s: tuple[float, float] | None = None
     costly_calls: int | None = None
+    min_move: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -115,9 +118,10 @@ class GroupProfile:
     def costly_bytes(self) -> int:
         return sum(self.costly or ())
 
-    @cached_property  # what a selective recomputation may move: its costly outputs and its inputs
+    @cached_property  # what a selective recomputation may move: its costly outputs and its inputs, if large enough
     def _selective_spans(self) -> tuple[int, ...]:
-        return tuple(sorted((self.costly or ()) + ((self.inputs,) if self.inputs else ()), reverse=True))
+        spans = (self.costly or ()) + ((self.inputs,) if self.inputs else ())
+        return tuple(sorted((n for n in spans if n >= self.min_move), reverse=True))
 
     def moved_selective(self, fraction: float) -> int:
         """Bytes a selective recomputation moves when moving up to ``fraction`` of what it keeps
@@ -226,8 +230,8 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
         return g.moved(d.fraction)
     if d.action is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
         return g.moved_selective(d.fraction)
-    if d.action.moves_inputs:
-        return g.inputs or 0
+    if d.action.moves_inputs:  # (as one span)
+        return g.inputs if g.inputs and g.inputs >= g.min_move else 0
     return 0
 
 
@@ -244,7 +248,7 @@ def resident(d: GroupDecision, g: GroupProfile) -> int:
         return (g.inputs or 0) + g.costly_bytes
     if a is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
         return (g.inputs or 0) + g.costly_bytes - g.moved_selective(d.fraction)
-    return 0
+    return (g.inputs or 0) - moved(d, g) if a.moves_inputs else 0
 
 
 @dataclass(frozen=True)
@@ -1321,7 +1325,7 @@ def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:
         backward_extra=max(held + g.backward_extra + later for g, held, later in zip(parts, so_far, later_grads))
         - so_far[-1],
         grads=sum(g.grads for g in parts), recompute_extra=max(g.recompute_extra for g in parts),
-        recompute_s=sum(g.recompute_time for g in parts))
+        recompute_s=sum(g.recompute_time for g in parts), min_move=first.min_move)
 
 
 def moves_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> bool:
@@ -1375,7 +1379,8 @@ class MeasuredGroup:
     latter is for diagnostics: the model charges a recomputation its forward's host time);
     ``costly``, ``costly_s``, ``costly_calls``: the bytes of each of its costly ops' outputs in
     its forward (of those its recomputation reached), their time in its recomputation, and how
-    many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered).
+    many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered);
+    ``min_move``: the offloader's ``min_offload_bytes``.
     """
 
     recomputed: bool
@@ -1394,6 +1399,7 @@ class MeasuredGroup:
     costly: tuple[int, ...] | None = None
     costly_s: float | None = None
     costly_calls: int | None = None
+    min_move: int = 0
 
 
 @dataclass(frozen=True)
@@ -1437,8 +1443,9 @@ def profile_of(step: MeasuredStep) -> Profile:
                          dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
                              and m.recompute_host_s is not None) else None)
-        groups.append(g)
+        # profiling moved every input, small ones too (guarded: docs/budgets.md); plans then move as min_move says
         held += resident(profiling_decision(m.recomputed), g)
+        groups.append(replace(g, min_move=m.min_move))
     return Profile(tuple(groups), step.base, max(step.outside_s, 0.0), step.d2h_bps, step.h2d_bps,
                    outside_extra=max(step.outside_peak - (step.base + held), 0),
                    wholes=tuple(w for w in step.wholes if w.first + w.parts <= len(groups)))

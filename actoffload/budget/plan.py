@@ -175,13 +175,13 @@ class BudgetPlan(Plan):
 
     def committed(self, group: Group, saves: policy.SavePlan) -> None:
         planned: _Planned = group.plan_state
+        off = self.offloader
+        assert off is not None
         inner = None
         if planned.would_save is not None:  # what it would move, were it not recomputed
-            off = self.offloader
-            assert off is not None
             inner = planned.would_save.plan(off.min_offload_bytes, off.policy)
             planned.would_save = None
-        planned.controller.committed(planned.position, group.recompute, saves, inner)
+        planned.controller.committed(planned.position, group.recompute, saves, inner, off.min_offload_bytes)
 
     def reached(self, group: Group) -> None:
         group.plan_state.controller.backward_reaches(group.plan_state.position)
