@@ -52,23 +52,17 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
 
+    recomputing = [r for _, r in modes]
+
     @contextlib.contextmanager
     def checked() -> Iterator[None]:
         for guard, version, shape in seen:
             if guard._version != version:
                 raise modified_error(group, shape, version, guard._version)
-        if not modes:  # (most groups: no stack to build, a recomputation at a time)
-            with recomputation():
-                yield
-            return
-        with recomputation(), contextlib.ExitStack() as stack:
-            for _, recomputing in modes:
-                stack.enter_context(recomputing)
+        with recomputation(), _together(*recomputing):
             yield
 
-    if not modes:
-        return _SeeingSaves(saw), _EachTime(checked)
-    return _Entered(_SeeingSaves(saw), *(forward for forward, _ in modes)), _EachTime(checked)
+    return _together(_SeeingSaves(saw), *(f for f, _ in modes)), _EachTime(checked)
 
 
 def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
@@ -178,6 +172,17 @@ class _EachTime:
     def __exit__(self, *exc: Any) -> Any:
         return self._entered.pop().__exit__(*exc)
 
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _together(*contexts: ContextManager[Any]) -> ContextManager[Any]:
+    """``contexts`` entered as one, in order; the one itself where there is one (most groups'
+    checkpoints: no stack to build at each save-heavy forward and each recomputation)."""
+    if len(contexts) == 1:
+        return contexts[0]
+    return _Entered(*contexts) if contexts else _NOTHING
 
 
 class _Entered:
