@@ -6,6 +6,7 @@ import contextlib
 import copyreg
 import functools
 import itertools
+import operator
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -364,28 +365,33 @@ def _immutable(value: Any) -> bool:
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same names for the very same objects."""
-    return a.keys() == b.keys() and all(a[k] is v for k, v in b.items())
+    """The same names for the very same objects (a registry keeps a replaced entry's place)."""
+    return a.keys() == b.keys() and all(map(operator.is_, a.values(), b.values()))
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own immutable plain attributes (the training flag among them), by name."""
+    d = vars(module)
+    return {k: d[k] for k in d.keys() - _MODULE_INTERNALS if type(d[k]) in _PLAIN_TYPES or _immutable(d[k])}
 
 
 class _ForwardState:
     """What a recomputed module's forward saw, for its recomputation in backward: the
     parameters and buffers of the module and its submodules (references, not copies), and
-    their immutable plain attributes (the training flag among them)."""
+    their immutable plain attributes (the training flag among them). Taken at every forward
+    of a recomputed group: kept to C-level copies and set operations."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.entries = [(m, {k: v for k, v in vars(m).items()
-                             if k not in _MODULE_INTERNALS and (type(v) in _PLAIN_TYPES or _immutable(v))},
-                         compat.own_tensors(m)) for m in module.modules()]
+        self.entries = [(m, _plain_attributes(m), dict(m._parameters), dict(m._buffers))
+                        for m in module.modules()]
 
     def _changed_tensors(self) -> dict[str, torch.Tensor] | None:
         """The forward's parameters and buffers by dotted name, if any of them is not the
         module's now; else ``None``."""
-        if all(all(_same(now, then) for now, then in zip(compat.own_tensors(m), tensors))
-               for m, _, tensors in self.entries):
+        if all(_same(m._parameters, params) and _same(m._buffers, buffers) for m, _, params, buffers in self.entries):
             return None
-        own = {id(m): tensors for m, _, tensors in self.entries}
+        own = {id(m): (params, buffers) for m, _, params, buffers in self.entries}
         out: dict[str, torch.Tensor] = {}
         for path, m in self.module.named_modules():
             for registry in own.get(id(m), ()):
@@ -398,7 +404,7 @@ class _ForwardState:
         then those of now again."""
         undo: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for m, attrs, _ in self.entries:
+            for m, attrs, _, _ in self.entries:
                 d = vars(m)
                 for k, v in attrs.items():
                     now = d.get(k, _MISSING)

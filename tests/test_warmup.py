@@ -193,6 +193,37 @@ def test_warmup_recomputing_still_detects_a_saved_tensor_written_in_place_R6():
             handle.remove()
 
 
+def test_warmup_recomputing_detects_a_write_through_any_view_of_a_save_R6():
+    """A view the forward saved and dropped is still written through its base, handed back as
+    an output: autograd notices, and so must the recomputed module (a view shares its base's
+    version counter); temporaries the forward dropped whole are nothing to check."""
+
+    class ExpThenView(torch.nn.Module):
+        def forward(self, x):
+            return x.exp().view(-1)[1:].view(-1).sin()  # exp saves its output; sin saves a view of it
+
+    class SavesAView(torch.nn.Module):
+        def forward(self, x):
+            e = x * 2  # saves nothing of its own output
+            return e, e.view(-1).sin()  # sin saves a view of e, which is dropped; e is handed back
+
+    for make in (ExpThenView, SavesAView):
+        for off in (None, _warming()):
+            module = make()
+            handle = ao.wrap(module, off) if off is not None else None
+            x = torch.randn(8, D, requires_grad=True)
+            if make is SavesAView:
+                e, y = module(x * 1)
+                e[3:].mul_(2)  # through a view of the base of what sin saved
+                with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
+                    y.sum().backward()
+            else:
+                module(x * 1).sum().backward()  # its temporaries are gone: nothing to write through
+            if handle is not None:
+                assert off.stats()["groups"]["0"].get("recomputed")
+                handle.remove()
+
+
 def test_warmup_checks_R6_before_recomputing_not_after():
     """A forward that writes a buffer and saves it writes it again when recomputed: only a
     write between the forward and the recomputation is the user's (none here)."""
