@@ -472,7 +472,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "planning_s"}
+                      "planning_s", "background_planning_s", "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     assert all(type(g["action"]) is str for g in s["groups"])
     assert s["tried"][0]["actions"] == [Action.KEEP.value] * 4 and type(s["tried"][0]["actions"][0]) is str

@@ -54,6 +54,7 @@ import torch
 from .. import compat, policy
 from ..selective import OpMeter
 from . import costmodel, search
+from . import worker as planning
 from .actions import Action, GroupDecision
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
 from .probe import Probe
@@ -193,6 +194,11 @@ class BudgetController:
         self.predicted = False  # the profile was predicted from another workload's, not measured
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
         self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
+        # the whole search runs in a helper process where one serves (CUDA: the step's device
+        # work goes on while the host plans); until it answers, a quick one's plans (:meth:`_plan_all`)
+        self._worker = _worker_for(self._probe)
+        self._pending: tuple[int, Profile] | None = None  # (ticket, the profile searched)
+        self.background_planning_s = 0.0  # the helper's seconds searching for this workload
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -288,7 +294,10 @@ class BudgetController:
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
         self.predicted, self._explore = False, EXPLORE
         self._adopt(profile, profiled_peak)
-        self._choose()
+        if self._pending is not None and all(p.peak > self._budget for p in self._judged(False)):
+            self._collect(wait=True)  # whether the budget is too small is the search's to say
+        else:
+            self._choose()
 
     def adopt_prediction(self, profile: Profile, window: tuple[int, int] | None = None) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
@@ -298,11 +307,17 @@ class BudgetController:
         ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs)."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
-        with self._planning():  # under the copy window its source settled on (a quarter of the search)
-            plans = search.candidates(profile, None if window is None else [window])
+        windows = None if window is None else [window]
+        # under the copy window its source settled on (a ninth of the paths); where the planning
+        # process serves, that path alone here, and the hand-written families from the process
+        with self._planning():
+            plans = (search.candidates(profile, windows) if self._worker is None
+                     else search.quick_candidates(profile, window))
         if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
             return False
         self._adopt(profile, None, plans)
+        if self._worker is not None:
+            self._ask(windows)
         self.predicted = True
         # the profile it was predicted from was explored and calibrated already: its model's
         # first choice runs, and is measured like any plan (its peak checked, its time taken)
@@ -317,7 +332,7 @@ class BudgetController:
         self._kept_first = {}
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = None  # a step of the old profile's plans, maybe not over when profiling began
-        self._plan_all(plans)
+        self._plan_all(plans, fresh=True)
         if profiled_peak is not None:  # it ran: its peak is known
             self._peaks[self._plans[-1].key] = profiled_peak - profile.base
         self._plan, self._state = None, State.EXPLORING
@@ -377,6 +392,8 @@ class BudgetController:
             # after the first. The profile's peaks no longer hold, and shifting them would count
             # kept gradients twice: measure again.
             self._replan()
+        if self._state in (State.EXPLORING, State.SETTLED):
+            self._collect()
         if self._state in (State.PROFILING, State.REPLANNING):
             self._state = State.PROFILING
             self._step = _Step(start=self._probe.mark(), base=base)
@@ -663,10 +680,17 @@ class BudgetController:
             outside = seconds(step.last_exit, touches[-1])
         return MeasuredStep(step.base, tuple(groups), outside, step.outside_peak, d2h, h2d, tuple(step.wholes))
 
-    def _plan_all(self, plans: list[MemoryPlan] | None = None) -> None:
-        """Every candidate plan under the current profile (``plans``: the search's, made
-        already); the profiled plan last."""
+    def _plan_all(self, plans: list[MemoryPlan] | None = None, fresh: bool = False) -> None:
+        """Every candidate plan under the current profile, the profiled plan last. ``plans``:
+        the search's, made already; else searched here, or asked of the planning process
+        (:meth:`_ask`), and until it answers (:meth:`_collect`) the candidates stay as they were,
+        or for a ``fresh`` profile are those of a quick search (:func:`~.search.quick_candidates`)."""
         assert self._profile is not None
+        if plans is None and self._ask():
+            if not fresh:
+                return
+            with self._planning():
+                plans = search.quick_candidates(self._profile)
         with self._planning():
             self._plans = search.candidates(self._profile) if plans is None else list(plans)
             # a plan that ran stays a candidate, should the search no longer propose it (the
@@ -677,6 +701,60 @@ class BudgetController:
                 self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
                                               *simulate(self._profile, groups, max_inflight, prefetch)))
             self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
+
+    def _ask(self, windows: Sequence[tuple[int, int]] | None = None) -> bool:
+        """Ask the planning process for the current profile's candidates (``windows``: as
+        :func:`~.search.candidates` takes them; a request still unanswered is dropped: its
+        profile is replaced); whether it took the request."""
+        if self._worker is None:
+            return False
+        if self._pending is not None:
+            self._worker.forget(self._pending[0])
+            self._pending = None
+        assert self._profile is not None
+        try:
+            with self._planning():
+                self._pending = (self._worker.submit(self._profile, windows), self._profile)
+        except planning.WorkerFailed as e:
+            self._lose_worker(e)
+            return False
+        return True
+
+    def _collect(self, wait: bool = False) -> None:
+        """Take the planning process's answer, where it came (``wait``: wait for it), and choose
+        among the new candidates: trying them as after a profiling step's own search."""
+        if self._pending is None or self._worker is None:
+            return
+        ticket, profile = self._pending
+        try:
+            with self._planning():
+                answer = self._worker.result(ticket, wait)
+        except planning.WorkerFailed as e:  # searched here instead
+            self._lose_worker(e)
+            answer = None
+            wait = True
+        if answer is None and not wait:
+            return
+        self._pending = None
+        if profile is not self._profile:
+            return  # a later profile's request replaced it (_ask); none is left when it is not
+        if answer is not None:
+            plans, seconds = answer
+            self.background_planning_s += seconds
+            self._plan_all(plans)
+        else:
+            self._plan_all()
+        # the quick search's plans that ran meanwhile are no tries of the whole search's model:
+        # its first choice, and EXPLORE more, may still run
+        self._explore += len(self._runs)
+        if self._state is State.SETTLED:
+            self._state = State.EXPLORING
+        self._choose()
+
+    def _lose_worker(self, error: BaseException) -> None:
+        if self._worker is not None:
+            planning.failed(self._worker, error)
+        self._worker, self._pending = None, None
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
@@ -705,15 +783,7 @@ class BudgetController:
             self._plan = self._forced_plan(*self._forced)
             self._settle()
             return
-        base, reserve = self._profile.base, self._reserve.bytes
-        margin = self._margin + least_margin(self._budget)
-
-        def judged(with_margins: bool) -> list[MemoryPlan]:
-            # a peak as the allocator will reserve it: the allocated bytes and the reserve
-            return [replace(p, peak=self._peaks[p.key] + base + reserve) if p.key in self._peaks
-                    else replace(p, peak=p.peak + reserve + (margin if with_margins else 0)) for p in self._plans]
-
-        plain = judged(False)
+        plain = self._judged(False)
         if all(p.peak > self._budget for p in plain) and self.too_small is None:
             try:
                 search.choose(self._profile, self._budget, plain)  # raises, naming the smallest reachable peak
@@ -722,7 +792,7 @@ class BudgetController:
                 if self._beginning:
                     raise
                 self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
-        with_margins = judged(True)
+        with_margins = self._judged(True)
         fitting = [p for p in with_margins if p.peak <= self._budget]
         if not fitting:
             chosen = min(with_margins, key=lambda p: (p.peak, p.step_s))
@@ -730,6 +800,16 @@ class BudgetController:
             chosen = self._fastest(fitting)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._settle()
+
+    def _judged(self, with_margins: bool) -> list[MemoryPlan]:
+        """The candidates with their peaks as the allocator will reserve them: the allocated
+        bytes (measured where a plan ran, else modelled, ``with_margins`` raised by the margin)
+        and the reserve."""
+        assert self._profile is not None
+        base, reserve = self._profile.base, self._reserve.bytes
+        margin = self._margin + least_margin(self._budget)
+        return [replace(p, peak=self._peaks[p.key] + base + reserve) if p.key in self._peaks
+                else replace(p, peak=p.peak + reserve + (margin if with_margins else 0)) for p in self._plans]
 
     def undo_replan(self, state: State) -> None:
         """The step that found a new workload was another workload's (:mod:`~.workloads` knows it
@@ -746,7 +826,7 @@ class BudgetController:
         """Exploring or settled, as the plan chosen is measured or not (only while a plan runs
         for the profile: profiling and re-planning stay)."""
         if self._state in (State.EXPLORING, State.SETTLED) and self._plan is not None:
-            done = not self._probe.cuda or self._timed(self._plan)
+            done = (not self._probe.cuda or self._timed(self._plan)) and self._pending is None
             self._state = State.SETTLED if done else State.EXPLORING
 
     def _forced_plan(self, groups: tuple[GroupDecision, ...], max_inflight: int, prefetch: int) -> MemoryPlan:
@@ -845,6 +925,8 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "planning_s": self.planning_s,
+                               "background_planning_s": self.background_planning_s,
+                               "planning_in_background": self._pending is not None,
                                "state": self._state.value, "settled": self.settled}
         if self.too_small is not None:
             out["budget_too_small"] = self.too_small
@@ -867,6 +949,14 @@ class BudgetController:
                    measured_reserved_peak_bytes=self.measured_reserved_peak if cuda else None,
                    measured_step_s=self.last_step_s if cuda else None)
         return out
+
+
+def _worker_for(probe: Any) -> planning.PlanWorker | None:
+    """The planning process a controller asks (see :mod:`~.worker`): the process's one where
+    the device runs asynchronously from the host (CUDA), none on the CPU, where the step's work
+    is the host's own and a search beside it would only compete for the cores (a probe of a
+    test's own says by ``asynchronous``, else none)."""
+    return planning.shared() if getattr(probe, "asynchronous", False) else None
 
 
 def _profiled_peak(step: _Step) -> int:

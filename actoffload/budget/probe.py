@@ -35,6 +35,9 @@ class Probe:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        # the device works on while the host goes ahead: host work beside the step (planning in
+        # a helper process) costs the step nothing where the host waits on the device anyway
+        self.asynchronous = self.cuda
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0

@@ -44,19 +44,32 @@ def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight:
     return Simulation(profile, groups, max_inflight, prefetch).plan()
 
 
-def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = None) -> list[MemoryPlan]:
+def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = None,
+               families: bool = True) -> list[MemoryPlan]:
     """Plans from keeping everything down to the least memory, for every window and
     prefetch (``windows``: only these ``(max_inflight, prefetch)``; the hand-written families
-    keep theirs): the path that at each step takes the move saving the most modelled peak
-    memory per modelled second added. Independent of any budget."""
+    keep theirs, left out without ``families``): the path that at each step takes the move
+    saving the most modelled peak memory per modelled second added. Independent of any budget."""
     n = len(profile.groups)
     keep_all = (KEEP,) * n
     out = [evaluated(profile, keep_all, 0, 0)]
     shared = _Shared()
     for w, pf in windows if windows is not None else [(w, pf) for w in WINDOWS for pf in PREFETCHES]:
         out += _greedy_path(profile, keep_all, w, pf, shared)
-    out += _families(profile)
+    if families:
+        out += _families(profile)
     return out
+
+
+# The window of the quick search a controller makes while the whole one runs in the planning
+# process (:mod:`~.worker`): the offloader's default copy window.
+QUICK_WINDOW = (1, 1)
+
+
+def quick_candidates(profile: Profile, window: tuple[int, int] | None = None) -> list[MemoryPlan]:
+    """The plans of one path (``window``, else :data:`QUICK_WINDOW`), without the hand-written
+    families: a sixth or so of :func:`candidates`' time, to run until its plans come."""
+    return candidates(profile, [window or QUICK_WINDOW], families=False)
 
 
 Move = tuple[GroupDecision, ...]

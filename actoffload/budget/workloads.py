@@ -112,6 +112,7 @@ class Workloads:
         self._open = False  # the current workload's step began and was not closed
         self._state_before = State.PROFILING
         self._planning_dropped = 0.0  # planning seconds of workloads no longer kept
+        self._background_dropped = 0.0  # and their planning process's seconds
 
     @property
     def controller(self) -> BudgetController:
@@ -238,18 +239,25 @@ class Workloads:
             old = next(e for e in self._entries if e is not keep)
             self._entries.remove(old)
             self._planning_dropped += old.controller.planning_s
+            self._background_dropped += old.controller.background_planning_s
 
     @property
     def planning_s(self) -> float:
         """Host seconds spent making and choosing plans, every workload's, all told."""
         return self._planning_dropped + sum(e.controller.planning_s for e in self._entries)
 
+    @property
+    def background_planning_s(self) -> float:
+        """Seconds the planning process searched for every workload, all told (:mod:`~.worker`)."""
+        return self._background_dropped + sum(e.controller.background_planning_s for e in self._entries)
+
     def describe(self) -> dict[str, Any]:
         """The latest step's workload, for ``stats()["plan"]["workload"]``."""
         e = self.current
         if e is None:
             return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries),
-                    "planning_s_all": self.planning_s}
+                    "planning_s_all": self.planning_s, "background_planning_s_all": self.background_planning_s}
         return {"signature": str(e.signature), "tokens": e.signature.tokens, "groups": e.groups,
                 "predicted_from": None if e.predicted_from is None else str(e.predicted_from),
-                "kept": len(self._entries), "planning_s_all": self.planning_s}
+                "kept": len(self._entries), "planning_s_all": self.planning_s,
+                "background_planning_s_all": self.background_planning_s}

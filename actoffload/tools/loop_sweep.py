@@ -337,7 +337,9 @@ def _plan_reading(off: ao.Offloader) -> dict[str, Any]:
             "measured_peak_bytes": plan.get("measured_peak_bytes"),
             "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes"),
             "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
-            "planning_s_all": workload.get("planning_s_all"), "host_allocations": stats.get("host_allocations")}
+            "planning_s_all": workload.get("planning_s_all"),
+            "background_planning_s_all": workload.get("background_planning_s_all"),
+            "host_allocations": stats.get("host_allocations")}
 
 
 def _plan_summary(off: ao.Offloader) -> dict[str, Any]:
@@ -652,6 +654,7 @@ def _plan_figures(b: dict[str, Any]) -> dict[str, Any]:
             "budget_too_small_raised": len(b.get("budget_too_small", [])),
             # host time beyond the kernels, all told: the plan's own, and the garbage collector's
             "planning_s": readings[-1].get("planning_s_all") if readings else None,
+            "background_planning_s": readings[-1].get("background_planning_s_all") if readings else None,
             "gc_s": sum((r.get("gc") or {}).get("seconds", 0.0) for r in readings),
             "cache_trims": readings[-1].get("cache_trims") if readings else None,
             "host_allocations": readings[-1].get("host_allocations") if readings else None}

@@ -1,0 +1,196 @@
+"""Planning off the critical path: the helper process answers the search as the controller
+would have made it, the controller runs a quick search's plans meanwhile and then chooses
+among the answer's as after its own search, and a helper that fails leaves the controller
+planning by itself (CPU; the probe is test_budget_controller's fake, made asynchronous like
+CUDA)."""
+
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+
+from actoffload.budget import controller as controller_module
+from actoffload.budget import search
+from actoffload.budget import worker as planning
+from actoffload.budget.controller import BudgetController, BudgetTooSmall, State
+from test_budget_controller import BASE, CPU, MiB, FakeProbe, _profile, _run
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the planning process waits on its pipe with select")
+
+
+def _keys(plans):
+    return [(p.key, p.peak, p.step_s) for p in plans]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = planning.PlanWorker()
+    yield w
+    w.close()
+
+
+def test_the_planning_process_answers_what_the_search_makes_here(worker):
+    profile = _profile()
+    tickets = [worker.submit(profile), worker.submit(profile, [(1, 1)])]
+    answers = [worker.result(t, wait=True) for t in reversed(tickets)]  # any order
+    assert _keys(answers[1][0]) == _keys(search.candidates(profile))
+    assert _keys(answers[0][0]) == _keys(search.candidates(profile, [(1, 1)]))
+    assert all(seconds >= 0 for _, seconds in answers)
+
+
+def test_answers_arriving_together_are_each_found_by_looking(worker):
+    """Several answers in the pipe at once: each is found by a look that does not wait (none
+    is held back where the next look would not see it)."""
+    windows = [[(0, 0)], [(1, 1)], [(2, 2)], None]
+    tickets = [worker.submit(_profile(), w) for w in windows]
+    time.sleep(1.0)  # all answered by now, most likely in one read's reach
+    got = {}
+    deadline = time.monotonic() + 60
+    while len(got) < len(tickets) and time.monotonic() < deadline:
+        for t in tickets[::-1]:
+            if t not in got:
+                answer = worker.result(t)
+                if answer is not None:
+                    got[t] = answer[0]
+    assert [_keys(got[t]) for t in tickets] == [_keys(search.candidates(_profile(), w)) for w in windows]
+
+
+def test_the_planning_process_does_not_import_torch():
+    """It imports the budget's pure-Python modules only: it starts in a fraction of a second
+    and holds little memory, beside a training process."""
+    check = planning._BOOT.replace("worker.serve(sys.stdin.buffer, sys.stdout.buffer)",
+                                   "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    import os
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(planning.__file__)))
+    out = subprocess.run([sys.executable, "-c", check], input=pickle.dumps((sys.path, package)),
+                         capture_output=True, check=True, timeout=60)
+    assert out.stdout.split() == [b"False", b"True"]
+
+
+def test_a_search_that_raises_in_the_process_raises_where_it_is_collected(worker):
+    ticket = worker.submit("not a profile")  # type: ignore[arg-type]
+    with pytest.raises(planning.WorkerFailed, match="search raised"):
+        worker.result(ticket, wait=True)
+    assert worker.result(worker.submit(_profile()), wait=True) is not None  # it serves on
+
+
+class _Worker:
+    """A planning process the test answers: each request is searched here, and its answer
+    comes at the ``after``-th look."""
+
+    def __init__(self, after: int = 2, fail: bool = False):
+        self.after, self.fail = after, fail
+        self.asked: dict[int, tuple] = {}
+        self.looks = 0
+
+    def submit(self, profile, windows=None):
+        ticket = len(self.asked) + 1
+        self.asked[ticket] = (profile, windows)
+        return ticket
+
+    def result(self, ticket, wait=False):
+        self.looks += 1
+        if self.fail:
+            raise planning.WorkerFailed("the test's worker failed")
+        if not wait and self.looks < self.after:
+            return None
+        return search.candidates(*self.asked[ticket]), 0.5
+
+    def forget(self, ticket):
+        pass
+
+
+def _asynchronous(worker, monkeypatch, budget=1 << 40):
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: worker if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(budget, CPU, probe=probe)
+    c.adopt_profile(_profile(), BASE + 100 * MiB)
+    return c
+
+
+def _synchronous(budget=1 << 40):
+    c = BudgetController(budget, CPU, probe=FakeProbe())
+    c.adopt_profile(_profile(), BASE + 100 * MiB)
+    return c
+
+
+def test_the_controller_runs_a_quick_searchs_plan_until_the_whole_search_answers(monkeypatch):
+    w = _Worker(after=6)
+    c = _asynchronous(w, monkeypatch)
+    sync = _synchronous()
+    quick = search.quick_candidates(_profile())
+    assert _keys(c.plans[:-1]) == _keys(quick) and c.plans[-1].key == sync.plans[-1].key  # the profiled plan last
+    assert c.plan.key == sync.plan.key  # keeping everything fits: the quick search has it too
+    assert c.stats()["planning_in_background"] and not c.settled
+    _run(c, 5, lambda p: p.step_s)
+    # measured by now, but not final: the whole search's plans are still to come
+    assert not c.settled and c.stats()["state"] == "exploring" and c.stats()["planning_in_background"]
+    _run(c, 1, lambda p: p.step_s)  # answered at the sixth look
+    assert not c.stats()["planning_in_background"] and c.background_planning_s == 0.5
+    assert _keys(c.plans) == _keys(sync.plans)
+    _run(c, 8, lambda p: p.step_s)
+    _run(sync, 8, lambda p: p.step_s)
+    assert c.settled and sync.settled and c.plan.key == sync.plan.key
+
+
+def test_a_budget_the_known_plans_miss_waits_for_the_search_to_say_it_is_too_small(monkeypatch):
+    """Only the search knows whether any plan fits: where the plans that ran do not, the
+    controller waits for its answer, and raises BudgetTooSmall as it would have, naming the
+    same smallest peak."""
+    too_small = min(p.peak for p in _synchronous().plans) - 64 * MiB
+    with pytest.raises(BudgetTooSmall) as sync:
+        _synchronous(too_small)
+    w = _Worker(after=100)
+    with pytest.raises(BudgetTooSmall) as waited:
+        _asynchronous(w, monkeypatch, budget=too_small)
+    assert w.looks == 1 and str(waited.value) == str(sync.value)
+
+
+def test_a_failed_planning_process_leaves_the_controller_planning_by_itself(monkeypatch):
+    failed = []
+    monkeypatch.setattr(planning, "failed", lambda worker, error: failed.append(error))
+    w = _Worker(fail=True)
+    c = _asynchronous(w, monkeypatch)
+    _run(c, 1, lambda p: p.step_s)
+    sync = _synchronous()
+    assert len(failed) == 1 and c._worker is None
+    assert _keys(c.plans) == _keys(sync.plans) and c.state is State.EXPLORING
+
+
+def test_the_quick_searchs_plans_are_tried_as_the_whole_searchs_would_be(monkeypatch):
+    """Where the model's first choice runs slower than promised, the controller tries one plan
+    more (EXPLORE): with the whole search's answer late, the quick search's plans that ran
+    meanwhile take none of those tries, and the same plan settles."""
+    least, keep = min(_synchronous().plans, key=lambda p: p.peak), max(_synchronous().plans, key=lambda p: p.peak)
+    budget = least.peak + (keep.peak - least.peak) // 2
+    sync = _synchronous(budget)
+    first = sync.plan.key
+    slow_first = lambda p: p.step_s * (2.0 if p.key == first else 1.0)  # noqa: E731
+    _run(sync, 14, slow_first)
+    c = _asynchronous(_Worker(after=3), monkeypatch, budget=budget)
+    _run(c, 14, slow_first)
+    tried = [m.plan.key for m in sync.measured_plans()]
+    assert len(tried) == 2 and sync.settled and c.settled
+    assert set(tried) <= {m.plan.key for m in c.measured_plans()} and c.plan.key == sync.plan.key
+
+
+def test_a_predicted_workload_runs_the_quick_plans_and_asks_for_its_sources_window(monkeypatch):
+    """A workload never seen, predicted from another: its first step cannot wait for a search,
+    so it plans quickly under the window its source settled on, and the planning process adds
+    the rest of that window's search (the hand-written families)."""
+    w = _Worker(after=2)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(1 << 40, CPU, probe=probe)
+    assert c.adopt_prediction(_profile(), (2, 1))
+    assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(_profile(), (2, 1)))
+    assert list(w.asked.values()) == [(c.profile, [(2, 1)])]
+    _run(c, 2, lambda p: p.step_s)
+    assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)]))
