@@ -43,7 +43,7 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
 
     def saw(t: torch.Tensor) -> None:
         see(t)
-        seen.append(_guarded(group, t))
+        seen.append(guarded(group, t))
 
     modes = []
     if group.selective:
@@ -51,6 +51,8 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
                      selective.contexts(*store, calls=group.selective_calls))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
+    # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes
+    guarded = _outside_modes(_guarded) if modes else _guarded
 
     recomputing = [r for _, r in modes]
 
@@ -63,6 +65,16 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
             yield
 
     return _together(_SeeingSaves(saw), *(f for f, _ in modes)), _EachTime(checked)
+
+
+def _outside_modes(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` run with the Python dispatch modes that are active left out: a saved-tensor hook
+    runs inside the forward's modes (a selective group's), and each op of its own went through
+    them, costing about ten microseconds of Python each, and showing them ops the forward never made."""
+    def outside(*args: Any) -> Any:
+        with compat.without_dispatch_modes():
+            return f(*args)
+    return outside
 
 
 def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:

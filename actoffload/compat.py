@@ -78,6 +78,17 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _EMPTY[key]
 
 
+# ---------------------------------------------------------------- dispatch modes
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+def without_dispatch_modes() -> Any:
+    """A context in which ops skip the Python dispatch modes that are active (a
+    ``TorchDispatchMode`` neither sees nor changes them); the modes stay, and see what runs after."""
+    return torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS)
+
+
 # ---------------------------------------------------------------- tensor kinds
 # is_zero_tensor(t) -> bool: a ZeroTensor (forward-mode AD's implicit zeros), which has no data to move
 is_zero_tensor: Callable[[torch.Tensor], bool] = torch.Tensor._is_zerotensor

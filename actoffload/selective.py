@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -43,52 +43,61 @@ COSTLY_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
     "_efficient_attention_forward", "convolution") if hasattr(torch.ops.aten, name))
 
 
-# What is asked of every op a forward runs, by id(op overload) (its own hash is Python code;
-# overloads live as long as the process): whether it is costly, which arguments it writes (position,
-# name), whether an output may alias an input (a view, ``detach``; ``_unsafe_view`` says not), and
-# where its dropout probability is (position, name; None: it has none)
-_IS_COSTLY: dict[int, bool] = {}
-_WRITES: dict[int, tuple[tuple[int, str], ...]] = {}
-_ALIASES: dict[int, bool] = {}
-_DROPOUT: dict[int, tuple[int, str] | None] = {}
+class _Op(NamedTuple):
+    """What is asked of every op a selective group's forward and recomputation run, worked out
+    once per op overload from its schema: whether its outputs are kept (a costly op in
+    functional form), where its dropout probability is (position, name; ``None``: it has none),
+    which arguments it writes in place (position, name), and whether an output may alias an
+    input (a view, ``detach``; ``_unsafe_view``, which says not, does)."""
+
+    costly: bool
+    dropout: tuple[int, str] | None
+    writes: tuple[tuple[int, str], ...]
+    aliases: bool
+
+
+# by id of the op overload (its own hash is Python code; overloads live as long as the process)
+_OPS: dict[int, _Op] = {}
+
+
+def _op(func: Any) -> _Op:
+    known = _OPS.get(id(func))
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        packet = getattr(func, "overloadpacket", func)
+        arguments = list(schema.arguments) if schema is not None else []
+        known = _OPS[id(func)] = _Op(
+            costly=packet in COSTLY_OPS and schema is not None and not schema.is_mutable,
+            dropout=next(((i, a.name) for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
+            writes=tuple((i, a.name) for i, a in enumerate(arguments)
+                         if a.alias_info is not None and a.alias_info.is_write),
+            aliases=(schema is None or packet is torch.ops.aten._unsafe_view
+                     or any(r.alias_info is not None for r in schema.returns)))
+    return known
 
 
 def is_costly(func: Any) -> bool:
     """Whether a selective recomputation keeps the outputs of ``func`` (an ATen op overload):
     a matmul or fused attention, in its functional form (an ``out=`` form writes a buffer the
     recomputation must write again)."""
-    known = _IS_COSTLY.get(id(func))
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = _IS_COSTLY[id(func)] = (getattr(func, "overloadpacket", func) in COSTLY_OPS
-                                        and schema is not None and not schema.is_mutable)
-    return known
+    return _op(func).costly
 
 
 def keeps(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether a selective recomputation keeps the outputs of this call: a costly op that draws
     no random numbers (attention with ``dropout_p > 0`` does, on CUDA: skipped in the
     recomputation, it would shift the random numbers of every op after it)."""
-    if not is_costly(func):
+    return _kept(_op(func), args, kwargs)
+
+
+def _kept(op: _Op, args: Any, kwargs: dict[str, Any]) -> bool:
+    if not op.costly:
         return False
-    at = _DROPOUT.get(id(func), False)
-    if at is False:
-        at = _DROPOUT[id(func)] = next(((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                        if a.name == "dropout_p"), None)
-    if at is None:
+    if op.dropout is None:
         return True
-    i, name = at  # type: ignore[misc]
+    i, name = op.dropout
     p = kwargs[name] if name in kwargs else args[i] if i < len(args) else 0.0
     return not p
-
-
-def _aliases(func: Any) -> bool:
-    known = _ALIASES.get(id(func))
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = _ALIASES[id(func)] = (schema is None or getattr(func, "overloadpacket", None) is torch.ops.aten._unsafe_view
-                                      or any(r.alias_info is not None for r in schema.returns))
-    return known
 
 
 def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -98,10 +107,49 @@ def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return policy.MUST_SAVE if keeps(op, args, kwargs) else policy.PREFER_RECOMPUTE
 
 
+# what an op's arguments hold besides tensors and their containers: nothing to walk into
+_LEAVES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                     torch.memory_format})
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs. Tuples, lists and dicts (what ATen ops
+    take and give) are walked here, at every costly op of a selective group: pytree's walk took
+    most of its host time; anything else is pytree's."""
     if type(tree) is torch.Tensor:  # most ops' output: no tree to walk
         return [tree]
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    out: list[torch.Tensor] = []
+    _collect(tree, out)
+    return out
+
+
+def _collect(tree: Any, out: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind in _LEAVES:
+        return
+    if kind is tuple or kind is list:
+        for v in tree:
+            _collect(v, out)
+    elif kind is dict:
+        for v in tree.values():
+            _collect(v, out)
+    elif isinstance(tree, torch.Tensor):
+        out.append(tree)
+    else:
+        out.extend(t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def _mapped(f: Callable[[Any], Any], tree: Any, leaf: type = torch.Tensor) -> Any:
+    """``tree`` with ``f`` applied to each ``leaf`` in it (an op's outputs: a tensor, or a
+    tuple or list of them and scalars), as ``tree_map`` would, without its walk where it can."""
+    if isinstance(tree, leaf):
+        return f(tree)
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(_mapped(f, v, leaf) for v in tree)
+    if kind in _LEAVES:
+        return tree
+    return tree_map(lambda v: f(v) if isinstance(v, leaf) else v, tree)
 
 
 def _signature(args: Any) -> tuple[Any, ...]:
@@ -145,15 +193,10 @@ class _Cache:
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
 
-def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (its schema's mutable arguments)."""
-    writes = _WRITES.get(id(func))
-    if writes is None:
-        schema = func._schema
-        writes = _WRITES[id(func)] = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                                           if a.alias_info is not None and a.alias_info.is_write)
+def _written(op: _Op, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors the op writes in place (its schema's mutable arguments)."""
     out: list[torch.Tensor] = []
-    for i, name in writes:
+    for i, name in op.writes:
         value = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
         out += _tensors(value)
     return out
@@ -170,24 +213,26 @@ class _Keeping(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.cache.by_storage:
-            for key in map(_storage, _written(func, args, kwargs)):
-                for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
+        op = _OPS.get(id(func)) or _op(func)
+        by_storage = self.cache.by_storage
+        if by_storage and op.writes:
+            for key in map(_storage, _written(op, args, kwargs)):
+                for kept in by_storage.get(key, ()) if key is not None else ():
                     kept.stale = True
         out = func(*args, **kwargs)
-        if self.cache.by_storage and _aliases(func):  # an alias of a kept output: followed as the output is
+        if by_storage and op.aliases:  # an alias of a kept output: followed as the output is
             for t in _tensors(out):
                 key = _storage(t)
-                for kept in self.cache.by_storage.get(key, ()) if key is not None else ():
+                for kept in by_storage.get(key, ()) if key is not None else ():
                     kept.made.append((weakref.ref(t), t._version))
-        if keeps(func, args, kwargs):
+        if op.costly and _kept(op, args, kwargs):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             self.costly += 1
             if self.cache.calls is not None and self.costly > self.cache.calls:
                 return out  # past where the recomputation stops: never asked for
             made = _tensors(out)
-            detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            detached = _mapped(torch.Tensor.detach, out)
             kept = self.cache.kept[(id(func), n)] = _Kept(detached, _signature((args, kwargs)),
                                                       [(weakref.ref(t), t._version) for t in made])
             for key in map(_storage, made):
@@ -209,7 +254,7 @@ class _Keeping(TorchDispatchMode):
             if kept.stale or exc[0] is not None:  # its op runs again: nothing to hold
                 del self.cache.kept[key]
             else:
-                kept.outputs = tree_map(lambda t: _Stored(keep(t)) if isinstance(t, torch.Tensor) else t, kept.outputs)
+                kept.outputs = _mapped(lambda t: _Stored(keep(t)), kept.outputs)
         self.cache.by_storage.clear()
         return out
 
@@ -245,13 +290,14 @@ class _Reusing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if keeps(func, args, kwargs):
+        op = _OPS.get(id(func)) or _op(func)
+        if op.costly and _kept(op, args, kwargs):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             kept = self.cache.kept.pop((id(func), n), None)
             if kept is not None and kept.stands(_signature((args, kwargs))):  # (else it runs again)
                 take = self.cache.take
-                return tree_map(lambda v: take(v.stored) if isinstance(v, _Stored) else v, kept.outputs)
+                return _mapped(lambda v: take(v.stored), kept.outputs, _Stored)
         return func(*args, **kwargs)
 
 
@@ -357,12 +403,13 @@ class _Counting(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         meter = self.meter
-        if meter._storages:
-            for key in map(_storage, _written(func, args, kwargs)):
+        op = _OPS.get(id(func)) or _op(func)
+        if meter._storages and op.writes:
+            for key in map(_storage, _written(op, args, kwargs)):
                 if key is not None and key in meter._storage_call:  # written: a selective one would not keep it
                     meter._calls[meter._storage_call[key]] = []
         out = func(*args, **kwargs)
-        if keeps(func, args, kwargs):
+        if op.costly and _kept(op, args, kwargs):
             meter._count(out)
         return out
 

@@ -463,3 +463,21 @@ def test_what_the_model_moves_is_what_the_engine_moves_under_min_offload_bytes(m
     moves = min_offload_bytes == 0  # the tiny blocks' inputs and outputs are all under 1 MiB
     assert plan[0]["offloaded_bytes"] == (ROWS * D * 4 + COSTLY if moves else 0)
     assert plan[1]["resident_bytes"] == (0 if moves else ROWS * D * 4)
+
+
+def test_an_ops_tensors_are_found_and_mapped_in_every_container_it_may_use():
+    """The walk over an op's arguments and outputs (tuples, lists and dicts here, anything else
+    through pytree) finds every tensor, in order, and maps only tensors."""
+    from collections import namedtuple
+
+    from actoffload.selective import _mapped, _tensors
+
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    Pair = namedtuple("Pair", "x y")
+    args = (a, [b, (1, None)], {"k": c, "p": 0.5}, torch.float32, Pair(a, 3))
+    assert [t.shape for t in _tensors(args)] == [a.shape, b.shape, c.shape, a.shape]
+    assert _tensors(a) == [a] and _tensors(3) == [] and _tensors(Pair(b, c)) == [b, c]
+    doubled = _mapped(lambda t: t * 2, (a, 1, None, [b]))
+    assert type(doubled) is tuple and doubled[1:3] == (1, None) and torch.equal(doubled[3][0], b * 2)
+    pair = _mapped(lambda t: t + 1, Pair(a, 3))
+    assert type(pair) is Pair and torch.equal(pair.x, a + 1) and pair.y == 3

@@ -184,3 +184,22 @@ def test_own_tensors_are_the_modules_own_parameters_and_buffers():
     assert set(buffers) == {n for n, _ in m[0].named_buffers(recurse=False)}
     params["weight"] = None
     assert m[0].weight is not None  # a copy
+
+
+def test_without_dispatch_modes_hides_ops_from_an_active_mode_and_keeps_it():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seeing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.randn(4)
+    with Seeing():
+        with compat.without_dispatch_modes():
+            guard = compat.version_guard(t)
+        assert seen == []
+        t.add_(1)
+    assert seen == [torch.ops.aten.add_.Tensor] and guard._version == t._version
