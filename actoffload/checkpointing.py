@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import weakref
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -38,32 +37,13 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
     Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
     saved tensor after its save would go unnoticed where autograd raises (R6): each save's
     version is checked before each recomputation (not after: the recomputation may itself
-    write what it saves again). While the forward runs a save is only watched, weakly,
-    through the base of its views (every view holds its base, and shares its version
-    counter): most saves are the forward's temporaries, gone by its end, which nothing can
-    write any more. Those alive when it ends get a guard each (making one for every save
-    took about a third of a recomputed group's host time).
+    write what it saves again).
     """
-    seen: list[tuple[Any, int, torch.Size]] = []  # (the save's view base, weakly; its version; its shape)
-    guards: list[tuple[torch.Tensor, int, torch.Size]] = []
+    seen: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
 
     def saw(t: torch.Tensor) -> None:
         see(t)
-        if t.is_nested:
-            raise _nested_error(group)
-        base = t._base
-        seen.append((_weak(t if base is None else base), t._version, t.shape))
-
-    def forward_ended() -> None:
-        made: dict[int, torch.Tensor] = {}  # one guard per tensor (all alive now: their ids are distinct)
-        for ref, version, shape in seen:
-            t = ref()
-            if t is not None:
-                guard = made.get(id(t))
-                if guard is None:
-                    guard = made[id(t)] = _guard(t)
-                guards.append((guard, version, shape))
-        seen.clear()
+        seen.append(guarded(group, t))
 
     modes = []
     if group.selective:
@@ -71,42 +51,44 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
                      selective.contexts(*store, calls=group.selective_calls))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
+    # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes
+    guarded = _outside_modes(_guarded) if modes else _guarded
+
     recomputing = [r for _, r in modes]
 
     @contextlib.contextmanager
     def checked() -> Iterator[None]:
-        for guard, version, shape in guards:
+        for guard, version, shape in seen:
             if guard._version != version:
                 raise modified_error(group, shape, version, guard._version)
         with recomputation(), _together(*recomputing):
             yield
 
-    # the forward's modes are left before its saves' hooks (entered first, left last): the
-    # guards' own ops (a detach, a storage swap) are not shown to them
-    return _together(_SeeingSaves(saw, forward_ended), *(f for f, _ in modes)), _EachTime(checked)
+    return _together(_SeeingSaves(saw), *(f for f, _ in modes)), _EachTime(checked)
 
 
-def _nested_error(group: Group) -> RuntimeError:
-    return RuntimeError(
-        f"group {group.name!r} is being recomputed (fast's warm-up, or a memory_budget's plan), but "
-        "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
-        "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
-    )
+def _outside_modes(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` run with the Python dispatch modes that are active left out: a saved-tensor hook
+    runs inside the forward's modes (a selective group's), and each op of its own went through
+    them, costing about ten microseconds of Python each, and showing them ops the forward never made."""
+    def outside(*args: Any) -> Any:
+        with compat.without_dispatch_modes():
+            return f(*args)
+    return outside
 
 
-def _weak(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    if t.is_nested:
+        raise RuntimeError(
+            f"group {group.name!r} is being recomputed (fast's warm-up, or a memory_budget's plan), but "
+            "its forward saves a nested tensor, which activation checkpointing cannot save. Use "
+            "warmup='offload', or open this group with `with off.group(...)` so that no plan recomputes it."
+        )
     try:
-        return weakref.ref(t)
-    except TypeError:  # a kind that takes no weak reference: watched strongly (its memory held)
-        return lambda: t
-
-
-def _guard(t: torch.Tensor) -> torch.Tensor:
-    """A tensor sharing ``t``'s version counter, without its memory where it can be."""
-    try:
-        return compat.version_guard(t)
+        guard = compat.version_guard(t)
     except RuntimeError:  # a kind whose data cannot be swapped out (sparse): hold it whole
-        return t.detach()
+        guard = t.detach()
+    return guard, t._version, tuple(t.shape)
 
 
 class WouldSave:
@@ -159,12 +141,10 @@ class WouldSave:
 
 class _SeeingSaves:
     """Saved-tensor hooks that show each save to ``see`` and hand it on to the hooks that were
-    innermost when entered (checkpoint enters its own, then this one); ``ended`` is called
-    once they are left (the forward is over)."""
+    innermost when entered (checkpoint enters its own, then this one)."""
 
-    def __init__(self, see: Callable[[torch.Tensor], None], ended: Callable[[], None] = lambda: None):
+    def __init__(self, see: Callable[[torch.Tensor], None]):
         self._see = see
-        self._ended = ended
         self._hooks: Any = None
 
     def __enter__(self) -> None:
@@ -186,7 +166,6 @@ class _SeeingSaves:
         # whole backward pass) instead of until the group's backward was done.
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
-        self._ended()
 
 
 class _EachTime:
