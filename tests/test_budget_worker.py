@@ -194,3 +194,15 @@ def test_a_predicted_workload_runs_the_quick_plans_and_asks_for_its_sources_wind
     assert list(w.asked.values()) == [(c.profile, [(2, 1)])]
     _run(c, 2, lambda p: p.step_s)
     assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)]))
+
+
+def test_answers_no_one_takes_are_not_kept(worker):
+    """An answer forgotten before it came, and those of controllers that were dropped while
+    they waited, do not pile up in the training process."""
+    forgotten = worker.submit(_profile(), [(0, 0)])
+    worker.forget(forgotten)
+    orphans = [worker.submit(_profile(), [(0, 0)]) for _ in range(planning.KEPT_ANSWERS + 3)]
+    last = worker.submit(_profile(), [(1, 1)])
+    assert worker.result(last, wait=True) is not None
+    assert forgotten not in worker._answers and not worker._forgotten
+    assert len(worker._answers) < planning.KEPT_ANSWERS and orphans[0] not in worker._answers

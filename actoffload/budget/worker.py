@@ -48,6 +48,7 @@ worker.serve(sys.stdin.buffer, sys.stdout.buffer)
 
 
 _HEADER = struct.Struct("<Q")  # an answer's length, before it
+KEPT_ANSWERS = 32  # answers waiting to be taken: each controller waits for one at most
 
 
 class WorkerFailed(RuntimeError):
@@ -95,7 +96,8 @@ class PlanWorker:
         assert self._proc.stdout is not None
         self._fd = self._proc.stdout.fileno()
         self._tickets = itertools.count(1)
-        self._answers: dict[int, tuple[Any, Any]] = {}
+        self._answers: dict[int, tuple[Any, Any]] = {}  # answers not yet taken, oldest first
+        self._forgotten: set[int] = set()  # tickets whose answers are dropped as they come
         self._lock = threading.Lock()  # controllers of several threads share the process's worker
         self.seconds = 0.0  # the searches' time in the helper, all told
         try:
@@ -139,7 +141,8 @@ class PlanWorker:
     def forget(self, ticket: int) -> None:
         """An answer no longer wanted (its profile was replaced): dropped when it comes."""
         with self._lock:
-            self._answers.pop(ticket, None)
+            if self._answers.pop(ticket, None) is None:
+                self._forgotten.add(ticket)
 
     def _readable(self, timeout: float | None) -> bool:
         try:
@@ -167,7 +170,12 @@ class PlanWorker:
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             code = self._proc.poll()
             raise WorkerFailed(f"the planning process ended (exit code {code}): {e!r}") from e
+        if ticket in self._forgotten:
+            self._forgotten.discard(ticket)
+            return
         self._answers[ticket] = (plans, extra)
+        while len(self._answers) > KEPT_ANSWERS:  # a controller dropped while it waited never takes its own
+            del self._answers[next(iter(self._answers))]
 
     def close(self) -> None:
         """End the helper process (it ends by itself once this process's end of the pipe closes)."""
