@@ -206,3 +206,17 @@ def test_answers_no_one_takes_are_not_kept(worker):
     assert worker.result(last, wait=True) is not None
     assert forgotten not in worker._answers and not worker._forgotten
     assert len(worker._answers) < planning.KEPT_ANSWERS and orphans[0] not in worker._answers
+
+
+def test_a_planning_process_that_cannot_start_leaves_planning_in_the_training_process(monkeypatch, tmp_path):
+    monkeypatch.setattr(planning, "_shared", None)
+    monkeypatch.setattr(planning, "_failed", False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    with pytest.warns(RuntimeWarning, match="planning runs in the training process"):
+        assert planning.shared() is None
+    assert planning.shared() is None  # not tried again
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(1 << 40, CPU, probe=probe)
+    c.adopt_profile(_profile(), BASE + 100 * MiB)
+    assert _keys(c.plans) == _keys(_synchronous().plans) and not c.stats()["planning_in_background"]

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import IO, Any, Sequence
 
 from .costmodel import MemoryPlan, Profile
@@ -209,7 +210,8 @@ def shared() -> PlanWorker | None:
                 _shared = PlanWorker()
             except (WorkerFailed, OSError) as e:
                 _failed = True
-                print(f"actoffload: planning runs in the training process ({e})", file=sys.stderr)
+                warnings.warn(f"actoffload: memory-budget planning runs in the training process ({e})",
+                              RuntimeWarning, stacklevel=2)
                 return None
             atexit.register(_shared.close)
         return _shared
@@ -222,7 +224,8 @@ def failed(worker: PlanWorker, error: BaseException) -> None:
         _failed = True
         if _shared is worker:
             _shared = None
-    print(f"actoffload: planning runs in the training process from now on ({error})", file=sys.stderr)
+    warnings.warn(f"actoffload: memory-budget planning runs in the training process from now on ({error})",
+                  RuntimeWarning, stacklevel=2)
     try:
         worker.close()
     except Exception:
