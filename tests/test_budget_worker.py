@@ -60,14 +60,87 @@ def test_answers_arriving_together_are_each_found_by_looking(worker):
 def test_the_planning_process_does_not_import_torch():
     """It imports the budget's pure-Python modules only: it starts in a fraction of a second
     and holds little memory, beside a training process."""
-    check = planning._BOOT.replace("worker.serve(sys.stdin.buffer, sys.stdout.buffer)",
-                                   "print('torch' in sys.modules, 'numpy' in sys.modules)")
     import os
 
+    check = planning._BOOT.replace("worker.serve(sys.stdin.buffer, int(sys.argv[1]))",
+                                   "print('torch' in sys.modules, 'numpy' in sys.modules)")
     package = os.path.dirname(os.path.dirname(os.path.abspath(planning.__file__)))
-    out = subprocess.run([sys.executable, "-c", check], input=pickle.dumps((sys.path, package)),
+    out = subprocess.run([sys.executable, "-I", "-c", check, "0"], input=pickle.dumps((sys.path, "actoffload", package)),
                          capture_output=True, check=True, timeout=60)
     assert out.stdout.split() == [b"False", b"True"]
+
+
+def _big_profile(n):
+    from actoffload.budget.costmodel import GroupProfile, Profile
+
+    groups = tuple(GroupProfile(f"layers.{i}", spans=tuple((64 + i + k) * MiB for k in range(4)), kept=0,
+                                inputs=8 * MiB, forward_s=1e-3 * (1 + i % 3), backward_s=2e-3,
+                                forward_extra=16 * MiB, backward_extra=16 * MiB) for i in range(n))
+    return Profile(groups, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+
+
+def test_asking_never_waits_for_the_process_whatever_the_answers_size(worker):
+    """Answers far larger than a pipe holds, none read while more are asked for: the asking
+    returns at once (the requests and answers move on threads of their own), and every answer
+    comes whole."""
+    import threading
+
+    profile = _big_profile(96)
+    tickets = []
+    asking = threading.Thread(target=lambda: tickets.extend(worker.submit(profile, [(w, 1)]) for w in (0, 1, 2, 0)))
+    asking.start()
+    asking.join(timeout=30)
+    assert not asking.is_alive() and len(tickets) == 4
+    answers = [worker.result(t, wait=True)[0] for t in tickets]
+    assert _keys(answers[1]) == _keys(search.candidates(profile, [(1, 1)])) and _keys(answers[0]) == _keys(answers[3])
+
+
+def test_a_dropped_controller_lets_go_of_its_answer_and_a_dead_process_fails_every_request(monkeypatch):
+    import gc
+
+    w = planning.PlanWorker()
+    try:
+        monkeypatch.setattr(controller_module, "_worker_for",
+                            lambda probe: w if getattr(probe, "asynchronous", False) else None)
+        probe = FakeProbe()
+        probe.asynchronous = True
+        c = BudgetController(1 << 40, CPU, probe=probe)
+        c.adopt_profile(_big_profile(24), None)
+        ticket = c._pending[0]
+        del c
+        gc.collect()
+        assert w.result(w.submit(_profile()), wait=True) is not None  # answered after the dropped one
+        assert ticket not in w._outstanding and ticket not in w._answers and not w._forgotten
+        waiting = w.submit(_big_profile(96))
+        w._proc.kill()
+        with pytest.raises(planning.WorkerFailed, match="cannot answer"):
+            w.result(waiting, wait=True)
+        with pytest.raises(planning.WorkerFailed):
+            w.submit(_profile())
+    finally:
+        w.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_process_forked_from_the_trainer_does_not_keep_the_planning_process_alive():
+    """A child forked after the helper started (a data loader's worker) lets go of the pipes:
+    the helper still ends as soon as the trainer closes it, not when the child ends."""
+    import os
+
+    w = planning.PlanWorker()
+    planning_shared, planning._shared = planning._shared, w
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: alive longer than the parent waits
+            time.sleep(5)
+            os._exit(0)
+        started = time.monotonic()
+        w.close(wait_s=4.0)
+        assert w._proc.returncode == 0 and time.monotonic() - started < 3.0  # ended, not killed
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    finally:
+        planning._shared = planning_shared
 
 
 def test_a_search_that_raises_in_the_process_raises_where_it_is_collected(worker):
@@ -196,18 +269,6 @@ def test_a_predicted_workload_runs_the_quick_plans_and_asks_for_its_sources_wind
     assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)]))
 
 
-def test_answers_no_one_takes_are_not_kept(worker):
-    """An answer forgotten before it came, and those of controllers that were dropped while
-    they waited, do not pile up in the training process."""
-    forgotten = worker.submit(_profile(), [(0, 0)])
-    worker.forget(forgotten)
-    orphans = [worker.submit(_profile(), [(0, 0)]) for _ in range(planning.KEPT_ANSWERS + 3)]
-    last = worker.submit(_profile(), [(1, 1)])
-    assert worker.result(last, wait=True) is not None
-    assert forgotten not in worker._answers and not worker._forgotten
-    assert len(worker._answers) < planning.KEPT_ANSWERS and orphans[0] not in worker._answers
-
-
 def test_a_planning_process_that_cannot_start_leaves_planning_in_the_training_process(monkeypatch, tmp_path):
     monkeypatch.setattr(planning, "_shared", None)
     monkeypatch.setattr(planning, "_failed", False)
@@ -220,3 +281,66 @@ def test_a_planning_process_that_cannot_start_leaves_planning_in_the_training_pr
     c = BudgetController(1 << 40, CPU, probe=probe)
     c.adopt_profile(_profile(), BASE + 100 * MiB)
     assert _keys(c.plans) == _keys(_synchronous().plans) and not c.stats()["planning_in_background"]
+
+
+def test_answers_to_a_calibrations_requests_grant_no_more_tries(monkeypatch):
+    """Each calibration asks the planning process again: its answer replaces the candidates,
+    and tries no more plans than a controller searching by itself (it settles as soon)."""
+    from actoffload.budget.costmodel import moves_bytes
+
+    profile = _big_profile(8)
+    plans = search.candidates(profile)
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    budget = least + (most - least) // 2
+    seconds = lambda p: p.step_s * (1.6 if moves_bytes(profile, p.groups) else 0.9)  # noqa: E731
+    runs = []
+    for asynchronous in (False, True):
+        monkeypatch.setattr(controller_module, "_worker_for",
+                            lambda probe, w=_Worker(after=1): w if getattr(probe, "asynchronous", False) else None)
+        probe = FakeProbe()
+        probe.asynchronous = asynchronous
+        c = BudgetController(budget, CPU, probe=probe)
+        c.adopt_profile(profile, None)
+        settled_at = None
+        for step in range(1, 41):
+            _run(c, 1, seconds)
+            settled_at = settled_at or (step if c.settled else None)
+        runs.append((len(c.measured_plans()), settled_at, c._calibrated))
+    assert runs[0] == runs[1] and runs[0][2] > 0  # (calibrated: its requests were asked again)
+
+
+def test_a_predicted_workload_is_refused_only_where_the_whole_search_fits_nothing(monkeypatch):
+    """The quick search lacks the lowest plans: whether a prediction fits is the whole
+    search's to say, as without the planning process."""
+    from actoffload.budget.tolerances import least_margin
+
+    w = _Worker(after=2)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    for window in (None, (2, 1)):
+        least = min(p.peak for p in search.candidates(_profile(), None if window is None else [window]))
+        assert least < min(p.peak for p in search.quick_candidates(_profile(), window))
+        for budget in (least + 2 * MiB, least - 2 * MiB):
+            while budget > least and least + least_margin(budget) > budget:
+                budget += MiB
+            answers = []
+            for asynchronous in (False, True):
+                probe = FakeProbe()
+                probe.asynchronous = asynchronous
+                answers.append(BudgetController(budget, CPU, probe=probe).adopt_prediction(_profile(), window))
+            assert answers[0] == answers[1] == (budget > least), (window, budget)
+
+
+def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search(monkeypatch):
+    class Refusing(_Worker):
+        def submit(self, profile, windows=None):
+            raise planning.WorkerFailed("the test's worker refuses")
+
+    monkeypatch.setattr(planning, "failed", lambda worker, error: None)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: Refusing() if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(1 << 40, CPU, probe=probe)
+    assert c.adopt_prediction(_profile(), (2, 1))
+    assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)])) and c._worker is None

@@ -46,6 +46,7 @@ import enum
 import itertools
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -197,7 +198,8 @@ class BudgetController:
         # the whole search runs in a helper process where one serves (CUDA: the step's device
         # work goes on while the host plans); until it answers, a quick one's plans (:meth:`_plan_all`)
         self._worker = _worker_for(self._probe)
-        self._pending: tuple[int, Profile] | None = None  # (ticket, the profile searched)
+        self._pending: tuple[int, Profile, bool] | None = None  # (ticket, the profile searched, just adopted)
+        self._unwanted: Any = None  # lets the planning process drop the pending answer should this controller go
         self.background_planning_s = 0.0  # the helper's seconds searching for this workload
 
     # ------------------------------------------------------------------ what it knows
@@ -308,16 +310,23 @@ class BudgetController:
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         windows = None if window is None else [window]
+
+        def fits(plans: list[MemoryPlan]) -> bool:
+            return any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans)
+
         # under the copy window its source settled on (a ninth of the paths); where the planning
         # process serves, that path alone here, and the hand-written families from the process
+        # (but the whole search says whether none fits, and searches here should it not answer)
+        quick = self._worker is not None
         with self._planning():
-            plans = (search.candidates(profile, windows) if self._worker is None
-                     else search.quick_candidates(profile, window))
-        if not any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans):
+            plans = search.quick_candidates(profile, window) if quick else search.candidates(profile, windows)
+            if quick and not fits(plans):
+                plans, quick = search.candidates(profile, windows), False
+        if not fits(plans):
             return False
         self._adopt(profile, None, plans)
-        if self._worker is not None:
-            self._ask(windows)
+        if quick and not self._ask(windows, fresh=True):
+            self._plan_all(search.candidates(profile, windows))
         self.predicted = True
         # the profile it was predicted from was explored and calibrated already: its model's
         # first choice runs, and is measured like any plan (its peak checked, its time taken)
@@ -686,7 +695,7 @@ class BudgetController:
         (:meth:`_ask`), and until it answers (:meth:`_collect`) the candidates stay as they were,
         or for a ``fresh`` profile are those of a quick search (:func:`~.search.quick_candidates`)."""
         assert self._profile is not None
-        if plans is None and self._ask():
+        if plans is None and self._ask(fresh=fresh):
             if not fresh:
                 return
             with self._planning():
@@ -702,30 +711,38 @@ class BudgetController:
                                               *simulate(self._profile, groups, max_inflight, prefetch)))
             self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
 
-    def _ask(self, windows: Sequence[tuple[int, int]] | None = None) -> bool:
+    def _ask(self, windows: Sequence[tuple[int, int]] | None = None, fresh: bool = False) -> bool:
         """Ask the planning process for the current profile's candidates (``windows``: as
-        :func:`~.search.candidates` takes them; a request still unanswered is dropped: its
-        profile is replaced); whether it took the request."""
+        :func:`~.search.candidates` takes them; ``fresh``: a profile just adopted, whose quick
+        search's plans run meanwhile; a request still unanswered is dropped: its profile is
+        replaced); whether it took the request."""
         if self._worker is None:
             return False
-        if self._pending is not None:
-            self._worker.forget(self._pending[0])
-            self._pending = None
+        self._drop_pending()
         assert self._profile is not None
         try:
             with self._planning():
-                self._pending = (self._worker.submit(self._profile, windows), self._profile)
+                ticket = self._worker.submit(self._profile, windows)
         except planning.WorkerFailed as e:
             self._lose_worker(e)
             return False
+        self._pending = (ticket, self._profile, fresh)
+        self._unwanted = weakref.finalize(self, self._worker.forget, ticket)
         return True
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None and self._worker is not None:
+            self._worker.forget(self._pending[0])
+        if self._unwanted is not None:
+            self._unwanted.detach()
+        self._pending, self._unwanted = None, None
 
     def _collect(self, wait: bool = False) -> None:
         """Take the planning process's answer, where it came (``wait``: wait for it), and choose
         among the new candidates: trying them as after a profiling step's own search."""
         if self._pending is None or self._worker is None:
             return
-        ticket, profile = self._pending
+        ticket, profile, fresh = self._pending
         try:
             with self._planning():
                 answer = self._worker.result(ticket, wait)
@@ -735,7 +752,7 @@ class BudgetController:
             wait = True
         if answer is None and not wait:
             return
-        self._pending = None
+        self._drop_pending()
         if profile is not self._profile:
             return  # a later profile's request replaced it (_ask); none is left when it is not
         if answer is not None:
@@ -744,17 +761,21 @@ class BudgetController:
             self._plan_all(plans)
         else:
             self._plan_all()
-        # the quick search's plans that ran meanwhile are no tries of the whole search's model:
-        # its first choice, and EXPLORE more, may still run
-        self._explore += len(self._runs)
+        if fresh and not self.predicted:
+            # the quick search's plans that ran meanwhile are no tries of the whole search's
+            # model: its first choice, and EXPLORE more, may still run (a predicted profile's
+            # first choice runs alone, as it would have)
+            self._explore += len(self._runs)
         if self._state is State.SETTLED:
             self._state = State.EXPLORING
         self._choose()
 
     def _lose_worker(self, error: BaseException) -> None:
+        if self._unwanted is not None:
+            self._unwanted.detach()
         if self._worker is not None:
             planning.failed(self._worker, error)
-        self._worker, self._pending = None, None
+        self._worker, self._pending, self._unwanted = None, None, None
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:

@@ -22,7 +22,7 @@ import atexit
 import itertools
 import os
 import pickle
-import select
+import queue
 import struct
 import subprocess
 import sys
@@ -33,53 +33,62 @@ from typing import IO, Any, Sequence
 
 from .costmodel import MemoryPlan, Profile
 
-# The helper's first lines: the parent's import path and this package's folder come first, so
-# that the budget's modules (and pickled profiles' classes) import as in the parent, without
-# running actoffload/__init__.py (which imports torch).
+# The helper's first lines, run isolated (-I: no working directory, user site or PYTHON*
+# variables on its path, so that no file of the caller's shadows the standard library): the
+# parent's import path and this package's folder come next, so that the budget's modules (and
+# pickled profiles' classes) import as in the parent, without running the package's
+# __init__.py (which imports torch). Answers go to a pipe of their own (its descriptor is the
+# argument): anything a site hook prints goes to the parent's standard output, not into them.
 _BOOT = """
-import pickle, sys, types
-path, package = pickle.load(sys.stdin.buffer)
+import pickle, signal, sys, types
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's: this ends with its pipe
+path, name, package = pickle.load(sys.stdin.buffer)
 sys.path[:] = path
-module = types.ModuleType("actoffload")
+module = types.ModuleType(name)
 module.__path__ = [package]
-sys.modules["actoffload"] = module
-from actoffload.budget import worker
-worker.serve(sys.stdin.buffer, sys.stdout.buffer)
+sys.modules[name] = module
+worker = __import__(name + ".budget.worker", fromlist=["serve"])
+worker.serve(sys.stdin.buffer, int(sys.argv[1]))
 """
 
-
 _HEADER = struct.Struct("<Q")  # an answer's length, before it
-KEPT_ANSWERS = 32  # answers waiting to be taken: each controller waits for one at most
+_PACKAGE = __name__.split(".")[0]
 
 
 class WorkerFailed(RuntimeError):
     """The helper process cannot answer (it did not start, or died): search in this process."""
 
 
-def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+def serve(requests: IO[bytes], answers_fd: int) -> None:
     """The helper's loop: each request ``(ticket, profile, windows)`` is answered with
     ``(ticket, plans, seconds)``, or ``(ticket, None, error)`` where the search raised, until
-    the parent closes the pipe."""
+    the parent closes the pipe (or is gone)."""
     from . import search
 
-    while True:
-        try:
-            ticket, profile, windows = pickle.load(requests)
-        except EOFError:
-            return
-        started = time.perf_counter()
-        try:
-            answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows),
-                                            time.perf_counter() - started)
-        except Exception as e:  # the parent searches itself, and raises it there
-            answer = (ticket, None, repr(e))
-        data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        answers.write(_HEADER.pack(len(data)) + data)  # framed: the parent reads it off the bare pipe
-        answers.flush()
+    with os.fdopen(answers_fd, "wb") as answers:
+        while True:
+            try:
+                ticket, profile, windows = pickle.load(requests)
+            except (EOFError, OSError):
+                return
+            started = time.perf_counter()
+            try:
+                answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows),
+                                                time.perf_counter() - started)
+            except Exception as e:  # the parent searches itself, and raises it there
+                answer = (ticket, None, repr(e))
+            data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                answers.write(_HEADER.pack(len(data)) + data)  # framed: read off the bare pipe
+                answers.flush()
+            except OSError:  # the parent is gone
+                return
 
 
 class PlanWorker:
-    """A helper process that makes plans (see the module).
+    """A helper process that makes plans (see the module). Two daemon threads of this process
+    move the bytes (requests out, answers in), blocked in the pipes' system calls, which hold no
+    interpreter lock: neither the step nor the helper ever waits on the other's pipe.
 
     Example::
 
@@ -91,105 +100,149 @@ class PlanWorker:
 
     def __init__(self) -> None:
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        # only the pipes are passed (close_fds); its standard error is this process's, so that a failure shows
-        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, close_fds=True)
-        assert self._proc.stdout is not None
-        self._fd = self._proc.stdout.fileno()
-        self._tickets = itertools.count(1)
-        self._answers: dict[int, tuple[Any, Any]] = {}  # answers not yet taken, oldest first
-        self._forgotten: set[int] = set()  # tickets whose answers are dropped as they come
-        self._lock = threading.Lock()  # controllers of several threads share the process's worker
-        self.seconds = 0.0  # the searches' time in the helper, all told
+        answers_in, answers_out = os.pipe()
         try:
-            self._send((list(sys.path), package))
-        except OSError as e:
-            self.close()
-            raise WorkerFailed(f"the planning process did not start: {e}") from e
+            # its standard output and error are this process's, so that anything it says shows
+            self._proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, str(answers_out)],
+                                          stdin=subprocess.PIPE, pass_fds=(answers_out,), close_fds=True)
+        except BaseException:
+            os.close(answers_in)
+            raise
+        finally:
+            os.close(answers_out)
+        self._answers_fd = answers_in
+        self._tickets = itertools.count(1)
+        self._cond = threading.Condition()  # guards what follows; notified as answers come
+        self._answers: dict[int, tuple[Any, Any]] = {}  # answers not yet taken
+        self._outstanding: set[int] = set()  # tickets asked for and not yet taken or forgotten
+        self._forgotten: set[int] = set()  # outstanding tickets whose answers are dropped as they come
+        self._error: str | None = None  # why it can no longer answer
+        self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.seconds = 0.0  # the searches' time in the helper, all told
+        self._requests.put(pickle.dumps((list(sys.path), _PACKAGE, package), protocol=pickle.HIGHEST_PROTOCOL))
+        threading.Thread(target=self._write, name="actoffload-plan-requests", daemon=True).start()
+        threading.Thread(target=self._read, name="actoffload-plan-answers", daemon=True).start()
 
-    def _send(self, message: Any) -> None:
-        assert self._proc.stdin is not None
-        pickle.dump(message, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-        self._proc.stdin.flush()
+    # -------------------------------------------------------------- the threads
+    def _write(self) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            while (data := self._requests.get()) is not None:
+                stdin.write(data)
+                stdin.flush()
+        except (OSError, ValueError) as e:
+            self._fail(f"its request pipe failed: {e}")
+        finally:
+            try:
+                stdin.close()  # the helper's end of input: it ends
+            except OSError:
+                pass
 
+    def _read(self) -> None:
+        try:
+            while True:
+                (size,) = _HEADER.unpack(self._take(_HEADER.size))
+                ticket, plans, extra = pickle.loads(self._take(size))
+                with self._cond:
+                    if ticket in self._forgotten:
+                        self._forgotten.discard(ticket)
+                        self._outstanding.discard(ticket)
+                    elif ticket in self._outstanding:
+                        self._answers[ticket] = (plans, extra)
+                    self._cond.notify_all()
+        except Exception as e:  # EOF, a broken or foreign stream: no more answers
+            self._fail(f"it ended (exit code {self._proc.poll()}): {e!r}")
+        finally:
+            os.close(self._answers_fd)
+
+    def _take(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = os.read(self._answers_fd, min(n, 1 << 20))
+            if not chunk:
+                raise EOFError("the answer pipe closed")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def _fail(self, error: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------- the controllers' side
     def submit(self, profile: Profile, windows: Sequence[tuple[int, int]] | None = None) -> int:
         """Ask for :func:`~.search.candidates` of ``profile`` (and ``windows``); returns the
-        ticket its answer comes under."""
-        with self._lock:
-            ticket = next(self._tickets)
-            try:
-                self._send((ticket, profile, None if windows is None else list(windows)))
-            except (OSError, ValueError) as e:
-                raise WorkerFailed(f"the planning process is gone: {e}") from e
-            return ticket
+        ticket its answer comes under. Never waits for the helper."""
+        ticket = next(self._tickets)
+        data = pickle.dumps((ticket, profile, None if windows is None else list(windows)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        with self._cond:
+            if self._error is not None:
+                raise WorkerFailed(f"the planning process cannot answer: {self._error}")
+            self._outstanding.add(ticket)
+        self._requests.put(data)
+        return ticket
 
     def result(self, ticket: int, wait: bool = False) -> tuple[list[MemoryPlan], float] | None:
         """The plans asked for under ``ticket``, and the seconds the helper searched; ``None``
         while it still searches (with ``wait``: wait for them). Raises :class:`WorkerFailed`
         where it cannot answer, or its search raised (the caller searches itself, and sees the
         error there)."""
-        with self._lock:
+        with self._cond:
             while ticket not in self._answers:
-                if not self._readable(None if wait else 0.0):
+                if self._error is not None:
+                    raise WorkerFailed(f"the planning process cannot answer: {self._error}")
+                if ticket not in self._outstanding:
+                    raise WorkerFailed(f"no request under ticket {ticket} is waiting")
+                if not wait:
                     return None
-                self._receive()
+                self._cond.wait()
             plans, extra = self._answers.pop(ticket)
+            self._outstanding.discard(ticket)
         if plans is None:
             raise WorkerFailed(f"the planning process's search raised {extra}")
         self.seconds += extra
         return plans, extra
 
     def forget(self, ticket: int) -> None:
-        """An answer no longer wanted (its profile was replaced): dropped when it comes."""
-        with self._lock:
-            if self._answers.pop(ticket, None) is None:
+        """An answer no longer wanted (its profile was replaced, its controller dropped): let go
+        of it, or drop it as it comes. A ticket already taken is no one's: nothing happens."""
+        with self._cond:
+            if ticket not in self._outstanding:
+                return
+            if self._answers.pop(ticket, None) is not None:
+                self._outstanding.discard(ticket)
+            else:
                 self._forgotten.add(ticket)
 
-    def _readable(self, timeout: float | None) -> bool:
+    def close(self, wait_s: float = 1.0) -> None:
+        """End the helper process: its input is closed, so it ends; one still running after
+        ``wait_s`` (a process forked from this one keeps the pipe open) is killed."""
+        self._fail("it was closed")
+        self._requests.put(None)
         try:
-            ready, _, _ = select.select([self._fd], [], [], timeout)
-        except (OSError, ValueError) as e:
-            raise WorkerFailed(f"the planning process's pipe failed: {e}") from e
-        return bool(ready)
-
-    def _read(self, n: int) -> bytes:
-        """Exactly ``n`` bytes off the pipe (read bare: a buffered reader could hold the next
-        answer where ``select`` does not see it)."""
-        chunks = []
-        while n:
-            chunk = os.read(self._fd, n)
-            if not chunk:
-                raise EOFError("the pipe closed")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
-    def _receive(self) -> None:
-        try:
-            (size,) = _HEADER.unpack(self._read(_HEADER.size))
-            ticket, plans, extra = pickle.loads(self._read(size))
-        except (EOFError, OSError, pickle.UnpicklingError) as e:
-            code = self._proc.poll()
-            raise WorkerFailed(f"the planning process ended (exit code {code}): {e!r}") from e
-        if ticket in self._forgotten:
-            self._forgotten.discard(ticket)
-            return
-        self._answers[ticket] = (plans, extra)
-        while len(self._answers) > KEPT_ANSWERS:  # a controller dropped while it waited never takes its own
-            del self._answers[next(iter(self._answers))]
-
-    def close(self) -> None:
-        """End the helper process (it ends by itself once this process's end of the pipe closes)."""
-        for pipe in (self._proc.stdin, self._proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
-        try:
-            self._proc.wait(timeout=5)
+            self._proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
+
+    def _forked(self) -> None:
+        """In a child process forked from this one: its threads did not come along, and the
+        helper is the parent's. The child lets go of its copies of the pipes, so that the helper
+        still ends with the parent: each descriptor is pointed at the null device rather than
+        closed, so that the copy of the request pipe's buffered writer, flushed whenever the
+        child lets go of it, writes what the parent's thread had buffered nowhere."""
+        self._error = "this process was forked from the one that started it"
+        fds = [self._answers_fd] + ([self._proc.stdin.fileno()] if self._proc.stdin is not None else [])
+        for fd in fds:
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
 
 
 _shared: PlanWorker | None = None
@@ -199,11 +252,13 @@ _shared_lock = threading.Lock()
 
 def shared() -> PlanWorker | None:
     """The process's planning worker, started on first use; ``None`` where none can run (it
-    failed before, or this platform cannot wait on its pipe)."""
+    failed before; Windows, which passes no pipe but the standard ones; a frozen application,
+    whose executable is not Python; the package vendored under another's name)."""
     global _shared, _failed
     with _shared_lock:
         if _shared is None and not _failed:
-            if not hasattr(select, "select") or sys.platform == "win32":
+            if (sys.platform == "win32" or getattr(sys, "frozen", False) or not sys.executable
+                    or __name__ != f"{_PACKAGE}.budget.worker"):
                 _failed = True
                 return None
             try:
@@ -227,6 +282,17 @@ def failed(worker: PlanWorker, error: BaseException) -> None:
     warnings.warn(f"actoffload: memory-budget planning runs in the training process from now on ({error})",
                   RuntimeWarning, stacklevel=2)
     try:
-        worker.close()
+        worker.close(wait_s=0.0)
     except Exception:
         pass
+
+
+def _after_fork_in_child() -> None:
+    global _shared
+    if _shared is not None:
+        _shared._forked()
+        _shared = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
