@@ -344,3 +344,119 @@ def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search
     c = BudgetController(1 << 40, CPU, probe=probe)
     assert c.adopt_prediction(_profile(), (2, 1))
     assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)])) and c._worker is None
+
+
+def test_a_request_forgotten_before_it_is_sent_is_not_searched():
+    """A calibration or a new profile replaces a request: where it was not sent yet, the helper
+    never searches it, and the requests that are wanted do not wait behind it."""
+    w = planning.PlanWorker()
+    try:
+        with w._cond:  # the writer waits for this lock before it sends each request
+            tickets = [w.submit(_big_profile(48)) for _ in range(4)] + [w.submit(_profile())]
+            for t in tickets[:-1]:
+                w.forget(t)
+        assert w.result(tickets[-1], wait=True) is not None
+        assert w.answered == 1 and not w._outstanding and not w._forgotten
+    finally:
+        w.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_fork_after_the_process_died_touches_no_file_of_the_trainers():
+    """The pipes' descriptors are forgotten as they are closed: a number the trainer's next
+    file gets is not redirected in a forked child, and the fork's hook does not raise."""
+    import os
+
+    w = planning.PlanWorker()
+    planning_shared, planning._shared = planning._shared, w
+    try:
+        w._proc.kill()
+        w.close(wait_s=0.0)  # as planning.failed does
+        with pytest.raises(planning.WorkerFailed):
+            w.submit(_profile())
+        deadline = time.monotonic() + 30
+        while (w._answers_fd >= 0 or w._requests_fd >= 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w._answers_fd == -1 and w._requests_fd == -1
+        read, write = os.pipe()
+        os.write(write, b"the trainer's bytes")
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if os.read(read, 64) == b"the trainer's bytes" and planning._shared is None else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        os.close(read)
+        os.close(write)
+    finally:
+        planning._shared = planning_shared
+        w.close()
+
+
+class _Late:
+    """A planning process whose answer to each request comes at its ``delay``+1-th look."""
+
+    def __init__(self, delay):
+        self.delay, self.asked, self.looks = delay, {}, {}
+
+    def submit(self, profile, windows=None):
+        ticket = len(self.asked) + 1
+        self.asked[ticket], self.looks[ticket] = (profile, windows), 0
+        return ticket
+
+    def result(self, ticket, wait=False):
+        self.looks[ticket] += 1
+        if not wait and self.looks[ticket] <= self.delay:
+            return None
+        return search.candidates(*self.asked[ticket]), 0.1
+
+    def forget(self, ticket):
+        pass
+
+
+def test_an_answer_later_than_the_quick_plans_calibration_still_settles_on_the_synchronous_plan(monkeypatch):
+    """The quick plan is measured and calibrates the model before the whole search answers:
+    the calibration's request replaces the first one, and answers for the quick plans' tries
+    as the first would have. Late or not, the plan settled on is the one a controller searching
+    by itself settles on."""
+    from actoffload.budget.costmodel import moves_bytes
+
+    profile = _big_profile(8)
+    plans = search.candidates(profile)
+    budget = min(p.peak for p in plans) + (max(p.peak for p in plans) - min(p.peak for p in plans)) // 2
+    seconds = lambda p: p.step_s * (1.6 if moves_bytes(profile, p.groups) else 0.9)  # noqa: E731
+    settled = []
+    for delay in (None, 4, 8):
+        late = None if delay is None else _Late(delay)
+        monkeypatch.setattr(controller_module, "_worker_for",
+                            lambda probe: late if getattr(probe, "asynchronous", False) else None)
+        probe = FakeProbe()
+        probe.asynchronous = late is not None
+        c = BudgetController(budget, CPU, probe=probe)
+        c.adopt_profile(profile, None)
+        _run(c, 60, seconds)
+        assert c.settled, delay
+        settled.append(c.plan.key)
+    assert settled[1] == settled[0] and settled[2] == settled[0]
+
+
+def test_a_quick_plan_that_is_the_whole_searchs_first_choice_counts_as_its_try(monkeypatch):
+    """Where the quick search chose what the whole search chooses first, that plan's steps are
+    its first choice's: one more plan may be tried after it, as without the planning process."""
+    profile = _big_profile(8)
+    plans = search.candidates(profile)
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    budget = least + int((most - least) * 0.8)
+    tried = []
+    for asynchronous in (False, True):
+        w = _Worker(after=2)
+        monkeypatch.setattr(controller_module, "_worker_for",
+                            lambda probe, w=w: w if getattr(probe, "asynchronous", False) else None)
+        probe = FakeProbe()
+        probe.asynchronous = asynchronous
+        c = BudgetController(budget, CPU, probe=probe)
+        c.adopt_profile(profile, None)
+        first = c.plan.key
+        _run(c, 30, lambda p, first=first: p.step_s * (2.0 if p.key == first else 1.0))
+        tried.append(([m.plan.key for m in c.measured_plans()], first, c.settled))
+    (sync, sync_first, sync_settled), (late, quick_first, late_settled) = tried
+    assert quick_first == sync_first and sync_settled and late_settled
+    assert late == sync and len(sync) == 2

@@ -718,6 +718,9 @@ class BudgetController:
         replaced); whether it took the request."""
         if self._worker is None:
             return False
+        # a request replacing one for a profile just adopted (a calibration's, its quick plans
+        # measured meanwhile) answers for that profile's quick plans too
+        fresh = fresh or (self._pending is not None and self._pending[2])
         self._drop_pending()
         assert self._profile is not None
         try:
@@ -763,9 +766,11 @@ class BudgetController:
             self._plan_all()
         if fresh and not self.predicted:
             # the quick search's plans that ran meanwhile are no tries of the whole search's
-            # model: its first choice, and EXPLORE more, may still run (a predicted profile's
-            # first choice runs alone, as it would have)
-            self._explore += len(self._runs)
+            # model: its first choice (one of them or not), and EXPLORE more, may still run (a
+            # predicted profile's first choice runs alone, as it would have)
+            fitting = [p for p in self._judged(True) if p.peak <= self._budget]
+            first = next(search.simplest_first(self._profile, fitting)).key if fitting else None
+            self._explore += len(set(self._runs) - {first})
         if self._state is State.SETTLED:
             self._state = State.EXPLORING
         self._choose()

@@ -88,7 +88,8 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
 class PlanWorker:
     """A helper process that makes plans (see the module). Two daemon threads of this process
     move the bytes (requests out, answers in), blocked in the pipes' system calls, which hold no
-    interpreter lock: neither the step nor the helper ever waits on the other's pipe.
+    interpreter lock: neither the step nor the helper ever waits on the other's pipe. Both pipes
+    are bare descriptors (no buffered file object, whose lock a forked child would inherit held).
 
     Example::
 
@@ -100,44 +101,51 @@ class PlanWorker:
 
     def __init__(self) -> None:
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        requests_in, requests_out = os.pipe()
         answers_in, answers_out = os.pipe()
         try:
             # its standard output and error are this process's, so that anything it says shows
-            self._proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, str(answers_out)],
-                                          stdin=subprocess.PIPE, pass_fds=(answers_out,), close_fds=True)
+            self._proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, str(answers_out)], stdin=requests_in,
+                                          pass_fds=(answers_out,), close_fds=True)
         except BaseException:
+            os.close(requests_out)
             os.close(answers_in)
             raise
         finally:
+            os.close(requests_in)
             os.close(answers_out)
-        self._answers_fd = answers_in
+        self._pid = os.getpid()  # the process whose helper it is (not a child forked since)
+        self._requests_fd, self._answers_fd = requests_out, answers_in
         self._tickets = itertools.count(1)
-        self._cond = threading.Condition()  # guards what follows; notified as answers come
+        self._cond = threading.Condition()  # guards what follows, and the descriptors; notified as answers come
         self._answers: dict[int, tuple[Any, Any]] = {}  # answers not yet taken
         self._outstanding: set[int] = set()  # tickets asked for and not yet taken or forgotten
-        self._forgotten: set[int] = set()  # outstanding tickets whose answers are dropped as they come
+        self._forgotten: set[int] = set()  # outstanding tickets no longer wanted: not sent, or dropped as they come
         self._error: str | None = None  # why it can no longer answer
-        self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
         self.seconds = 0.0  # the searches' time in the helper, all told
-        self._requests.put(pickle.dumps((list(sys.path), _PACKAGE, package), protocol=pickle.HIGHEST_PROTOCOL))
+        self.answered = 0  # answers that came, those dropped among them
+        self._requests.put((0, pickle.dumps((list(sys.path), _PACKAGE, package), protocol=pickle.HIGHEST_PROTOCOL)))
         threading.Thread(target=self._write, name="actoffload-plan-requests", daemon=True).start()
         threading.Thread(target=self._read, name="actoffload-plan-answers", daemon=True).start()
 
     # -------------------------------------------------------------- the threads
     def _write(self) -> None:
-        stdin = self._proc.stdin
-        assert stdin is not None
         try:
-            while (data := self._requests.get()) is not None:
-                stdin.write(data)
-                stdin.flush()
-        except (OSError, ValueError) as e:
+            while (request := self._requests.get()) is not None:
+                ticket, data = request
+                with self._cond:
+                    if ticket in self._forgotten:  # replaced before it was sent: not searched at all
+                        self._forgotten.discard(ticket)
+                        self._outstanding.discard(ticket)
+                        continue
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._requests_fd, view):]
+        except OSError as e:
             self._fail(f"its request pipe failed: {e}")
         finally:
-            try:
-                stdin.close()  # the helper's end of input: it ends
-            except OSError:
-                pass
+            self._close_fd("_requests_fd")  # the helper's end of input: it ends
 
     def _read(self) -> None:
         try:
@@ -145,6 +153,7 @@ class PlanWorker:
                 (size,) = _HEADER.unpack(self._take(_HEADER.size))
                 ticket, plans, extra = pickle.loads(self._take(size))
                 with self._cond:
+                    self.answered += 1
                     if ticket in self._forgotten:
                         self._forgotten.discard(ticket)
                         self._outstanding.discard(ticket)
@@ -154,7 +163,7 @@ class PlanWorker:
         except Exception as e:  # EOF, a broken or foreign stream: no more answers
             self._fail(f"it ended (exit code {self._proc.poll()}): {e!r}")
         finally:
-            os.close(self._answers_fd)
+            self._close_fd("_answers_fd")
 
     def _take(self, n: int) -> bytes:
         chunks = []
@@ -165,6 +174,18 @@ class PlanWorker:
             chunks.append(chunk)
             n -= len(chunk)
         return b"".join(chunks)
+
+    def _close_fd(self, name: str) -> None:
+        """Close one of the pipes' descriptors, forgetting its number first (under the lock):
+        the number may go to another file at once, which a fork's hook must not touch."""
+        with self._cond:
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _fail(self, error: str) -> None:
         with self._cond:
@@ -183,7 +204,7 @@ class PlanWorker:
             if self._error is not None:
                 raise WorkerFailed(f"the planning process cannot answer: {self._error}")
             self._outstanding.add(ticket)
-        self._requests.put(data)
+        self._requests.put((ticket, data))
         return ticket
 
     def result(self, ticket: int, wait: bool = False) -> tuple[list[MemoryPlan], float] | None:
@@ -195,21 +216,23 @@ class PlanWorker:
             while ticket not in self._answers:
                 if self._error is not None:
                     raise WorkerFailed(f"the planning process cannot answer: {self._error}")
-                if ticket not in self._outstanding:
+                if ticket not in self._outstanding or ticket in self._forgotten:
                     raise WorkerFailed(f"no request under ticket {ticket} is waiting")
                 if not wait:
                     return None
                 self._cond.wait()
             plans, extra = self._answers.pop(ticket)
             self._outstanding.discard(ticket)
+            if plans is not None:
+                self.seconds += extra
         if plans is None:
             raise WorkerFailed(f"the planning process's search raised {extra}")
-        self.seconds += extra
         return plans, extra
 
     def forget(self, ticket: int) -> None:
-        """An answer no longer wanted (its profile was replaced, its controller dropped): let go
-        of it, or drop it as it comes. A ticket already taken is no one's: nothing happens."""
+        """An answer no longer wanted (its profile was replaced, its controller dropped): the
+        request is not sent if it still waits to be, its answer let go of or dropped as it comes.
+        A ticket already taken is no one's: nothing happens."""
         with self._cond:
             if ticket not in self._outstanding:
                 return
@@ -220,8 +243,11 @@ class PlanWorker:
 
     def close(self, wait_s: float = 1.0) -> None:
         """End the helper process: its input is closed, so it ends; one still running after
-        ``wait_s`` (a process forked from this one keeps the pipe open) is killed."""
+        ``wait_s`` (a process forked from this one keeps the pipe open) is killed. In a child
+        forked from the process that started it, nothing is the child's to end."""
         self._fail("it was closed")
+        if os.getpid() != self._pid:
+            return
         self._requests.put(None)
         try:
             self._proc.wait(timeout=wait_s)
@@ -232,17 +258,17 @@ class PlanWorker:
     def _forked(self) -> None:
         """In a child process forked from this one: its threads did not come along, and the
         helper is the parent's. The child lets go of its copies of the pipes, so that the helper
-        still ends with the parent: each descriptor is pointed at the null device rather than
-        closed, so that the copy of the request pipe's buffered writer, flushed whenever the
-        child lets go of it, writes what the parent's thread had buffered nowhere."""
+        still ends with the parent: each descriptor still open is pointed at the null device
+        (closed, its number could go to a file the child opens, and be written by the pipe's
+        thread's copy nowhere; the lock is not taken: its holder may not have come along)."""
         self._error = "this process was forked from the one that started it"
-        fds = [self._answers_fd] + ([self._proc.stdin.fileno()] if self._proc.stdin is not None else [])
-        for fd in fds:
-            null = os.open(os.devnull, os.O_RDWR)
-            try:
-                os.dup2(null, fd)
-            finally:
-                os.close(null)
+        for fd in (self._requests_fd, self._answers_fd):
+            if fd >= 0:
+                null = os.open(os.devnull, os.O_RDWR)
+                try:
+                    os.dup2(null, fd)
+                finally:
+                    os.close(null)
 
 
 _shared: PlanWorker | None = None
@@ -289,9 +315,9 @@ def failed(worker: PlanWorker, error: BaseException) -> None:
 
 def _after_fork_in_child() -> None:
     global _shared
-    if _shared is not None:
-        _shared._forked()
-        _shared = None
+    worker, _shared = _shared, None
+    if worker is not None:
+        worker._forked()
 
 
 if hasattr(os, "register_at_fork"):
