@@ -65,7 +65,7 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
     the parent closes the pipe (or is gone)."""
     from . import search
 
-    with os.fdopen(answers_fd, "wb") as answers:
+    try:
         while True:
             try:
                 ticket, profile, windows = pickle.load(requests)
@@ -78,11 +78,17 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
             except Exception as e:  # the parent searches itself, and raises it there
                 answer = (ticket, None, repr(e))
             data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            view = memoryview(_HEADER.pack(len(data)) + data)  # framed: read off the bare pipe
             try:
-                answers.write(_HEADER.pack(len(data)) + data)  # framed: read off the bare pipe
-                answers.flush()
+                while view:
+                    view = view[os.write(answers_fd, view):]
             except OSError:  # the parent is gone
                 return
+    finally:
+        try:
+            os.close(answers_fd)
+        except OSError:
+            pass
 
 
 class PlanWorker:
