@@ -245,3 +245,12 @@ def own_tensors(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]
     (not its submodules'), by name; a value may be ``None``. A fraction of the time of
     ``named_parameters(recurse=False)``: read at every forward of a recomputed group."""
     return dict(module._parameters), dict(module._buffers)
+
+
+def holds_own_tensors(module: torch.nn.Module, tensors: tuple[dict[str, Any], dict[str, Any]]) -> bool:
+    """Whether ``module``'s registries hold exactly ``tensors`` (:func:`own_tensors` of an
+    earlier moment): the same names for the very same objects, compared without copying (a
+    registry keeps a replaced entry's place)."""
+    registries: tuple[dict[str, Any], dict[str, Any]] = (module._parameters, module._buffers)
+    return all(now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values()))
+               for now, then in zip(registries, tensors))

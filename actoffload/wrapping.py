@@ -6,7 +6,6 @@ import contextlib
 import copyreg
 import functools
 import itertools
-import operator
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -364,11 +363,6 @@ def _immutable(value: Any) -> bool:
     return isinstance(value, tuple) and all(_immutable(v) for v in value)
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same names for the very same objects (a registry keeps a replaced entry's place)."""
-    return a.keys() == b.keys() and all(map(operator.is_, a.values(), b.values()))
-
-
 def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s own immutable plain attributes (the training flag among them), by name."""
     d = vars(module)
@@ -383,15 +377,14 @@ class _ForwardState:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.entries = [(m, _plain_attributes(m), dict(m._parameters), dict(m._buffers))
-                        for m in module.modules()]
+        self.entries = [(m, _plain_attributes(m), compat.own_tensors(m)) for m in module.modules()]
 
     def _changed_tensors(self) -> dict[str, torch.Tensor] | None:
         """The forward's parameters and buffers by dotted name, if any of them is not the
         module's now; else ``None``."""
-        if all(_same(m._parameters, params) and _same(m._buffers, buffers) for m, _, params, buffers in self.entries):
+        if all(compat.holds_own_tensors(m, tensors) for m, _, tensors in self.entries):
             return None
-        own = {id(m): (params, buffers) for m, _, params, buffers in self.entries}
+        own = {id(m): tensors for m, _, tensors in self.entries}
         out: dict[str, torch.Tensor] = {}
         for path, m in self.module.named_modules():
             for registry in own.get(id(m), ()):
@@ -404,7 +397,7 @@ class _ForwardState:
         then those of now again."""
         undo: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for m, attrs, _, _ in self.entries:
+            for m, attrs, _ in self.entries:
                 d = vars(m)
                 for k, v in attrs.items():
                     now = d.get(k, _MISSING)

@@ -184,6 +184,11 @@ def test_own_tensors_are_the_modules_own_parameters_and_buffers():
     assert set(buffers) == {n for n, _ in m[0].named_buffers(recurse=False)}
     params["weight"] = None
     assert m[0].weight is not None  # a copy
+    then = compat.own_tensors(m[0])
+    assert compat.holds_own_tensors(m[0], then)
+    m[0].weight = torch.nn.Parameter(m[0].weight.detach().clone())  # same name, another object
+    assert not compat.holds_own_tensors(m[0], then)
+    assert not compat.holds_own_tensors(m, (then[0], {}))
 
 
 def test_without_dispatch_modes_hides_ops_from_an_active_mode_and_keeps_it():
