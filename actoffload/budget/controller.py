@@ -768,8 +768,8 @@ class BudgetController:
             # the quick search's plans that ran meanwhile are no tries of the whole search's
             # model: its first choice (one of them or not), and EXPLORE more, may still run (a
             # predicted profile's first choice runs alone, as it would have)
-            fitting = [p for p in self._judged(True) if p.peak <= self._budget]
-            first = next(search.simplest_first(self._profile, fitting)).key if fitting else None
+            fitting = self._fitting(self._judged(True))
+            first = self._first_choice(fitting).key if fitting else None
             self._explore += len(set(self._runs) - {first})
         if self._state is State.SETTLED:
             self._state = State.EXPLORING
@@ -819,7 +819,7 @@ class BudgetController:
                     raise
                 self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
         with_margins = self._judged(True)
-        fitting = [p for p in with_margins if p.peak <= self._budget]
+        fitting = self._fitting(with_margins)
         if not fitting:
             chosen = min(with_margins, key=lambda p: (p.peak, p.step_s))
         else:
@@ -836,6 +836,14 @@ class BudgetController:
         margin = self._margin + least_margin(self._budget)
         return [replace(p, peak=self._peaks[p.key] + base + reserve) if p.key in self._peaks
                 else replace(p, peak=p.peak + reserve + (margin if with_margins else 0)) for p in self._plans]
+
+    def _fitting(self, judged: list[MemoryPlan]) -> list[MemoryPlan]:
+        return [p for p in judged if p.peak <= self._budget]
+
+    def _first_choice(self, fitting: list[MemoryPlan]) -> MemoryPlan:
+        """The model's choice among plans that fit, should nothing be measured."""
+        assert self._profile is not None
+        return next(search.simplest_first(self._profile, fitting))
 
     def undo_replan(self, state: State) -> None:
         """The step that found a new workload was another workload's (:mod:`~.workloads` knows it
@@ -879,7 +887,7 @@ class BudgetController:
         assert self._profile is not None
         profile = self._profile
         by_model = search.simplest_first(profile, fitting)
-        first = next(by_model)  # the model's choice, should nothing be measured
+        first = next(by_model)  # the model's choice, should nothing be measured (_first_choice)
         timed = [p for p in fitting if self._timed(p)]
         best = min(timed, key=lambda p: self._time_of(p)) if timed else None
         still = None

@@ -1451,7 +1451,8 @@ def profile_of(step: MeasuredStep) -> Profile:
                    wholes=tuple(w for w in step.wholes if w.first + w.parts <= len(groups)))
 
 
-def _times(pair: tuple[float, float] | None, factor: float) -> tuple[float, float] | None:
+def scaled_times(pair: tuple[float, float] | None, factor: float) -> tuple[float, float] | None:
+    """A pair of seconds (``dispatch_host_s``) times ``factor``; ``None`` stays."""
     return None if pair is None else (pair[0] * factor, pair[1] * factor)
 
 
@@ -1517,7 +1518,7 @@ def compute_scaled(profile: Profile, factor: float) -> Profile:
         replace(g, forward_s=g.forward_s * factor, backward_s=g.backward_s * factor,
                 recompute_s=None if g.recompute_s is None else g.recompute_s * factor,
                 host_s=None if g.host_s is None else g.host_s * factor,
-                dispatch_host_s=_times(g.dispatch_host_s, factor))
+                dispatch_host_s=scaled_times(g.dispatch_host_s, factor))
         for g in profile.groups))
 
 

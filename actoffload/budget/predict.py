@@ -30,7 +30,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from .costmodel import GroupProfile, Profile, Whole
+from .costmodel import GroupProfile, Profile, Whole, scaled_times
 
 # Bytes fitted from two profiles may come out a little below the truth where the model is not
 # exact: each fitted factor is raised by this share (still far below the bound's square).
@@ -76,7 +76,7 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         forward_s=g.forward_s * time, backward_s=g.backward_s * time,
         recompute_s=None if g.recompute_s is None else g.recompute_s * time,
         host_s=None if g.host_s is None else g.host_s * time,
-        dispatch_host_s=None if g.dispatch_host_s is None else (g.dispatch_host_s[0] * time, g.dispatch_host_s[1] * time),
+        dispatch_host_s=scaled_times(g.dispatch_host_s, time),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
         recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly))
 
