@@ -776,11 +776,10 @@ class BudgetController:
         self._choose()
 
     def _lose_worker(self, error: BaseException) -> None:
-        if self._unwanted is not None:
-            self._unwanted.detach()
+        self._drop_pending()
         if self._worker is not None:
             planning.failed(self._worker, error)
-        self._worker, self._pending, self._unwanted = None, None, None
+        self._worker = None
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
