@@ -79,6 +79,10 @@ class FastMoved(Moved):
     """A span in fast: where its host bytes are, and its reload (if any)."""
 
     copied: _Copied | None = None
+    data_ptr_at_copy: int | None = None  # the source's address when its copy was enqueued (large spans)
+    # the caller freed the source (``resize_(0)``) while its copy was in flight: the host copy
+    # may hold other bytes; backward takes the span from the caller's storage (refilled) or raises
+    caller_freed = False
     packed_offset: int | None = None  # its offset in the packed block, if packed
     dev: torch.Tensor | None = None  # reload (or in-place source) held for uses to come
     # (once only restored tensors hold it: Moved.reloaded)
@@ -102,6 +106,15 @@ def _first_needed(spans: list[FastMoved], saved_at: list[int],
         else:
             rest.append(m)
     return first, rest
+
+
+def _freed_in_flight(group: Group, m: FastMoved) -> RuntimeError:
+    return RuntimeError(
+        f"a storage saved in offload group {group.name!r} was freed (resize_(0)) while its copy to the host "
+        f"was still in flight, and was not refilled before backward: the copy may have read bytes of other work, "
+        f"so bytes [{m.span.start}, {m.span.start + m.nbytes}) of it are lost. Refill the storage before backward "
+        "(as autograd itself needs), or free it only after offloader.synchronize()."
+    )
 
 
 def _add_held_uses(spans: Iterable[tuple[Moved, int]]) -> None:
@@ -285,14 +298,20 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
             self._report_copy("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
+        # The large sources are not record_stream'ed: their references (``m.storage``) are let go
+        # only once the copy has finished, or once the compute stream waits for it (_reap), so
+        # the compute stream's pool reuses their memory in stream order, at once. A block freed
+        # with a stream use recorded is reused only once the host has seen that stream pass the
+        # free, and the host runs ahead of the device: every source of the forward stayed
+        # reserved (fast's reserved peak was no offloading's). A caller that frees a source
+        # itself (``resize_(0)``) while its copy is in flight is found when it is let go
+        # (:func:`_release_sources`).
+        for m in large:
+            m.data_ptr_at_copy = m.storage.data_ptr()  # type: ignore[union-attr]
         if self._streams.d2h is not None:
-            # The allocator reuses a source's memory only after the copy stream has read it: also
-            # where the caller frees the storage itself before then (``resize_(0)``, which frees
-            # memory however many references hold the storage).
-            for src in sources:
-                src.record_stream(self._streams.d2h)
             # The packed ones' bytes are in the stage: an in-flight group holds its large sources
             # and the stage (its bytes once), not the packed sources too; backward reloads them.
+            # Let go now, their memory waits for the copy stream to pass the pack.
             for m in packed:
                 m.source().record_stream(self._streams.d2h)
                 m.storage = None
@@ -338,9 +357,17 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     @staticmethod
     def _release_sources(entry: tuple[_Copied, torch.Tensor | None, list[FastMoved]]) -> None:
+        """Let go of a finished (or waited for) copy's sources. One the caller freed meanwhile
+        (``resize_(0)``, refilled or not) had its memory handed to other work while the copy
+        may still have been reading it: its host copy is not trusted, and the span stays with
+        the caller's storage, as it would stay with autograd (:meth:`FastMoved.caller_freed`)."""
         rec, _stage, moved = entry
         rec.inflight = False
         for m in moved:
+            if m.data_ptr_at_copy is not None and m.storage is not None and (
+                    not m.source_intact() or m.storage.data_ptr() != m.data_ptr_at_copy):
+                m.caller_freed = True
+                continue
             m.storage = None
 
     def synchronize(self) -> None:
@@ -378,6 +405,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             return True
         for m in group.moved:
             if m.storage is not None and not m.source_intact():
+                if isinstance(m, FastMoved) and m.caller_freed:
+                    raise _freed_in_flight(group, m)
                 m.storage = None  # the caller resized it since the commit: back from the host copy
         in_place = [m for m in group.moved if m.storage is not None]
         if in_place:
@@ -414,6 +443,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for m, uses, at in zip(group.moved, group.uses, group.saved_at):
             assert isinstance(m, FastMoved)
             if m.dev is None and m.cached_reload() is None:
+                if m.caller_freed:  # its storage, used in place, was resized again: no copy to trust
+                    raise _freed_in_flight(group, m)
                 need.append(m)
                 saved_at.append(at)
                 uses_of[id(m)] = uses

@@ -232,6 +232,64 @@ def test_a_storage_freed_after_the_commit_comes_back_from_the_host_copy(impl, in
     assert off.stats()["groups"]["a"]["offloaded_bytes"] > 0
 
 
+def _freed_while_in_flight(monkeypatch, refill: bool):
+    """fast, every copy in flight (its event never fires by itself): group a saves h; the
+    caller frees h's storage; group b's commit lets a's sources go (one group in flight at
+    most), and finds h freed. The host copy is then overwritten with garbage, as a copy racing
+    other work for the freed memory could have made it. Returns the gradient, or raises."""
+    from actoffload.fast.offloader import FastOffloader
+    from actoffload.fast.streams import CopyStreams
+
+    monkeypatch.setattr(CopyStreams, "record", lambda self, stream=None: _Pending())
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0)
+    with off.group("a"):
+        h = (x * 2).exp()  # saves h
+        y = h.sin()  # saves h again
+    keep = h.detach().clone()
+    n = h.untyped_storage().nbytes()
+    h.untyped_storage().resize_(0)
+    with off.group("b"):
+        z = y * y  # saves y twice
+    with off.group("c"):  # b's commit is in flight: a's sources are let go here
+        out = z.cos()
+    spans = [m for name, moved in moved_out if name == "a" for m in moved]
+    assert spans and all(m.caller_freed for m in spans)
+    for m in spans:
+        m.host.fill_(255)  # what a racing copy could have read
+    if refill:
+        h.untyped_storage().resize_(n)
+        h.untyped_storage().copy_(keep.untyped_storage())
+    return torch.autograd.grad(out.sum(), x)[0]
+
+
+def test_fast_a_source_freed_while_its_copy_is_in_flight_comes_from_the_refilled_storage(monkeypatch):
+    """The caller frees a saved storage while fast's copy of it may still be reading it, and
+    refills it before backward: backward takes the bytes from the storage, as autograd would,
+    never from the host copy (which may hold bytes of other work)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    expected = torch.autograd.grad(((x * 2).exp().sin() ** 2).cos().sum(), x)[0]
+    got = _freed_while_in_flight(monkeypatch, refill=True)
+    assert torch.equal(got, expected)
+
+
+def test_fast_a_source_freed_while_its_copy_is_in_flight_and_not_refilled_raises(monkeypatch):
+    """Not refilled, its bytes are nowhere to be trusted: backward raises, naming the group,
+    rather than restoring bytes the copy may have read from other work."""
+    with pytest.raises(RuntimeError, match=r"group 'a' was freed \(resize_\(0\)\) while its copy"):
+        _freed_while_in_flight(monkeypatch, refill=False)
+
+
 def test_fast_a_source_used_in_place_and_then_resized_reloads_from_the_host(monkeypatch):
     """fast uses a span still copying out in place; the caller frees its storage between two
     unpacks (a hook on h runs after sin's backward read h, before exp's): exp's comes back from
