@@ -385,9 +385,11 @@ def _sized(s: Scenario) -> tuple[int, int, int]:
         if least is None or top is None:
             raise RuntimeError(f"a run with memory_budget=1 << 40 made no plan to size {s.memory_budget!r} from: {plan}")
         _BUDGETS.clear()  # one scenario at a time
-        # On CUDA what is allocated outside the groups differs by a few hundred bytes from run
-        # to run (seen: 8 to 384), so the run sized from may reach a little lower than the next
-        noise = 4 << 10 if s.device == "cuda" else 0
+        # On CUDA the smallest reachable peak includes the allocator's reserve, measured on the
+        # steps that grow the cache: the least-memory plan, run under the small budget, may grow
+        # it in a pattern the huge budget's plans never did (seen: 18 KiB more, every run of one
+        # scenario); and what is allocated outside the groups differs by a few hundred bytes
+        noise = 64 << 10 if s.device == "cuda" else 0
         budget = least + noise + min(1 << 19, max(top - least, 0) // 4) if s.memory_budget == "small" else \
             least + max(1 << 20, least // 1000) + max(top - least, 0) // 2
         _BUDGETS[key] = max(budget, 1), least, top  # (0 on the CPU where no group is the plan's)
