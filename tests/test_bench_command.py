@@ -83,6 +83,7 @@ def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
 
     class Fake:
         reserved = 0  # what _Runner reads after each step
+        note = None  # and its budget's plan after it
 
         def __init__(self, label, seconds):
             self.method = budget_sweep.Method(label)
@@ -103,6 +104,7 @@ def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
 def test_a_budgets_warm_up_lasts_until_its_plan_is_settled():
     class Settling:
         reserved = 0
+        note = None  # and its budget's plan after it
 
         def __init__(self, settled_after):
             self.steps, self.settled_after = 0, settled_after
@@ -126,6 +128,7 @@ def test_a_budgets_warm_up_lasts_until_its_plan_is_settled():
 def test_paired_rounds_fill_their_time_within_bounds():
     class Fake:
         reserved = 0  # what _Runner reads after each step
+        note = None  # and its budget's plan after it
 
         def __init__(self, label, seconds):
             self.method, self.seconds = budget_sweep.Method(label), seconds
@@ -149,6 +152,7 @@ def test_paired_rounds_go_on_until_the_ratio_is_known_within_a_percent_or_time_r
 
     class Noisy:
         reserved = 0  # what _Runner reads after each step
+        note = None  # and its budget's plan after it
 
         def __init__(self, label, seconds, spread):
             self.method, self.seconds, self.spread = budget_sweep.Method(label), seconds, spread
@@ -177,6 +181,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch):
     monkeypatch.setattr(budget_sweep, "PAIRED_ROUNDS", (3, 3))
     class Drifting:
         reserved = 0  # what _Runner reads after each step
+        note = None  # and its budget's plan after it
 
         def __init__(self, label, times):
             self.method, self.times = budget_sweep.Method(label), iter(times)

@@ -159,11 +159,17 @@ def test_small_sweep_of_hf_llama_eager_end_to_end(tmp_path, monkeypatch):
     assert v["none_vs_none_bitwise"] is True and set(v["methods"]) == {*methods, "checkpoint_1"}
     (cell,) = v["cells"]
     assert cell["bitwise"] and cell["fastest_fitting_alternative"] in (*bs.ALTERNATIVES, "checkpoint_1")
+    (budget,) = w["budgets"]  # each warm-up step says what its plan was: which went over, running what
+    early = budget["early_steps"]
+    assert len(early) == len(budget["early_steps_ms"]) and early[0]["plan"]["state"] in ("profiling", "exploring", "settled")
+    assert early[-1]["plan"]["actions"] and all(e["plan"] is not None for e in early)
+    assert methods["checkpoint_all"]["early_steps"][0]["plan"] is None  # no budget, no plan
 
 
 def test_a_workloads_scale_sets_its_alternating_rounds():
     class Fake:
         reserved = 0  # what _Runner reads after each step
+        note = None  # and its budget's plan after it
 
         def __init__(self, label):
             self.method = bs.Method(label)

@@ -125,6 +125,16 @@ class _Runner:
         self._call = (_checkpointed(method.checkpointed, method.checkpoint, pin=device.type == "cuda")
                       if method.checkpointed else plain)
         self.reserved = 0  # the latest step's reserved peak
+        self.note: dict[str, Any] | None = None  # its memory budget's plan after it (:meth:`_plan_note`)
+
+    def _plan_note(self) -> dict[str, Any] | None:
+        """A memory budget's plan after the latest step: its state, actions and the allocator's
+        reserve (``None`` without a budget): which step of a warm-up went over, running what."""
+        plan = self.off.stats().get("plan") if self.off is not None else None
+        if not plan:
+            return None
+        return {"state": plan.get("state"), "actions": [g["action"] for g in plan.get("groups", [])],
+                "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims")}
 
     def warming_up(self) -> bool:
         """Whether the offloader still recomputes while it pins (its warm-up on CUDA)."""
@@ -161,17 +171,19 @@ class _Runner:
                 handle.remove()
         # what the caching allocator held at most (its rounding and cache on top of what is allocated)
         self.reserved = reserved or 0
+        self.note = self._plan_note()
         return elapsed, allocated or 0
 
 
-def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int, int]]:
+def _warm_up(run: Any, first: int, least: int, settle: bool = False) -> list[tuple[float, int, int, Any]]:
     """Steps of ``run`` from step ``first`` until it is steady: ``least`` of them, and on while
     its offloader still recomputes as it pins (fast's warm-up on CUDA), or with ``settle``
     while its memory budget still tries plans (at most 50 more, should either never end).
-    Each step's seconds, peak allocated bytes and peak reserved bytes."""
-    out: list[tuple[float, int, int]] = []
+    Each step's seconds, peak allocated bytes, peak reserved bytes and its budget's plan
+    after it (:meth:`_Runner._plan_note`)."""
+    out: list[tuple[float, int, int, Any]] = []
     while len(out) < least or ((run.warming_up() or (settle and run.settling())) and len(out) < least + 50):
-        out.append((*run.step(first + len(out)), run.reserved))
+        out.append((*run.step(first + len(out)), run.reserved, run.note))
     return out
 
 
@@ -186,8 +198,8 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     run = _Runner(w, method, device)
     times, peaks, reserved = [], [], []
     warming = _warm_up(run, 0, warmup, settle)
-    early, early_peaks = [t for t, _, _ in warming], [0] + [p for _, p, _ in warming]
-    early_reserved = [0] + [r for _, _, r in warming]
+    early, early_peaks = [t for t, _, _, _ in warming], [0] + [p for _, p, _, _ in warming]
+    early_reserved = [0] + [r for _, _, r, _ in warming]
     for step in range(len(warming), len(warming) + steps):
         elapsed, peak = run.step(step)
         times.append(elapsed)
@@ -203,6 +215,9 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
                            "first_step_ms": early[0] * 1e3, "early_steps_ms": [t * 1e3 for t in early],
                            # the steps before: a warm-up, a budget's profiling and the plans it tried
                            "early_peak_bytes": max(early_peaks), "early_reserved_peak_bytes": max(early_reserved),
+                           # each of them: which went over a budget, running what
+                           "early_steps": [{"peak_bytes": p, "reserved_peak_bytes": r, "plan": note}
+                                           for _, p, r, note in warming],
                            "steps_ms": [t * 1e3 for t in times], "grads": grads}
     if run.off is not None:
         s = run.off.stats()
