@@ -161,9 +161,33 @@ def test_small_sweep_of_hf_llama_eager_end_to_end(tmp_path, monkeypatch):
     assert cell["bitwise"] and cell["fastest_fitting_alternative"] in (*bs.ALTERNATIVES, "checkpoint_1")
     (budget,) = w["budgets"]  # each warm-up step says what its plan was: which went over, running what
     early = budget["early_steps"]
-    assert len(early) == len(budget["early_steps_ms"]) and early[0]["plan"]["state"] in ("profiling", "exploring", "settled")
-    assert early[-1]["plan"]["actions"] and all(e["plan"] is not None for e in early)
+    assert len(early) == len(budget["early_steps_ms"]) and all(e["plan"] is not None for e in early)
+    assert early[0]["plan"]["state"] == "profiling" and early[0]["plan"]["ran"] is None  # no plan of its own yet
+    last = early[-1]["plan"]
+    assert last["state"] == "settled" and last["ran"][:-2] == last["actions"]  # the settled plan ran (and its copy window)
     assert methods["checkpoint_all"]["early_steps"][0]["plan"] is None  # no budget, no plan
+
+
+def test_a_warm_up_step_says_which_plan_ran():
+    """The plan a step ran is the tried plan whose steps grew (the plan after it may already be
+    another, chosen at its end); ``None`` while profiling."""
+    def tried(*steps):
+        return [{"actions": a, "max_inflight": 0, "prefetch": 0, "steps": n}
+                for a, n in zip((["keep", "recompute"], ["keep", "keep"]), steps)]
+
+    class Off:
+        plans = iter([{"state": "profiling", "groups": [], "tried": []},
+                      {"state": "exploring", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1)},
+                      {"state": "exploring", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1, 1)},
+                      {"state": "settled", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1, 2)}])
+
+        def stats(self):
+            return {"plan": next(self.plans)}
+
+    run = bs._Runner.__new__(bs._Runner)
+    run.off, run._tried = Off(), {}
+    ran = [run._plan_note()["ran"] for _ in range(4)]
+    assert ran == [None, ["keep", "recompute", 0, 0], ["keep", "keep", 0, 0], ["keep", "keep", 0, 0]]
 
 
 def test_a_workloads_scale_sets_its_alternating_rounds():

@@ -125,15 +125,21 @@ class _Runner:
         self._call = (_checkpointed(method.checkpointed, method.checkpoint, pin=device.type == "cuda")
                       if method.checkpointed else plain)
         self.reserved = 0  # the latest step's reserved peak
-        self.note: dict[str, Any] | None = None  # its memory budget's plan after it (:meth:`_plan_note`)
+        self.note: dict[str, Any] | None = None  # its memory budget's plan (:meth:`_plan_note`)
+        self._tried: dict[tuple[Any, ...], int] = {}  # each plan tried so far: its steps
 
     def _plan_note(self) -> dict[str, Any] | None:
-        """A memory budget's plan after the latest step: its state, actions and the allocator's
-        reserve (``None`` without a budget): which step of a warm-up went over, running what."""
+        """What a memory budget did in the latest step (``None`` without one): the plan that ran
+        (``ran``: the tried plan whose steps grew; ``None`` while profiling), the state and plan
+        after it, and the allocator's reserve: which step of a warm-up went over, running what."""
         plan = self.off.stats().get("plan") if self.off is not None else None
         if not plan:
             return None
-        return {"state": plan.get("state"), "actions": [g["action"] for g in plan.get("groups", [])],
+        tried = {(*t["actions"], t["max_inflight"], t["prefetch"]): t["steps"] for t in plan.get("tried", [])}
+        ran = [list(k) for k, n in tried.items() if n > self._tried.get(k, 0)]
+        self._tried = tried
+        return {"ran": ran[0] if len(ran) == 1 else (ran or None), "state": plan.get("state"),
+                "actions": [g["action"] for g in plan.get("groups", [])],
                 "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims")}
 
     def warming_up(self) -> bool:
