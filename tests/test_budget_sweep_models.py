@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import actoffload as ao
 from actoffload.tools import budget_sweep as bs
 from actoffload.tools import sweep_models as sm
+from actoffload.tools.plan_trace import PlanTrace
 
 CPU = torch.device("cpu")
 needs_transformers = pytest.mark.skipif(not sm.have_transformers(), reason="transformers is not installed")
@@ -168,26 +169,20 @@ def test_small_sweep_of_hf_llama_eager_end_to_end(tmp_path, monkeypatch):
     assert methods["checkpoint_all"]["early_steps"][0]["plan"] is None  # no budget, no plan
 
 
-def test_a_warm_up_step_says_which_plan_ran():
-    """The plan a step ran is the tried plan whose steps grew (the plan after it may already be
-    another, chosen at its end); ``None`` while profiling."""
-    def tried(*steps):
-        return [{"actions": a, "max_inflight": 0, "prefetch": 0, "steps": n}
-                for a, n in zip((["keep", "recompute"], ["keep", "keep"]), steps)]
+def test_a_step_says_which_plan_ran_per_workload():
+    """The plan a step ran is its workload's tried plan whose steps grew (the plan after it may
+    already be another, chosen at its end); ``None`` while profiling. Each workload (signature)
+    keeps its own count."""
+    def plan(signature, state, *steps):
+        return {"state": state, "workload": {"signature": signature},
+                "tried": [{"actions": a, "max_inflight": 0, "prefetch": 0, "steps": n}
+                          for a, n in zip((["keep", "recompute"], ["keep", "keep"]), steps)]}
 
-    class Off:
-        plans = iter([{"state": "profiling", "groups": [], "tried": []},
-                      {"state": "exploring", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1)},
-                      {"state": "exploring", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1, 1)},
-                      {"state": "settled", "groups": [{"action": "keep"}, {"action": "keep"}], "tried": tried(1, 2)}])
-
-        def stats(self):
-            return {"plan": next(self.plans)}
-
-    run = bs._Runner.__new__(bs._Runner)
-    run.off, run._tried = Off(), {}
-    ran = [run._plan_note()["ran"] for _ in range(4)]
-    assert ran == [None, ["keep", "recompute", 0, 0], ["keep", "keep", 0, 0], ["keep", "keep", 0, 0]]
+    trace = PlanTrace()
+    steps = [plan("long", "profiling"), plan("long", "exploring", 1), plan("short", "exploring", 1),
+             plan("long", "exploring", 1, 1), plan("long", "settled", 1, 2), plan("short", "exploring", 2)]
+    assert [trace.ran(p) for p in steps] == [None, ["keep", "recompute", 0, 0], ["keep", "recompute", 0, 0],
+                                             ["keep", "keep", 0, 0], ["keep", "keep", 0, 0], ["keep", "recompute", 0, 0]]
 
 
 def test_a_workloads_scale_sets_its_alternating_rounds():

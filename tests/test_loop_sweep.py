@@ -66,6 +66,10 @@ def test_every_method_runs_the_same_lengths(run):
             assert r["lengths"] == lengths and len(r["steps_s"]) == len(r["fingerprints"]) == STEPS
         # a budget's plan saw a signature per length
         assert var["budgets"][0]["plan_steps"][0]["tokens"] == w["batch"] * lengths[0]
+        # and each step names the plan it ran (none while profiling): its actions, then its copy window
+        steps = var["budgets"][0]["plan_steps"]
+        assert steps[0]["ran"] is None and any(s["ran"] is not None for s in steps)
+        assert all(s["ran"] is None or len(s["ran"]) == len(s["actions"]) + 2 for s in steps)
         settling = doc["verdicts"][w["workload"]]["variable_length"]["budgets"][0]["steps_to_settle"]
         assert len(settling) == len(set(lengths))
 

@@ -51,6 +51,7 @@ from actoffload import compat, hostmem
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.selective import sac_policy
 from .peaks import Peaks
+from .plan_trace import PlanTrace
 from .sweep_models import (MODEL_SETS, Call, Scale, Workload, have_transformers, plain, workload_names,
                            workloads)
 from .workloads import sync
@@ -126,19 +127,16 @@ class _Runner:
                       if method.checkpointed else plain)
         self.reserved = 0  # the latest step's reserved peak
         self.note: dict[str, Any] | None = None  # its memory budget's plan (:meth:`_plan_note`)
-        self._tried: dict[tuple[Any, ...], int] = {}  # each plan tried so far: its steps
+        self._trace = PlanTrace()
 
     def _plan_note(self) -> dict[str, Any] | None:
         """What a memory budget did in the latest step (``None`` without one): the plan that ran
-        (``ran``: the tried plan whose steps grew; ``None`` while profiling), the state and plan
-        after it, and the allocator's reserve: which step of a warm-up went over, running what."""
+        (:class:`~.plan_trace.PlanTrace`), the state and plan after it, and the allocator's
+        reserve: which step of a warm-up went over, running what."""
         plan = self.off.stats().get("plan") if self.off is not None else None
         if not plan:
             return None
-        tried = {(*t["actions"], t["max_inflight"], t["prefetch"]): t["steps"] for t in plan.get("tried", [])}
-        ran = [list(k) for k, n in tried.items() if n > self._tried.get(k, 0)]
-        self._tried = tried
-        return {"ran": ran[0] if len(ran) == 1 else (ran or None), "state": plan.get("state"),
+        return {"ran": self._trace.ran(plan), "state": plan.get("state"),
                 "actions": [g["action"] for g in plan.get("groups", [])],
                 "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims")}
 

@@ -75,6 +75,7 @@ from actoffload.budget.tolerances import least_margin
 
 from .models import GPT, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 from .peaks import Peaks
+from .plan_trace import PlanTrace
 from .workloads import sync
 
 GiB = 1 << 30
@@ -325,13 +326,15 @@ class _Loop:
         return self.w.loss(m.call(), tokens)
 
 
-def _plan_reading(off: ao.Offloader) -> dict[str, Any]:
-    """What the plan says after a step; the counters (planning seconds, cache trims, host
-    allocations) are running totals: a step's share is the difference from the step before."""
+def _plan_reading(off: ao.Offloader, trace: PlanTrace) -> dict[str, Any]:
+    """What the plan says after a step, and the plan that ran in it (``trace``'s); the counters
+    (planning seconds, cache trims, host allocations) are running totals: a step's share is the
+    difference from the step before."""
     stats = off.stats()
     plan = stats.get("plan", {})
     workload = plan.get("workload") or {}
-    return {"signature": workload.get("signature"), "tokens": workload.get("tokens"), "state": plan.get("state"),
+    return {"signature": workload.get("signature"), "tokens": workload.get("tokens"), "ran": trace.ran(plan),
+            "actions": [g["action"] for g in plan.get("groups", [])], "state": plan.get("state"),
             "settled": plan.get("settled"), "smallest_reachable_bytes": plan.get("smallest_reachable_bytes"),
             # the offloader's own window (from its first group to the end of backward), on CUDA
             "measured_peak_bytes": plan.get("measured_peak_bytes"),
@@ -380,6 +383,7 @@ def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
                            "allocated_bytes": [], "fingerprints": [], "budget_too_small": []}
     if m.budget is not None:
         rec.update(level=m.level, budget_bytes=m.budget, plan_steps=[])
+    trace = PlanTrace()
     t_start = time.perf_counter()
     with loop.method(m) as off:
         opt = torch.optim.SGD(loop.params, lr=SGD_LR)
@@ -397,7 +401,7 @@ def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
             rec["fingerprints"].append(loop.fingerprint([p.grad for p in loop.params]))
             opt.zero_grad(set_to_none=True)
             if off is not None:
-                rec["plan_steps"].append({**_plan_reading(off), "gc": loop.gc_passes})
+                rec["plan_steps"].append({**_plan_reading(off, trace), "gc": loop.gc_passes})
             if (i + 1) % 12 == 0 or i + 1 == len(lengths):
                 loop.log(f"  {w.name} lengths {m.name}{_at(m)}: {i + 1}/{len(lengths)} steps, "
                          f"{sum(rec['steps_s']):.1f} s of steps, {time.perf_counter() - t_start:.1f} s")
@@ -423,6 +427,7 @@ def run_accumulation(loop: _Loop, m: Method, opt_steps: int) -> dict[str, Any]:
                            "forwards_per_optimizer_step": [], "eval_forwards": [], "budget_too_small": []}
     if m.budget is not None:
         rec.update(level=m.level, budget_bytes=m.budget, plan_steps=[])
+    trace = PlanTrace()
     eval_tokens = w.tokens(999_999, w.seq_len)
     t_start = time.perf_counter()
     with loop.method(m) as off:
@@ -440,7 +445,7 @@ def run_accumulation(loop: _Loop, m: Method, opt_steps: int) -> dict[str, Any]:
                 rec["records"].append({"kind": "micro", "optimizer_step": k, "micro_batch": j, "s": seconds,
                                        "reserved_bytes": reserved, "allocated_bytes": allocated})
                 if off is not None:
-                    rec["plan_steps"].append({**_plan_reading(off), "gc": loop.gc_passes})
+                    rec["plan_steps"].append({**_plan_reading(off, trace), "gc": loop.gc_passes})
             rec["grad_fingerprints"].append(loop.fingerprint([p.grad for p in loop.params]))
             rec["forwards_per_optimizer_step"].append(loop.forwards[True]
                                                       - (len(rec["budget_too_small"]) - raised_before))
