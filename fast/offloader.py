@@ -355,6 +355,18 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 self.counters["compute_waits"] += 1
                 self._release_sources(entry)
 
+    def _hold_back(self, entry: tuple[_Copied, torch.Tensor | None, list[FastMoved]]) -> None:
+        """A copy's sources about to be let go with the copy perhaps still reading them, and the
+        compute stream not waiting for it (a group reached in backward uses spans of it in place:
+        waiting would stall backward on the bus): the allocator holds each back until the copy
+        stream has passed it. Its other spans may be another group's (a storage saved by two
+        groups moves once, with the earlier one's copy)."""
+        if self._streams.d2h is None:
+            return
+        for m in entry[2]:
+            if m.storage is not None and m.dev is None and m.source_intact():  # (in place: held already)
+                m.source().record_stream(self._streams.d2h)
+
     @staticmethod
     def _release_sources(entry: tuple[_Copied, torch.Tensor | None, list[FastMoved]]) -> None:
         """Let go of a finished (or waited for) copy's sources. One the caller freed meanwhile
@@ -405,7 +417,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             return True
         for m in group.moved:
             if m.storage is not None and not m.source_intact():
-                if isinstance(m, FastMoved) and m.caller_freed:
+                # freed by the caller while its copy was in flight (let go of since, or not yet):
+                # its memory may have gone to other work before the copy read it
+                if isinstance(m, FastMoved) and (m.caller_freed or (m.copied is not None and m.copied.inflight)):
                     raise _freed_in_flight(group, m)
                 m.storage = None  # the caller resized it since the commit: back from the host copy
         in_place = [m for m in group.moved if m.storage is not None]
@@ -424,6 +438,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             with self._inflight_lock:
                 for entry in [e for e in self._inflight if id(e[0]) in records]:
                     self._inflight.remove(entry)
+                    self._hold_back(entry)
                     self._release_sources(entry)
             self.counters["reused_in_flight_groups"] += 1
         _add_held_uses(zip(group.moved, group.uses))  # in place, or reloaded for another group

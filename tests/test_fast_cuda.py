@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from helpers import CUDA, assert_bitwise, grads_of, mlp_stack, reference_grads, run_groups, zero_grads
+from helpers import CUDA, assert_bitwise, grads_of, maybe_group, mlp_stack, reference_grads, run_groups, zero_grads
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")
 
@@ -59,6 +59,45 @@ def test_fast_slow_copy_streams_do_not_change_results(where, pack_below, monkeyp
         del junk, y
         assert_bitwise(grads_of(model, x), expected)
         zero_grads(model, x)
+
+
+@pytest.mark.parametrize("max_inflight, g_moves_its_own", [(1, False), (2, True)])
+def test_fast_a_shared_span_used_in_place_leaves_its_copys_other_sources_intact(monkeypatch, max_inflight,
+                                                                               g_moves_its_own):
+    """Group g saves a storage f saved too (it moves once, with f's copy); backward reaches g
+    while f's copy lags on the bus, uses that span in place and lets f's copy go. f's other
+    sources must not be reused before the copy read them: a gradient hook between g's and f's
+    backward fills fresh memory of their size, which overwrites them if they were."""
+    x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    junk = []
+
+    def loss(off):
+        with maybe_group(off, "f"):
+            h1 = (x * 2).exp()  # saves h1
+            h2 = h1.tanh()  # saves h2
+        h2.register_hook(lambda grad: junk.extend(torch.full_like(grad, 7.0) for _ in range(8)))
+        with maybe_group(off, "g"):
+            z = (h2.cos() * 3).exp() if g_moves_its_own else h2.cos()  # cos saves h2: f's storage
+        with maybe_group(off, "h"):
+            z = z * 1
+        return z.sum()
+
+    expected = torch.autograd.grad(loss(None), x)[0]
+    junk.clear()
+    off = ao.Offloader(impl="fast", device="cuda", warmup="offload", min_offload_bytes=0, keep_last=0,
+                       max_inflight=max_inflight, pack_below=0)
+    streams = off._streams
+    original = streams.on_d2h
+
+    def slow(*after):
+        with torch.cuda.stream(streams.d2h):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return original(*after)
+
+    monkeypatch.setattr(streams, "on_d2h", slow)
+    got = torch.autograd.grad(loss(off), x)[0]
+    assert off.stats()["copies"]["reused_in_flight_groups"] >= 1  # the path under test ran
+    assert torch.equal(got, expected)
 
 
 def test_fast_memory_is_released_when_the_graph_is_freed():

@@ -314,6 +314,104 @@ def test_fast_a_source_used_in_place_and_then_resized_reloads_from_the_host(monk
     assert torch.equal(got, expected)
 
 
+class _CopiesWatched:
+    """fast on the CPU made to behave as on a GPU whose copies lag: every copy's event stays
+    pending, and each large source the offloader lets go is checked to be safe to reuse at
+    once: its copy waited for by the compute stream, held back for the copy stream
+    (``record_stream``), or held by backward in place. Else it is in ``unsafe``: its memory
+    could go to other work before the copy read it."""
+
+    def __init__(self, monkeypatch):
+        from actoffload.fast.offloader import FastOffloader
+        from actoffload.fast.streams import CopyStreams
+
+        self.waited: set[int] = set()
+        self.held: set[int] = set()  # data pointers handed to record_stream
+        self.unsafe: list[int] = []
+        monkeypatch.setattr(CopyStreams, "record", lambda streams, stream=None: _Pending())
+        monkeypatch.setattr(CopyStreams, "wait", lambda streams, event, stream=None: self.waited.add(id(event)))
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, stream: self.held.add(t.untyped_storage().data_ptr()))
+        release = FastOffloader._release_sources
+
+        def checked(entry):
+            rec, _stage, moved = entry
+            before = [(m, m.storage) for m in moved]
+            release(entry)
+            for m, storage in before:
+                if storage is not None and m.storage is None and m.dev is None and id(rec.done) not in self.waited \
+                        and storage.data_ptr() not in self.held:
+                    self.unsafe.append(m.nbytes)
+
+        monkeypatch.setattr(FastOffloader, "_release_sources", staticmethod(checked))
+
+    def offloader(self, **kw):
+        off = off_for("fast", "cpu", keep_last=0, pack_below=0, **kw)
+        off._streams.d2h = object()  # a copy stream to record uses on (record_stream is the fake above)
+        return off
+
+
+@pytest.mark.parametrize("max_inflight, g_moves_its_own", [(1, False), (2, True)])
+def test_fast_a_group_using_a_shared_span_in_place_holds_back_the_other_spans_of_its_copy(
+        monkeypatch, max_inflight, g_moves_its_own):
+    """Group g's save is a storage f saved too (moved once, with f's copy); backward reaches g
+    while that copy is in flight and uses the span in place, letting f's copy go: f's other
+    sources, which f will reload, must stay held until the copy stream has read them."""
+    watched = _CopiesWatched(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def g_of(h2):
+        return (h2.cos() * 3).exp() if g_moves_its_own else h2.cos()  # (cos saves h2: f's storage)
+
+    expected = torch.autograd.grad((g_of((x * 2).exp().tanh()) * 1).sum(), x)[0]
+    off = watched.offloader(max_inflight=max_inflight)
+    with off.group("f"):
+        h1 = (x * 2).exp()  # saves h1
+        h2 = h1.tanh()  # saves h2
+    with off.group("g"):
+        z = g_of(h2)
+    with off.group("h"):
+        z = z * 1
+    del h1, h2
+    got = torch.autograd.grad(z.sum(), x)[0]
+    assert off.stats()["copies"]["reused_in_flight_groups"] >= 1  # the path under test ran
+    assert watched.unsafe == []
+    assert torch.equal(got, expected)
+
+
+def test_fast_a_source_freed_in_flight_and_reached_in_flight_raises(monkeypatch):
+    """The caller frees a saved storage while its copy is in flight and never refills it;
+    backward reaches the group before the copy was let go (four groups may stay in flight):
+    the host copy may hold bytes of other work, so backward raises rather than restore it."""
+    from actoffload.fast.offloader import FastOffloader
+
+    _CopiesWatched(monkeypatch)
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    x = torch.randn(16, 32, requires_grad=True)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=4, pack_below=0)
+    with off.group("a"):
+        h = (x * 2).exp()
+        y = h.sin()
+    h.untyped_storage().resize_(0)  # while a's copy is in flight
+    with off.group("b"):
+        z = y * y
+    assert not any(m.caller_freed for name, moved in moved_out for m in moved)  # not let go yet
+    for name, moved in moved_out:
+        for m in moved:
+            if name == "a":
+                m.host.fill_(255)  # what a copy racing other work for the memory could have read
+    with pytest.raises(RuntimeError, match=r"group 'a' was freed \(resize_\(0\)\) while its copy"):
+        torch.autograd.grad(z.cos().sum(), x)
+
+
 def test_fast_a_view_used_in_place_comes_back_at_its_offset_in_a_second_backward(monkeypatch):
     """A span at a nonzero offset of its storage, used in place (its copy out still in flight),
     remembered as the reload for later uses: a second backward (retain_graph) must read it at
