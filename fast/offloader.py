@@ -202,6 +202,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._finalizers = Finalizers()  # pool blocks back when a copy dies; sources when a group does
         # (one bound method each for every commit's finalizers, not one a commit)
         self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
+        self._unreported: list[tuple[str, int, Any, Any]] = []  # copies timed, not yet told (_tell_copies)
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -251,8 +252,16 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         return event
 
     def _report_copy(self, direction: str, nbytes: int, start: Any) -> None:
+        """Time a copy just enqueued (its end event); observers hear of it at :meth:`_tell_copies`."""
         if start is not None:
-            end = self._timing_event()
+            self._unreported.append((direction, nbytes, start, self._timing_event()))
+
+    def _tell_copies(self) -> None:
+        """Tell observers of the copies timed so far: once the copies' sources and destinations
+        are in the offloader's keeping, so that an observer that raises loses nothing to a copy
+        still running."""
+        told, self._unreported = self._unreported, []
+        for direction, nbytes, start, end in told:
             for obs in self._observers:
                 if wants_copies(obs):
                     obs.on_copy(direction, nbytes, start, end)
@@ -320,15 +329,21 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
-        self._finalizers.add(group, self._on_group_freed, weakref.ref(rec))
+        self._finalizers.add(group, self._on_group_freed, weakref.ref(rec), list(moved))
         with self._inflight_lock:
             # the sources (kept alive through each span's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))
         self._reap()
+        self._tell_copies()
 
-    def _group_freed(self, rec_ref: weakref.ref[_Copied]) -> None:
+    def _group_freed(self, rec_ref: weakref.ref[_Copied], moved: list[FastMoved]) -> None:
         """The graph let the group go: sources its copy still holds are released once the
-        compute stream is ordered after the copy (their memory is reused only after it)."""
+        compute stream is ordered after the copy (their memory is reused only after it); so
+        are reloads backward never used (brought back ahead for a backward that stopped short
+        of the group), whose copies in may still be writing them."""
+        for m in moved:
+            if m.dev is not None and m.ready is not None:
+                self._streams.wait(m.ready)
         rec = rec_ref()
         if rec is None or not rec.inflight:
             return
@@ -417,12 +432,14 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             return True
         for m in group.moved:
             if m.storage is not None and not m.source_intact():
-                # freed by the caller while its copy was in flight (let go of since, or not yet):
-                # its memory may have gone to other work before the copy read it
                 if isinstance(m, FastMoved) and (m.caller_freed or (m.copied is not None and m.copied.inflight)):
-                    raise _freed_in_flight(group, m)
+                    # freed by the caller while its copy was in flight (let go of since, or not yet):
+                    # its memory may have gone to other work before the copy read it. The caller may
+                    # still refill it before the node that reads it (a hook): judged there
+                    m.caller_freed = True
+                    continue
                 m.storage = None  # the caller resized it since the commit: back from the host copy
-        in_place = [m for m in group.moved if m.storage is not None]
+        in_place = [m for m in group.moved if m.storage is not None and m.source_intact()]
         if in_place:
             # Their copy out may not even have finished: the data is still on the device,
             # produced on the compute stream, so use it in place (no bus, no wait). Each
@@ -458,8 +475,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for m, uses, at in zip(group.moved, group.uses, group.saved_at):
             assert isinstance(m, FastMoved)
             if m.dev is None and m.cached_reload() is None:
-                if m.caller_freed:  # its storage, used in place, was resized again: no copy to trust
-                    raise _freed_in_flight(group, m)
+                if m.caller_freed:  # no copy to trust: only the caller's storage, refilled (_device_bytes)
+                    continue
                 need.append(m)
                 saved_at.append(at)
                 uses_of[id(m)] = uses
@@ -482,6 +499,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         for m in need:  # published after its ready event: whoever sees the reload waits for it
             m.dev = dev[id(m)]
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
+        self._tell_copies()
         return rest
 
     def _reload_from(self, rec: _Copied, need: list[FastMoved], allocated: Any,
@@ -522,6 +540,12 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             # a source used in place that the caller resized since: back from the host copy
             # (restoring from it would grow the caller's storage back, uninitialised)
             moved.dev, moved.uses_left = None, 0
+        if moved.caller_freed and moved.dev is None:
+            # freed while its copy was in flight: only the caller's storage holds its bytes, refilled
+            # by now as autograd itself would need it, or nowhere
+            if moved.storage is None or not moved.source_intact():
+                raise _freed_in_flight(group, moved)
+            return moved.source()
         dev = None
         if moved.dev is None:
             dev = moved.cached_reload()

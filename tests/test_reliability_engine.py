@@ -412,6 +412,129 @@ def test_fast_a_source_freed_in_flight_and_reached_in_flight_raises(monkeypatch)
         torch.autograd.grad(z.cos().sum(), x)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("refilled", ["before_the_group", "between_its_nodes"])
+def test_fast_a_source_freed_in_flight_and_refilled_in_backward_before_it_is_read(monkeypatch, prefetch, refilled):
+    """The caller frees a saved storage while its copy is in flight and refills it in backward,
+    in a hook that runs before the node that reads it (as FSDP unshards before a module's
+    backward): the group was touched before (prefetched, or another of its saves unpacked),
+    yet the span comes from the refilled storage, as autograd would take it, never from the
+    untrusted host copy, and nothing raises."""
+    from actoffload.fast.offloader import FastOffloader
+
+    _CopiesWatched(monkeypatch)
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run(off):
+        def group(name):
+            return off.group(name) if off is not None else _null()
+
+        with group("a"):
+            h = (x * 2).exp()  # saves h
+            u = h.sin()  # saves h
+            if refilled == "between_its_nodes":
+                u = (u * 3).exp()  # saves its output: a's first unpack in backward, before h's
+        keep, n = h.detach().clone(), h.untyped_storage().nbytes()
+        h.untyped_storage().resize_(0)  # while a's copy is in flight
+
+        def refill(*_):
+            h.untyped_storage().resize_(n)
+            h.untyped_storage().copy_(keep.untyped_storage())
+
+        if refilled == "before_the_group":
+            u.register_hook(refill)  # on a's output: before any of a's nodes (and after its prefetch)
+        else:  # after the last exp's backward, before sin's reads h
+            u.grad_fn.next_functions[0][0].register_hook(refill)
+        with group("b"):
+            z = (u * 2).sin()
+        with group("c"):
+            out = z.cos()
+        for name, moved in moved_out:
+            for m in moved:
+                if name == "a":
+                    m.host.fill_(255)  # what a copy racing other work for the memory could have read
+        return torch.autograd.grad(out.sum(), x)[0]
+
+    expected = run(None)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=4, pack_below=0, prefetch=prefetch)
+    assert torch.equal(run(off), expected)
+
+
+def test_fast_a_reload_backward_never_used_is_freed_after_its_copy(monkeypatch):
+    """Backward stops short of a group it reloaded ahead (``autograd.grad`` to an activation
+    past it): once the graph lets the group go, its reload buffers are freed, and their copies
+    in may still be writing them: the compute stream first waits for each, so their memory
+    goes to later work only after the copy."""
+    from actoffload.fast.offloader import FastOffloader
+
+    watched = _CopiesWatched(monkeypatch)
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    x = torch.randn(64, 64, requires_grad=True)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0, prefetch=1)
+    with off.group("a"):
+        mid = (x * 2).exp().tanh()  # a saves exp's and tanh's outputs
+    with off.group("b"):
+        y = mid.sin().exp()
+    with off.group("c"):
+        out = y.cos()
+    torch.autograd.grad(out.sum(), mid)  # stops at mid: a's nodes never run
+    a = [m for name, moved in moved_out if name == "a" for m in moved]
+    reloaded = [m.ready for m in a if m.dev is not None]
+    assert reloaded, "a was reloaded ahead (the path under test)"
+    del mid, y, out
+    gc.collect()
+    assert all(id(ready) in watched.waited for ready in reloaded)
+
+
+def test_fast_an_observer_that_raises_on_a_copy_leaves_the_copy_in_the_offloaders_keeping(monkeypatch):
+    """An observer's ``on_copy`` that raises hears of the copy only once its sources are held
+    until it is done: the error reaches the caller, and the copy is still in flight with its
+    sources, not let go with the failed graph while it runs."""
+    from actoffload.fast.offloader import FastOffloader
+
+    watched = _CopiesWatched(monkeypatch)
+    monkeypatch.setattr(FastOffloader, "_timing_event", lambda self: object())  # as on CUDA, timed
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        moved_out.extend(moved)
+        move_out(self, group, moved)
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+
+    class Raising(ao.Observer):
+        def on_copy(self, direction, nbytes, start, end):
+            raise RuntimeError("observer failed")
+
+    x = torch.randn(64, 64, requires_grad=True)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0)
+    off.add_observer(Raising())
+    with pytest.raises(RuntimeError, match="observer failed"):
+        with off.group("a"):
+            (x * 2).exp()
+    gc.collect()  # the failed group's graph is gone
+    (copy,) = {id(m.copied): m.copied for m in moved_out}.values()
+    held = any(entry[0] is copy for entry in off._inflight)
+    assert held or id(copy.done) in watched.waited  # its sources still held, or let go after a wait
+    assert watched.unsafe == []
+
+
 def test_fast_a_view_used_in_place_comes_back_at_its_offset_in_a_second_backward(monkeypatch):
     """A span at a nonzero offset of its storage, used in place (its copy out still in flight),
     remembered as the reload for later uses: a second backward (retain_graph) must read it at
