@@ -203,6 +203,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         # (one bound method each for every commit's finalizers, not one a commit)
         self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
         self._unreported: list[tuple[str, int, Any, Any]] = []  # copies timed, not yet told (_tell_copies)
+        self._unreported_lock = threading.Lock()  # (backward's reloads may run on autograd's threads)
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -254,13 +255,18 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _report_copy(self, direction: str, nbytes: int, start: Any) -> None:
         """Time a copy just enqueued (its end event); observers hear of it at :meth:`_tell_copies`."""
         if start is not None:
-            self._unreported.append((direction, nbytes, start, self._timing_event()))
+            end = self._timing_event()
+            with self._unreported_lock:
+                self._unreported.append((direction, nbytes, start, end))
 
     def _tell_copies(self) -> None:
         """Tell observers of the copies timed so far: once the copies' sources and destinations
         are in the offloader's keeping, so that an observer that raises loses nothing to a copy
         still running."""
-        told, self._unreported = self._unreported, []
+        if not self._unreported:  # (read without the lock: nothing timed, the common case)
+            return
+        with self._unreported_lock:
+            told, self._unreported = self._unreported, []
         for direction, nbytes, start, end in told:
             for obs in self._observers:
                 if wants_copies(obs):
