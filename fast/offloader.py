@@ -202,6 +202,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._finalizers = Finalizers()  # pool blocks back when a copy dies; sources when a group does
         # (one bound method each for every commit's finalizers, not one a commit)
         self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
+        self._on_reloads_freed = self._wait_for_reloads
         self._unreported: list[tuple[str, int, Any, Any]] = []  # copies timed, not yet told (_tell_copies)
         self._unreported_lock = threading.Lock()  # (backward's reloads may run on autograd's threads)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -267,10 +268,16 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             return
         with self._unreported_lock:
             told, self._unreported = self._unreported, []
+        error: BaseException | None = None
         for direction, nbytes, start, end in told:
             for obs in self._observers:
                 if wants_copies(obs):
-                    obs.on_copy(direction, nbytes, start, end)
+                    try:
+                        obs.on_copy(direction, nbytes, start, end)
+                    except Exception as e:  # the others still hear of it; the first error is raised
+                        error = error or e
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ offload
     def _layout(self, nbytes: list[int]) -> tuple[list[int], int, list[int]]:
@@ -335,21 +342,16 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.counters["d2h_copies"] += len(large) + bool(packed)
         self.counters["packed_spans"] += len(packed)
         self.counters["d2h_bytes"] += sum(m.nbytes for m in moved)
-        self._finalizers.add(group, self._on_group_freed, weakref.ref(rec), list(moved))
+        self._finalizers.add(group, self._on_group_freed, weakref.ref(rec))
         with self._inflight_lock:
             # the sources (kept alive through each span's storage) and the staging buffer
             self._inflight.append((rec, stage, list(moved)))
         self._reap()
         self._tell_copies()
 
-    def _group_freed(self, rec_ref: weakref.ref[_Copied], moved: list[FastMoved]) -> None:
+    def _group_freed(self, rec_ref: weakref.ref[_Copied]) -> None:
         """The graph let the group go: sources its copy still holds are released once the
-        compute stream is ordered after the copy (their memory is reused only after it); so
-        are reloads backward never used (brought back ahead for a backward that stopped short
-        of the group), whose copies in may still be writing them."""
-        for m in moved:
-            if m.dev is not None and m.ready is not None:
-                self._streams.wait(m.ready)
+        compute stream is ordered after the copy (their memory is reused only after it)."""
         rec = rec_ref()
         if rec is None or not rec.inflight:
             return
@@ -358,6 +360,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 self._inflight.remove(entry)
                 self._streams.wait(rec.done)
                 self._release_sources(entry)
+
+    def _wait_for_reloads(self, spans: list[FastMoved]) -> None:
+        for m in spans:
+            if m.dev is not None and m.ready is not None:  # (used: the compute stream waited already)
+                self._streams.wait(m.ready)
 
     def _reap(self) -> None:
         """Release the sources of finished copies; at most ``max_inflight`` groups keep theirs.
@@ -397,6 +404,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         rec, _stage, moved = entry
         rec.inflight = False
         for m in moved:
+            if m.caller_freed:  # judged freed already (backward touched it): its storage stays the span's
+                continue
             if m.data_ptr_at_copy is not None and m.storage is not None and (
                     not m.source_intact() or m.storage.data_ptr() != m.data_ptr_at_copy):
                 m.caller_freed = True
@@ -504,6 +513,10 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             self._reload_from(spans[0].copied, spans, allocated, dev)  # type: ignore[arg-type]
         for m in need:  # published after its ready event: whoever sees the reload waits for it
             m.dev = dev[id(m)]
+        # A reload backward never uses (it stopped short of the group) is freed with the last
+        # group holding its span, its copy in perhaps still writing it: as the group that asked
+        # for it goes (before its spans do), the compute stream waits for those copies.
+        self._finalizers.add(group, self._on_reloads_freed, need)
         self.counters["h2d_bytes"] += sum(m.nbytes for m in need)
         self._tell_copies()
         return rest

@@ -522,9 +522,17 @@ def test_fast_an_observer_that_raises_on_a_copy_leaves_the_copy_in_the_offloader
         def on_copy(self, direction, nbytes, start, end):
             raise RuntimeError("observer failed")
 
+    class Listening(ao.Observer):
+        heard: list = []
+
+        def on_copy(self, direction, nbytes, start, end):
+            self.heard.append(direction)
+
     x = torch.randn(64, 64, requires_grad=True)
     off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0)
     off.add_observer(Raising())
+    listening = Listening()
+    off.add_observer(listening)  # the other observers still hear of the copy
     with pytest.raises(RuntimeError, match="observer failed"):
         with off.group("a"):
             (x * 2).exp()
@@ -532,7 +540,110 @@ def test_fast_an_observer_that_raises_on_a_copy_leaves_the_copy_in_the_offloader
     (copy,) = {id(m.copied): m.copied for m in moved_out}.values()
     held = any(entry[0] is copy for entry in off._inflight)
     assert held or id(copy.done) in watched.waited  # its sources still held, or let go after a wait
-    assert watched.unsafe == []
+    assert watched.unsafe == [] and listening.heard == ["d2h"]
+
+
+@pytest.mark.parametrize("owner_gone_first", [True, False])
+def test_fast_a_shared_spans_reload_backward_never_used_is_freed_after_its_copy(monkeypatch, owner_gone_first):
+    """Group b saves a storage group a saved (moved once, with a's copy); b's backward reloads
+    it and stops before the node that reads it, maybe after a's graph is gone: once b goes,
+    the reload is freed only after the compute stream waits for its copy in."""
+    import weakref
+
+    from actoffload.fast.offloader import FastOffloader
+
+    watched = _CopiesWatched(monkeypatch)
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=0, pack_below=0, prefetch=1)
+    with off.group("a"):
+        h = (x * 2).exp()
+    with off.group("b"):
+        u = h.detach() * w  # saves h.detach(): a's span
+        z = u.sin()
+    with off.group("c"):
+        out = z.cos()
+    if owner_gone_first:
+        h.sum().backward()  # a's graph: reached, used, let go
+    del h
+    gc.collect()
+    (span,) = [m for name, moved in moved_out if name == "a" for m in moved]
+    torch.autograd.grad(out.sum(), u)  # the mul that reads the span never runs
+    assert span.dev is not None, "reloaded and not used (the path under test)"
+    ready, reload = span.ready, weakref.ref(span.dev)
+    moved_out.clear()
+    del span, u, z, out
+    gc.collect()
+    assert reload() is None and id(ready) in watched.waited
+
+
+def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let_go(monkeypatch):
+    """A storage freed while its copy is in flight, found so when backward first touches its
+    group (a prefetch), refilled by a hook at the very same address before the group is
+    reached, its copy finished meanwhile: letting the copy go then must not take the span
+    from the caller's storage (it would raise as never refilled)."""
+    from actoffload.fast.offloader import FastOffloader
+    from actoffload.fast.streams import CopyStreams
+
+    _CopiesWatched(monkeypatch)
+    finished = [False]
+
+    class Event:
+        def query(self):
+            return finished[0]
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(CopyStreams, "record", lambda streams, stream=None: Event())
+    moved_out = []
+    move_out = FastOffloader._move_out
+
+    def recording(self, group, moved):
+        move_out(self, group, moved)
+        moved_out.append((group.name, list(moved)))
+
+    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def run(off):
+        def group(name):
+            return off.group(name) if off is not None else _null()
+
+        with group("a"):
+            h = (x * 2).exp()
+            u = h.sin()
+        keep, n = h.detach().clone(), h.untyped_storage().nbytes()
+        h.untyped_storage().resize_(0)  # while a's copy is in flight
+
+        def refill(*_):
+            h.untyped_storage().resize_(n)
+            h.untyped_storage().copy_(keep.untyped_storage())
+            for name, moved in moved_out:  # at the very same address, as the CUDA allocator often gives
+                for m in moved:
+                    if name == "a":
+                        m.data_ptr_at_copy = m.storage.data_ptr()
+            finished[0] = True  # and the copy out finished meanwhile
+
+        u.register_hook(refill)  # after b's backward prefetched a, before a is reached
+        with group("b"):
+            z = u.sin() * 2
+        with group("c"):
+            out = z.cos()
+        return torch.autograd.grad(out.sum(), x)[0]
+
+    expected = run(None)
+    finished[0] = False
+    off = off_for("fast", "cpu", keep_last=0, max_inflight=4, pack_below=0, prefetch=1)
+    assert torch.equal(run(off), expected)
 
 
 def test_fast_a_view_used_in_place_comes_back_at_its_offset_in_a_second_backward(monkeypatch):
