@@ -232,23 +232,39 @@ def test_a_storage_freed_after_the_commit_comes_back_from_the_host_copy(impl, in
     assert off.stats()["groups"]["a"]["offloaded_bytes"] > 0
 
 
+class _MovesOut:
+    """The spans fast moves out, by group, as each commit starts its copy (recorded first: a
+    commit that then raises is recorded too)."""
+
+    def __init__(self, monkeypatch):
+        from actoffload.fast.offloader import FastOffloader
+
+        self._by_group: list[tuple[str, list]] = []
+        move_out = FastOffloader._move_out
+
+        def recording(off, group, moved):
+            self._by_group.append((group.name, list(moved)))
+            move_out(off, group, moved)
+
+        monkeypatch.setattr(FastOffloader, "_move_out", recording)
+
+    def of(self, group: str | None = None) -> list:
+        """The spans ``group`` moved out (every group's: ``None``)."""
+        return [m for name, moved in self._by_group if group in (None, name) for m in moved]
+
+    def clear(self) -> None:
+        self._by_group.clear()
+
+
 def _freed_while_in_flight(monkeypatch, refill: bool):
     """fast, every copy in flight (its event never fires by itself): group a saves h; the
     caller frees h's storage; group b's commit lets a's sources go (one group in flight at
     most), and finds h freed. The host copy is then overwritten with garbage, as a copy racing
     other work for the freed memory could have made it. Returns the gradient, or raises."""
-    from actoffload.fast.offloader import FastOffloader
     from actoffload.fast.streams import CopyStreams
 
     monkeypatch.setattr(CopyStreams, "record", lambda self, stream=None: _Pending())
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(16, 32, requires_grad=True)
     off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0)
@@ -262,7 +278,7 @@ def _freed_while_in_flight(monkeypatch, refill: bool):
         z = y * y  # saves y twice
     with off.group("c"):  # b's commit is in flight: a's sources are let go here
         out = z.cos()
-    spans = [m for name, moved in moved_out if name == "a" for m in moved]
+    spans = moves.of("a")
     assert spans and all(m.caller_freed for m in spans)
     for m in spans:
         m.host.fill_(255)  # what a racing copy could have read
@@ -384,17 +400,8 @@ def test_fast_a_source_freed_in_flight_and_reached_in_flight_raises(monkeypatch)
     """The caller frees a saved storage while its copy is in flight and never refills it;
     backward reaches the group before the copy was let go (four groups may stay in flight):
     the host copy may hold bytes of other work, so backward raises rather than restore it."""
-    from actoffload.fast.offloader import FastOffloader
-
     _CopiesWatched(monkeypatch)
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     x = torch.randn(16, 32, requires_grad=True)
     off = off_for("fast", "cpu", keep_last=0, max_inflight=4, pack_below=0)
     with off.group("a"):
@@ -403,11 +410,9 @@ def test_fast_a_source_freed_in_flight_and_reached_in_flight_raises(monkeypatch)
     h.untyped_storage().resize_(0)  # while a's copy is in flight
     with off.group("b"):
         z = y * y
-    assert not any(m.caller_freed for name, moved in moved_out for m in moved)  # not let go yet
-    for name, moved in moved_out:
-        for m in moved:
-            if name == "a":
-                m.host.fill_(255)  # what a copy racing other work for the memory could have read
+    assert not any(m.caller_freed for m in moves.of())  # not let go yet
+    for m in moves.of("a"):
+        m.host.fill_(255)  # what a copy racing other work for the memory could have read
     with pytest.raises(RuntimeError, match=r"group 'a' was freed \(resize_\(0\)\) while its copy"):
         torch.autograd.grad(z.cos().sum(), x)
 
@@ -420,17 +425,8 @@ def test_fast_a_source_freed_in_flight_and_refilled_in_backward_before_it_is_rea
     backward): the group was touched before (prefetched, or another of its saves unpacked),
     yet the span comes from the refilled storage, as autograd would take it, never from the
     untrusted host copy, and nothing raises."""
-    from actoffload.fast.offloader import FastOffloader
-
     _CopiesWatched(monkeypatch)
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     x = torch.randn(16, 32, requires_grad=True)
 
     def run(off):
@@ -457,10 +453,8 @@ def test_fast_a_source_freed_in_flight_and_refilled_in_backward_before_it_is_rea
             z = (u * 2).sin()
         with group("c"):
             out = z.cos()
-        for name, moved in moved_out:
-            for m in moved:
-                if name == "a":
-                    m.host.fill_(255)  # what a copy racing other work for the memory could have read
+        for m in moves.of("a"):
+            m.host.fill_(255)  # what a copy racing other work for the memory could have read
         return torch.autograd.grad(out.sum(), x)[0]
 
     expected = run(None)
@@ -473,17 +467,8 @@ def test_fast_a_reload_backward_never_used_is_freed_after_its_copy(monkeypatch):
     past it): once the graph lets the group go, its reload buffers are freed, and their copies
     in may still be writing them: the compute stream first waits for each, so their memory
     goes to later work only after the copy."""
-    from actoffload.fast.offloader import FastOffloader
-
     watched = _CopiesWatched(monkeypatch)
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     x = torch.randn(64, 64, requires_grad=True)
     off = off_for("fast", "cpu", keep_last=0, max_inflight=1, pack_below=0, prefetch=1)
     with off.group("a"):
@@ -493,7 +478,7 @@ def test_fast_a_reload_backward_never_used_is_freed_after_its_copy(monkeypatch):
     with off.group("c"):
         out = y.cos()
     torch.autograd.grad(out.sum(), mid)  # stops at mid: a's nodes never run
-    a = [m for name, moved in moved_out if name == "a" for m in moved]
+    a = moves.of("a")
     reloaded = [m.ready for m in a if m.dev is not None]
     assert reloaded, "a was reloaded ahead (the path under test)"
     del mid, y, out
@@ -509,14 +494,7 @@ def test_fast_an_observer_that_raises_on_a_copy_leaves_the_copy_in_the_offloader
 
     watched = _CopiesWatched(monkeypatch)
     monkeypatch.setattr(FastOffloader, "_timing_event", lambda self: object())  # as on CUDA, timed
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        moved_out.extend(moved)
-        move_out(self, group, moved)
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
 
     class Raising(ao.Observer):
         def on_copy(self, direction, nbytes, start, end):
@@ -537,7 +515,7 @@ def test_fast_an_observer_that_raises_on_a_copy_leaves_the_copy_in_the_offloader
         with off.group("a"):
             (x * 2).exp()
     gc.collect()  # the failed group's graph is gone
-    (copy,) = {id(m.copied): m.copied for m in moved_out}.values()
+    (copy,) = {id(m.copied): m.copied for m in moves.of()}.values()
     held = any(entry[0] is copy for entry in off._inflight)
     assert held or id(copy.done) in watched.waited  # its sources still held, or let go after a wait
     assert watched.unsafe == [] and listening.heard == ["d2h"]
@@ -550,17 +528,8 @@ def test_fast_a_shared_spans_reload_backward_never_used_is_freed_after_its_copy(
     the reload is freed only after the compute stream waits for its copy in."""
     import weakref
 
-    from actoffload.fast.offloader import FastOffloader
-
     watched = _CopiesWatched(monkeypatch)
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
     off = off_for("fast", "cpu", keep_last=0, max_inflight=0, pack_below=0, prefetch=1)
@@ -575,11 +544,11 @@ def test_fast_a_shared_spans_reload_backward_never_used_is_freed_after_its_copy(
         h.sum().backward()  # a's graph: reached, used, let go
     del h
     gc.collect()
-    (span,) = [m for name, moved in moved_out if name == "a" for m in moved]
+    (span,) = moves.of("a")
     torch.autograd.grad(out.sum(), u)  # the mul that reads the span never runs
     assert span.dev is not None, "reloaded and not used (the path under test)"
     ready, reload = span.ready, weakref.ref(span.dev)
-    moved_out.clear()
+    moves.clear()
     del span, u, z, out
     gc.collect()
     assert reload() is None and id(ready) in watched.waited
@@ -590,7 +559,6 @@ def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let
     group (a prefetch), refilled by a hook at the very same address before the group is
     reached, its copy finished meanwhile: letting the copy go then must not take the span
     from the caller's storage (it would raise as never refilled)."""
-    from actoffload.fast.offloader import FastOffloader
     from actoffload.fast.streams import CopyStreams
 
     _CopiesWatched(monkeypatch)
@@ -604,14 +572,7 @@ def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let
             pass
 
     monkeypatch.setattr(CopyStreams, "record", lambda streams, stream=None: Event())
-    moved_out = []
-    move_out = FastOffloader._move_out
-
-    def recording(self, group, moved):
-        move_out(self, group, moved)
-        moved_out.append((group.name, list(moved)))
-
-    monkeypatch.setattr(FastOffloader, "_move_out", recording)
+    moves = _MovesOut(monkeypatch)
     x = torch.randn(64, 64, requires_grad=True)
 
     def run(off):
@@ -627,10 +588,8 @@ def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let
         def refill(*_):
             h.untyped_storage().resize_(n)
             h.untyped_storage().copy_(keep.untyped_storage())
-            for name, moved in moved_out:  # at the very same address, as the CUDA allocator often gives
-                for m in moved:
-                    if name == "a":
-                        m.data_ptr_at_copy = m.storage.data_ptr()
+            for m in moves.of("a"):  # at the very same address, as the CUDA allocator often gives
+                m.data_ptr_at_copy = m.storage.data_ptr()
             finished[0] = True  # and the copy out finished meanwhile
 
         u.register_hook(refill)  # after b's backward prefetched a, before a is reached
