@@ -342,3 +342,22 @@ def test_search_families_simulated_at_once_are_each_simulated_afresh():
         for (w, pf), (peaks, steps, _) in zip(windows, simulate_each(profile, decisions, plans, windows)):
             for row, peak, step in zip(plans, peaks, steps):
                 assert (peak, step) == simulate(profile, [decisions[d] for d in row], w, pf)
+
+
+def test_a_group_decision_hashes_once_and_afresh_in_each_process():
+    """A plan's identity (a tuple of decisions) is looked up thousands of times per choice, so a
+    decision hashes once; what the planning process sends back is hashed again where it lands
+    (an enum's hash is its name's, which differs between processes), and equal decisions, made
+    or unpickled, hash alike."""
+    import pickle
+    import subprocess
+    import sys
+    d = GroupDecision(Action.OFFLOAD, 0.5)
+    assert hash(d) == hash(GroupDecision("offload", 0.5)) == hash(pickle.loads(pickle.dumps(d)))
+    assert d == pickle.loads(pickle.dumps(d)) and d != GroupDecision(Action.OFFLOAD, 0.25)
+    assert "_hash" not in pickle.dumps(d).decode("latin-1")
+    theirs = subprocess.run([sys.executable, "-c", "import pickle, sys; from actoffload.budget.actions import "
+                             "Action, GroupDecision; sys.stdout.buffer.write(pickle.dumps("
+                             "{GroupDecision(Action.RECOMPUTE): 1}))"], capture_output=True, check=True,
+                            env={"PYTHONHASHSEED": "1", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert pickle.loads(theirs.stdout)[GroupDecision(Action.RECOMPUTE)] == 1

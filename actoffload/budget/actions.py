@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 class Action(str, enum.Enum):
@@ -84,7 +85,18 @@ class GroupDecision:
 
     action: Action = Action.KEEP
     fraction: float = 1.0
+    _hash: ClassVar[int]  # per instance, set in __post_init__: declared so, it is no field
 
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             object.__setattr__(self, "action", Action(self.action))
+        # A plan's identity is a tuple of these, hashed thousands of times per choice (plans
+        # looked up by what they do): hashed once here. Not pickled: an enum's hash is its
+        # name's, which differs between processes (the planning process sends these back).
+        object.__setattr__(self, "_hash", hash((self.action, self.fraction)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        return GroupDecision, (self.action, self.fraction)

@@ -163,6 +163,7 @@ class BudgetController:
         self._margin = 0
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
+        self._index: dict[PlanKey, int] | None = None  # plan -> its place in _plans (made when asked)
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
@@ -296,7 +297,7 @@ class BudgetController:
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
         self.predicted, self._explore = False, EXPLORE
         self._adopt(profile, profiled_peak)
-        if self._pending is not None and all(p.peak > self._budget for p in self._judged(False)):
+        if self._pending is not None and all(q > self._budget for q in self._judged_peaks(False)):
             self._collect(wait=True)  # whether the budget is too small is the search's to say
         else:
             self._choose()
@@ -710,6 +711,7 @@ class BudgetController:
                 self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
                                               *simulate(self._profile, groups, max_inflight, prefetch)))
             self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
+            self._index = None
 
     def _ask(self, windows: Sequence[tuple[int, int]] | None = None, fresh: bool = False) -> bool:
         """Ask the planning process for the current profile's candidates (``windows``: as
@@ -768,7 +770,7 @@ class BudgetController:
             # the quick search's plans that ran meanwhile are no tries of the whole search's
             # model: its first choice (one of them or not), and EXPLORE more, may still run (a
             # predicted profile's first choice runs alone, as it would have)
-            fitting = self._fitting(self._judged(True))
+            fitting = self._fitting()
             first = self._first_choice(fitting).key if fitting else None
             self._explore += len(set(self._runs) - {first})
         if self._state is State.SETTLED:
@@ -808,36 +810,47 @@ class BudgetController:
             self._plan = self._forced_plan(*self._forced)
             self._settle()
             return
-        plain = self._judged(False)
-        if all(p.peak > self._budget for p in plain) and self.too_small is None:
-            try:
-                search.choose(self._profile, self._budget, plain)  # raises, naming the smallest reachable peak
+        if self.too_small is None and all(q > self._budget for q in self._judged_peaks(False)):
+            try:  # raises, naming the smallest reachable peak
+                search.choose(self._profile, self._budget, self._judged(False))
             except BudgetTooSmall as e:
                 self.too_small = str(e)
                 if self._beginning:
                     raise
                 self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
-        with_margins = self._judged(True)
-        fitting = self._fitting(with_margins)
+        fitting = self._fitting()
         if not fitting:
-            chosen = min(with_margins, key=lambda p: (p.peak, p.step_s))
+            chosen = min(self._judged(True), key=lambda p: (p.peak, p.step_s))
         else:
             chosen = self._fastest(fitting)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._settle()
 
-    def _judged(self, with_margins: bool) -> list[MemoryPlan]:
-        """The candidates with their peaks as the allocator will reserve them: the allocated
-        bytes (measured where a plan ran, else modelled, ``with_margins`` raised by the margin)
-        and the reserve."""
+    def _judged_peaks(self, with_margins: bool) -> list[int]:
+        """Each candidate's peak as the allocator will reserve it, in the order of the
+        candidates: the allocated bytes (measured where a plan ran, else modelled, ``with_margins``
+        raised by the margin) and the reserve."""
         assert self._profile is not None
         base, reserve = self._profile.base, self._reserve.bytes
-        margin = self._margin + least_margin(self._budget)
-        return [replace(p, peak=self._peaks[p.key] + base + reserve) if p.key in self._peaks
-                else replace(p, peak=p.peak + reserve + (margin if with_margins else 0)) for p in self._plans]
+        unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
+        out = [p.peak + unmeasured for p in self._plans]
+        if self._index is None:  # a plan's identity is hashed once per set of candidates, not per choice
+            self._index = {p.key: i for i, p in reversed(list(enumerate(self._plans)))}
+        for key, peak in self._peaks.items():
+            i = self._index.get(key)
+            if i is not None:
+                out[i] = peak + base + reserve
+        return out
 
-    def _fitting(self, judged: list[MemoryPlan]) -> list[MemoryPlan]:
-        return [p for p in judged if p.peak <= self._budget]
+    def _judged(self, with_margins: bool) -> list[MemoryPlan]:
+        """The candidates with their peaks as :meth:`_judged_peaks` gives them."""
+        return [replace(p, peak=q) for p, q in zip(self._plans, self._judged_peaks(with_margins))]
+
+    def _fitting(self) -> list[MemoryPlan]:
+        """The candidates that fit the budget, judged with the margins (made only for those:
+        a choice is made at most steps while a plan is tried, among hundreds of candidates)."""
+        budget = self._budget
+        return [replace(p, peak=q) for p, q in zip(self._plans, self._judged_peaks(True)) if q <= budget]
 
     def _first_choice(self, fitting: list[MemoryPlan]) -> MemoryPlan:
         """The model's choice among plans that fit, should nothing be measured."""
@@ -872,6 +885,7 @@ class BudgetController:
                 return p
         plan = MemoryPlan(groups, max_inflight, prefetch, *simulate(self._profile, groups, max_inflight, prefetch))
         self._plans.insert(len(self._plans) - 1, plan)  # the profiled plan stays last
+        self._index = None
         return plan
 
     def _fastest(self, fitting: list[MemoryPlan]) -> MemoryPlan:
