@@ -608,3 +608,26 @@ def test_budget_kept_groups_still_end_the_step_when_the_first_block_is_frozen():
     assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 6
     assert [g["action"] for g in off.stats()["plan"]["groups"]] == ["keep"] * 4
     assert list(off.stats()["groups"]) == ["1"]
+
+
+def test_probe_reads_the_allocators_counters_from_its_nested_statistics(monkeypatch):
+    """On CUDA the probe reads allocated, reserved and their peaks from the allocator's nested
+    statistics as they come (``torch.cuda.memory_allocated`` and its kin flatten every counter in
+    Python at each read, five or six reads a step); before CUDA starts they read 0. The CPU
+    reads 0 and never asks."""
+    stats = {"allocated_bytes": {"all": {"current": 10, "peak": 30}, "large_pool": {"current": 1}},
+             "reserved_bytes": {"all": {"current": 40, "peak": 50}}}
+    asked = []
+
+    def nested(device):
+        asked.append(device)
+        return stats
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested)
+    probe = Probe(torch.device("cuda", 1))
+    assert (probe.allocated(), probe.peak(), probe.reserved(), probe.peak_reserved()) == (10, 30, 40, 50)
+    assert asked == [torch.device("cuda", 1)] * 4
+    stats = {}  # CUDA not started yet
+    assert (probe.allocated(), probe.peak(), probe.reserved(), probe.peak_reserved()) == (0, 0, 0, 0)
+    cpu = Probe(torch.device("cpu"))
+    assert (cpu.allocated(), cpu.peak(), cpu.reserved(), cpu.peak_reserved()) == (0, 0, 0, 0) and len(asked) == 8
