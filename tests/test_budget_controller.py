@@ -569,6 +569,34 @@ def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
     assert cpu.trims == 0
 
 
+def test_controller_never_chooses_again_a_plan_measured_over_the_budget_that_is_a_candidate_twice():
+    """The search may propose a plan twice (and the profiled plan is also appended last): every
+    copy is judged by what the plan measured, so one that went over the budget is not chosen
+    again through a copy still judged by the model."""
+    import collections
+    profile = _profile()
+    plans = search.candidates(profile)
+    lo, hi = min(p.peak for p in plans), max(p.peak for p in plans)
+    tried = 0
+    for budget in range(lo, hi + 64 * MiB, 2 * MiB):
+        probe = FakeProbe()
+        c = BudgetController(budget, CPU, probe=probe)
+        try:
+            c.adopt_profile(profile)
+        except BudgetTooSmall:
+            continue
+        first = c.plan.key
+        if collections.Counter(p.key for p in c.plans)[first] < 2:
+            continue
+        tried += 1
+        probe.peak_bytes = budget + MiB  # it overshot
+        c.step_begins()
+        probe.advance(0.01)
+        c.backward_ends()
+        assert c.plan.key != first, budget
+    assert tried >= 10  # the case is common: the first choice is often a candidate twice
+
+
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():
     """Where the measured first choice moves bytes, the one more plan that runs is
     the fastest moving none, even while the model promises another plan faster than the

@@ -163,7 +163,7 @@ class BudgetController:
         self._margin = 0
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
-        self._index: dict[PlanKey, int] | None = None  # plan -> its place in _plans (made when asked)
+        self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
@@ -703,6 +703,7 @@ class BudgetController:
                 plans = search.quick_candidates(self._profile)
         with self._planning():
             self._plans = search.candidates(self._profile) if plans is None else list(plans)
+            self._index = None
             # a plan that ran stays a candidate, should the search no longer propose it (the
             # profile was calibrated): what it measured still stands
             profiled = costmodel.profiled_plan(self._profile)
@@ -835,10 +836,11 @@ class BudgetController:
         unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
         out = [p.peak + unmeasured for p in self._plans]
         if self._index is None:  # a plan's identity is hashed once per set of candidates, not per choice
-            self._index = {p.key: i for i, p in reversed(list(enumerate(self._plans)))}
+            self._index = {}
+            for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
+                self._index.setdefault(p.key, []).append(i)
         for key, peak in self._peaks.items():
-            i = self._index.get(key)
-            if i is not None:
+            for i in self._index.get(key, ()):
                 out[i] = peak + base + reserve
         return out
 
