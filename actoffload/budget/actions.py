@@ -85,7 +85,7 @@ class GroupDecision:
 
     action: Action = Action.KEEP
     fraction: float = 1.0
-    _hash: ClassVar[int]  # per instance, set in __post_init__: declared so, it is no field
+    _hash: ClassVar[int]  # set per instance in __post_init__ (a ClassVar to the dataclass: not a field)
 
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):

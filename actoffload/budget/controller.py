@@ -712,7 +712,6 @@ class BudgetController:
                 self._plans.append(MemoryPlan(groups, max_inflight, prefetch,
                                               *simulate(self._profile, groups, max_inflight, prefetch)))
             self._plans.append(MemoryPlan(profiled, 0, 0, *simulate(self._profile, profiled, 0, 0)))
-            self._index = None
 
     def _ask(self, windows: Sequence[tuple[int, int]] | None = None, fresh: bool = False) -> bool:
         """Ask the planning process for the current profile's candidates (``windows``: as
