@@ -73,6 +73,20 @@ def test_bench_budgets_section_runs_the_budget_sweep(tmp_path, monkeypatch):
                 assert c["vs_fastest_fitting_measured"] == "alternating" and b["paired"]["rounds"] == 3
                 judged += 1
     assert judged
+    # settling as a user meets it: steps until each budget's plan was final, its first steps
+    # against as many steady ones
+    for w in sweep["workloads"]:
+        v = sweep["verdicts"][w["workload"]]
+        cells = [b for b in w["budgets"] if "error" not in b]
+        assert v["budget_steps_to_settle"] == [len(b["early_steps_ms"]) for b in cells]
+        assert [f["steps"] for f in v["budget_first_steps_vs_steady"]] == [
+            min(20, len(b["early_steps_ms"]) + len(b["steps_ms"])) for b in cells]
+
+
+def test_first_steps_against_steady_ones_count_the_warm_up_and_the_measured_steps_in_order():
+    cell = {"early_steps_ms": [50.0] + [10.0] * 24, "steps_ms": [10.0] * 6, "step_ms": 10.0}
+    assert budget_sweep.first_steps_vs_steady(cell) == {"steps": 20, "ratio": 1.2}  # 40 ms over 20 steps
+    assert budget_sweep.first_steps_vs_steady({"steps_ms": [8.0, 12.0], "step_ms": 10.0}) == {"steps": 2, "ratio": 1.0}
 
 
 def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):

@@ -559,7 +559,23 @@ def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
            if "fast_offload_first" in m else {}),
         "budget_first_step_vs_steady": [b["first_step_ms"] / b["step_ms"] for b in workload["budgets"]
                                         if "error" not in b and b.get("first_step_ms")],
+        # settling, as a user meets it: steps until the plan was final, and the first 20 steps
+        # (warm-up and measured ones, consecutive) against as many steady ones (asked: 10, 1.5x)
+        "budget_steps_to_settle": [len(b.get("early_steps_ms") or []) for b in workload["budgets"] if "error" not in b],
+        "budget_first_steps_vs_steady": [first_steps_vs_steady(b) for b in workload["budgets"] if "error" not in b],
     }
+
+
+def first_steps_vs_steady(cell: dict[str, Any], n: int = 20) -> dict[str, Any]:
+    """A method's first ``n`` steps (its warm-up's, then its measured ones: consecutive) against
+    as many of its steady steps (the measured median): ``{"steps": how many it ran, at most n,
+    "ratio": ...}``.
+
+    >>> first_steps_vs_steady({"early_steps_ms": [30.0, 20.0], "steps_ms": [10.0, 10.0, 12.0], "step_ms": 10.0})
+    {'steps': 5, 'ratio': 1.64}
+    """
+    steps = ((cell.get("early_steps_ms") or []) + cell["steps_ms"])[:n]
+    return {"steps": len(steps), "ratio": round(sum(steps) / (len(steps) * cell["step_ms"]), 4)}
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
