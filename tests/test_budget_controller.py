@@ -3,6 +3,7 @@ model, a base that grows (optimizer state made after the first step) profiles ag
 the model promises are measured, and a step whose backward failed is dropped (CPU; the probe
 is a fake the test drives, or the CPU's own)."""
 
+import collections
 from dataclasses import replace
 
 import pytest
@@ -573,7 +574,6 @@ def test_controller_never_chooses_again_a_plan_measured_over_the_budget_that_is_
     """The search may propose a plan twice (and the profiled plan is also appended last): every
     copy is judged by what the plan measured, so one that went over the budget is not chosen
     again through a copy still judged by the model."""
-    import collections
     profile = _profile()
     plans = search.candidates(profile)
     lo, hi = min(p.peak for p in plans), max(p.peak for p in plans)

@@ -1,8 +1,12 @@
 """The memory budget's search, a pure function from a profile to a plan, over the cost model:
 its promises hold on many random profiles (CPU only; neither touches a device)."""
 
+import pickle
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,9 +353,6 @@ def test_a_group_decision_hashes_once_and_afresh_in_each_process():
     decision hashes once; what the planning process sends back is hashed again where it lands
     (an enum's hash is its name's, which differs between processes), and equal decisions, made
     or unpickled, hash alike."""
-    import pickle
-    import subprocess
-    import sys
     d = GroupDecision(Action.OFFLOAD, 0.5)
     assert hash(d) == hash(GroupDecision("offload", 0.5)) == hash(pickle.loads(pickle.dumps(d)))
     assert d == pickle.loads(pickle.dumps(d)) and d != GroupDecision(Action.OFFLOAD, 0.25)
@@ -359,5 +360,5 @@ def test_a_group_decision_hashes_once_and_afresh_in_each_process():
     theirs = subprocess.run([sys.executable, "-c", "import pickle, sys; from actoffload.budget.actions import "
                              "Action, GroupDecision; sys.stdout.buffer.write(pickle.dumps("
                              "{GroupDecision(Action.RECOMPUTE): 1}))"], capture_output=True, check=True,
-                            env={"PYTHONHASHSEED": "1", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+                            env={"PYTHONHASHSEED": "1", "PATH": ""}, cwd=str(Path(__file__).parents[1]))
     assert pickle.loads(theirs.stdout)[GroupDecision(Action.RECOMPUTE)] == 1
