@@ -4,6 +4,7 @@ same run without an offloader (R1), or the error PyTorch itself gives."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -169,17 +170,14 @@ def _freed_and_refilled(off, keep_last: int, free_after_commit: bool, shrink_to:
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(32, 32, requires_grad=True)
 
-    def group(name):
-        return off.group(name) if off is not None else _null()
-
-    with group("a"):
+    with _group(off, "a"):
         h = (x @ w).exp()  # saves h
         tail = h[8:].sin()  # saves a view of h starting at byte 8 * 32 * 4
     keep = h.detach().clone()
     n = h.untyped_storage().nbytes()
     if not free_after_commit:
         h.untyped_storage().resize_(shrink_to)
-    with group("b"):  # a commits here with keep_last=1 (at its own exit with keep_last=0)
+    with _group(off, "b"):  # a commits here with keep_last=1 (at its own exit with keep_last=0)
         y = tail * 2
     if free_after_commit:
         h.untyped_storage().resize_(shrink_to)
@@ -192,12 +190,9 @@ def _freed_and_refilled(off, keep_last: int, free_after_commit: bool, shrink_to:
     return [*first, *second], meanwhile
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _group(off, name):
+    """``off``'s group ``name``, or nothing at all without an offloader (the reference run)."""
+    return off.group(name) if off is not None else contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -430,10 +425,7 @@ def test_fast_a_source_freed_in_flight_and_refilled_in_backward_before_it_is_rea
     x = torch.randn(16, 32, requires_grad=True)
 
     def run(off):
-        def group(name):
-            return off.group(name) if off is not None else _null()
-
-        with group("a"):
+        with _group(off, "a"):
             h = (x * 2).exp()  # saves h
             u = h.sin()  # saves h
             if refilled == "between_its_nodes":
@@ -449,9 +441,9 @@ def test_fast_a_source_freed_in_flight_and_refilled_in_backward_before_it_is_rea
             u.register_hook(refill)  # on a's output: before any of a's nodes (and after its prefetch)
         else:  # after the last exp's backward, before sin's reads h
             u.grad_fn.next_functions[0][0].register_hook(refill)
-        with group("b"):
+        with _group(off, "b"):
             z = (u * 2).sin()
-        with group("c"):
+        with _group(off, "c"):
             out = z.cos()
         for m in moves.of("a"):
             m.host.fill_(255)  # what a copy racing other work for the memory could have read
@@ -576,10 +568,7 @@ def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let
     x = torch.randn(64, 64, requires_grad=True)
 
     def run(off):
-        def group(name):
-            return off.group(name) if off is not None else _null()
-
-        with group("a"):
+        with _group(off, "a"):
             h = (x * 2).exp()
             u = h.sin()
         keep, n = h.detach().clone(), h.untyped_storage().nbytes()
@@ -593,9 +582,9 @@ def test_fast_a_span_refilled_in_backward_stays_the_callers_once_its_copy_is_let
             finished[0] = True  # and the copy out finished meanwhile
 
         u.register_hook(refill)  # after b's backward prefetched a, before a is reached
-        with group("b"):
+        with _group(off, "b"):
             z = u.sin() * 2
-        with group("c"):
+        with _group(off, "c"):
             out = z.cos()
         return torch.autograd.grad(out.sum(), x)[0]
 
@@ -616,10 +605,10 @@ def test_fast_a_view_used_in_place_comes_back_at_its_offset_in_a_second_backward
     def run(off):
         torch.manual_seed(0)
         x = torch.randn(8, 64, requires_grad=True)
-        with off.group("a") if off is not None else _null():
+        with _group(off, "a"):
             base = x * 2
             y = base[4:].sin()  # sin saves a view at byte 4 * 64 * 4 of base, which lives on
-        with off.group("b") if off is not None else _null():
+        with _group(off, "b"):
             z = y * 1
         loss = z.sum()
         return [torch.autograd.grad(loss, x, retain_graph=True)[0], torch.autograd.grad(loss, x)[0], base]
