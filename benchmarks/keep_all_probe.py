@@ -8,8 +8,8 @@ three steps under ``torch.profiler``: the CUDA API calls counted and the kernels
     PYTHONPATH=. python benchmarks/keep_all_probe.py OUT.json > OUT-log.txt
 
 On an H200 at e746ed5 (``benchmarks/results/*-e746ed5-keep-all-probe*``): none 86.10 and
-86.75 ms a step, "auto" 87.25 (1.006-1.013x); no device allocation or free in any settled step
-of any of the three, the same kernels and the same CUDA time.
+86.75 ms a step, "auto" 87.25 (1.006-1.013x); no device allocation or free in the last four
+steps of any of the three; the same kernels, for the same CUDA time.
 """
 
 from __future__ import annotations
