@@ -1,0 +1,125 @@
+"""Where fast's host time per group goes (a diagnostic, not a test): transformers' SDPA Llama of
+the sweep (``hf_llama_sdpa``), steps of no offloading, of ``torch.utils.checkpoint`` around each
+layer, and of ``fast`` made to keep every layer and to recompute every layer
+(``BudgetController.force``); the median host time to issue a step (until ``backward()``
+returns) and its full time, with Python's garbage collector on and then off; then five steps of
+each under ``cProfile`` and, per function, the difference in time spent in it (recomputing less
+checkpointing, keeping less no offloading), in ms a step, with the calls a step.
+
+    PYTHONPATH=. python benchmarks/host_diff_probe.py [--device cpu] > OUT-log.txt
+
+On an H200 at 860fdef (``benchmarks/results/*-860fdef-host-diff-probe-log.txt``): keeping every
+layer issued its step in about the host time of no offloading (46.6 and 45.0 ms against 42.2 and
+45.9); recomputing every layer took 72.2 and 76.4 ms against checkpointing's 67.9 and 70.0. On
+the CPU machine (``--device cpu``, the tiny model) the same comparison runs in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import actoffload as ao
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.tools.budget_sweep import _checkpointed
+from actoffload.tools.sweep_models import hf_llama, plain
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the tiny model)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_diff_probe: no CUDA here; pass --device cpu", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    w = hf_llama("hf_llama_sdpa", dev, small=dev.type == "cpu")
+    ck = _checkpointed(len(w.blocks))
+
+    def step(call: Any, i: int = 0) -> tuple[float, float]:
+        sync()
+        t0 = time.perf_counter()
+        w.loss(call, i).backward()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        for q in w.trainable:
+            q.grad = None
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+    for i in range(3):
+        step(plain, i)
+    off = ao.Offloader(memory_budget=1 << 40, device=dev)
+    h = ao.wrap(w.blocks, off)
+    for i in range(PROFILE_STEPS + 2):
+        step(plain, i)
+    ctrl = off.plan.controller
+    h.remove()
+
+    def forced(action: Action) -> Any:
+        """The blocks wrapped again, the controller made to run ``action`` everywhere (two steps in)."""
+        hh = ao.wrap(w.blocks, off)
+        ctrl.force([GroupDecision(action)] * len(w.blocks))
+        step(plain)
+        step(plain)
+        return hh
+
+    def timed(call: Any, n: int = 8) -> tuple[float, float]:
+        v = [step(call, i) for i in range(n)]
+        return statistics.median(x for x, _ in v), statistics.median(y for _, y in v)
+
+    for gc_mode in ("on", "off"):
+        if gc_mode == "off":
+            gc.collect()
+            gc.disable()
+        res = {"none": timed(plain), "ckpt": timed(ck)}
+        for name, action in (("keep", Action.KEEP), ("recompute", Action.RECOMPUTE)):
+            hh = forced(action)
+            res[name] = timed(plain)
+            hh.remove()
+        print("gc", gc_mode, {k: f"host {x:.1f} step {y:.1f}" for k, (x, y) in res.items()}, flush=True)
+        gc.enable()
+
+    def profiled(call: Any, n: int = 5) -> dict[tuple[str, int, str], tuple[float, float, float]]:
+        pr = cProfile.Profile()
+        pr.enable()
+        for i in range(n):
+            step(call, i)
+        pr.disable()
+        out = {}
+        for (f, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(pr).stats.items():  # type: ignore[attr-defined]
+            where = f.split("site-packages/")[-1].split("tree_main/")[-1]
+            out[(where, line, name)] = (calls / n, tottime / n * 1e3, cumtime / n * 1e3)
+        return out
+
+    profiles = {"none": profiled(plain), "ckpt": profiled(ck)}
+    for name, action in (("keep", Action.KEEP), ("recompute", Action.RECOMPUTE)):
+        hh = forced(action)
+        profiles[name] = profiled(plain)
+        hh.remove()
+    for a, b in (("recompute", "ckpt"), ("keep", "none")):
+        pa, pb = profiles[a], profiles[b]
+        rows = sorted(((pa.get(k, (0, 0, 0))[1] - pb.get(k, (0, 0, 0))[1], k) for k in set(pa) | set(pb)), reverse=True)
+        print(f"== {a} - {b}: tottime per step, ms; total {sum(r[0] for r in rows):.2f}")
+        for dt, k in rows[:40]:
+            print(f"{dt:8.3f}  calls {pa.get(k, (0,))[0]:6.0f} vs {pb.get(k, (0,))[0]:6.0f}  "
+                  f"cum {pa.get(k, (0, 0, 0))[2]:8.2f}  {k[0]}:{k[1]}({k[2]})")
+        ours = sorted(((v[2], k) for k, v in pa.items() if k[0].startswith("actoffload")), reverse=True)[:25]
+        print(f"-- {a}: actoffload functions by cumulative time per step, ms")
+        for ct, k in ours:
+            print(f"{ct:8.3f}  calls {pa[k][0]:6.0f}  {k[0]}:{k[1]}({k[2]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
