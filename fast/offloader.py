@@ -311,7 +311,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         # The stage comes from the compute stream's pool, as every other device buffer: a block
         # cached for a copy stream serves no other stream, and would grow what the allocator reserves.
         stage = self._packer.stage(rec.packed_total) if packed else None
-        with self._streams.on_d2h(self._streams.record(), *(b.fence for b in rec.blocks)):
+        with self._streams.on_d2h(self._streams.record(), *(w for b in rec.blocks for w in b.waits())):
             start = self._timing_event()
             if stage is not None:
                 self._packer.pack(table, stage)
@@ -549,7 +549,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         if stage is not None and self._streams.h2d is not None:
             stage.record_stream(self._streams.h2d)
         for b in rec.blocks:
-            b.fence = ready  # the next writer of this host block waits for this read
+            b.read_until(ready)  # the next writer of this host block waits for this read
         for m in need:
             m.ready = ready
         self.counters["h2d_copies"] += len(large) + bool(packed)

@@ -5,14 +5,22 @@ exact below 64 bytes, so host memory in use stays within R9's 5% of what was off
 however small the tensors) and go back to a free list when the data in them dies. The same model asks for the same sizes every step, so
 after the first step no host memory is allocated at all.
 
+A request of a class with no free block is carved out of the smallest larger free block
+(from 1 MiB on, at a page boundary), and pieces freed beside each other in one allocation
+join again: a step of another sequence length reuses what a longer one pinned instead of
+pinning anew (on an H200, a 1536-token step after 2048-token ones pinned 45 new blocks and
+took 472 ms against 99 for checkpointing), and once every piece is back the allocation is
+whole again for the longer step.
+
 A block's ``fence`` is the event after which the last copy *reading* it (a reload)
 is done; whoever writes into a reused block makes its stream wait on that fence
-first, so a block is never overwritten under an in-flight copy and the host never
-waits.
+first (and on those of the pieces it was joined from), so a block is never overwritten
+under an in-flight copy and the host never waits.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 from typing import Callable, Iterable
@@ -32,15 +40,43 @@ def size_class(nbytes: int) -> int:
     return (nbytes + granule - 1) // granule * granule
 
 
+SPLIT_MIN = 1 << 20  # requests from this size on may be carved out of a larger free block
+PAGE = 4096  # where a block is cut: pieces start on a page
+
+
 class HostBlock:
-    """One pooled host buffer: ``tensor`` holds ``size`` bytes."""
+    """One pooled host buffer: ``tensor`` holds ``size`` bytes, at ``offset`` in ``slab``, the
+    allocation it is part of. ``fence``: the last read of it; ``earlier``: reads of the pieces
+    it was joined from, not yet known to be done."""
 
-    __slots__ = ("tensor", "size", "fence")
+    __slots__ = ("tensor", "size", "fence", "earlier", "slab", "offset")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, slab: torch.Tensor | None = None, offset: int = 0):
         self.tensor = tensor
         self.size = tensor.numel()
         self.fence = None
+        self.earlier: tuple = ()
+        self.slab = tensor if slab is None else slab
+        self.offset = offset
+
+    def waits(self) -> tuple:
+        """The events a writer into this block waits for first."""
+        return self.earlier if self.fence is None else (self.fence, *self.earlier)
+
+    def read_until(self, event) -> None:
+        """A copy reads this block until ``event``: the next writer waits for it (and, as the
+        copy ran after its writer, which waited for the earlier reads, for nothing else)."""
+        self.fence, self.earlier = event, ()
+
+    def _part(self, start: int, end: int) -> "HostBlock":
+        part = HostBlock(self.slab[self.offset + start : self.offset + end], self.slab, self.offset + start)
+        part.fence, part.earlier = self.fence, self.earlier
+        return part
+
+
+def _pending(events) -> tuple:
+    """``events`` less those known to be done (a query, not a wait)."""
+    return tuple(e for e in events if e is not None and not e.query())
 
 
 class PinnedPool:
@@ -62,7 +98,10 @@ class PinnedPool:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self._free: dict[int, list[HostBlock]] = {}
+        self._free: dict[int, list[HostBlock]] = {}  # free blocks by size
+        self._sizes: list[int] = []  # the sizes of free blocks, ascending (best fit)
+        self._starts: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset)
+        self._ends: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset of their end)
         self._lock = threading.Lock()
         self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
         self._owned: collections.Counter[int] = collections.Counter()  # blocks allocated, by size class
@@ -77,17 +116,59 @@ class PinnedPool:
     def get(self, nbytes: int) -> HostBlock:
         size = size_class(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                block = free.pop()
-                self.pooled -= size
-                self.in_use += size
+            block = self._take(size)
+            if block is not None:
+                self.in_use += block.size
                 return block
         block = HostBlock(self._allocate(size))  # may raise HostMemoryError: nothing changed
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
             self.in_use += size
+        return block
+
+    def _take(self, size: int) -> HostBlock | None:
+        """A free block of ``size``, else (from ``SPLIT_MIN`` on) one cut from the smallest larger
+        free block, the rest staying free; ``None`` where there is none (the caller holds the lock)."""
+        if self._free.get(size):
+            return self._unlist(self._free[size][-1])
+        if size < SPLIT_MIN:
+            return None
+        i = bisect.bisect_left(self._sizes, size)
+        if i == len(self._sizes):
+            return None
+        block = self._unlist(self._free[self._sizes[i]][-1])
+        cut = -(-size // PAGE) * PAGE
+        if cut >= block.size:
+            return block  # less than a page more than asked: whole
+        self._list(block._part(cut, block.size))
+        return block._part(0, cut)
+
+    def _list(self, block: HostBlock) -> None:
+        """Make ``block`` free (the caller holds the lock)."""
+        free = self._free.setdefault(block.size, [])
+        if not free:
+            bisect.insort(self._sizes, block.size)
+        free.append(block)
+        key = id(block.slab)
+        self._starts[key, block.offset] = block
+        self._ends[key, block.offset + block.size] = block
+        self.pooled += block.size
+
+    def _unlist(self, block: HostBlock) -> HostBlock:
+        """Take ``block`` off the free lists (the caller holds the lock)."""
+        free = self._free[block.size]
+        if free[-1] is block:
+            free.pop()
+        else:
+            free.remove(block)
+        if not free:
+            del self._free[block.size]
+            del self._sizes[bisect.bisect_left(self._sizes, block.size)]
+        key = id(block.slab)
+        del self._starts[key, block.offset]
+        del self._ends[key, block.offset + block.size]
+        self.pooled -= block.size
         return block
 
     def expect(self, sizes: Iterable[int]) -> Callable[[], None]:
@@ -141,8 +222,7 @@ class PinnedPool:
                     self.allocations += 1
                     self._owned[size] += 1
                     self.reserving -= size
-                    self._free.setdefault(size, []).append(block)
-                    self.pooled += size
+                    self._list(block)
         except Exception as e:  # noqa: BLE001  any failure stops reserving; get() then allocates, and says why
             with self._lock:
                 self.reserve_error = e
@@ -166,20 +246,32 @@ class PinnedPool:
                     self._worker = None
 
     def put(self, block: HostBlock) -> None:
+        """``block`` is free again: joined with the free blocks beside it in its allocation."""
         with self._lock:
-            self._free.setdefault(block.size, []).append(block)
             self.in_use -= block.size
-            self.pooled += block.size
+            key = id(block.slab)
+            before = self._ends.get((key, block.offset))
+            after = self._starts.get((key, block.offset + block.size))
+            if before is None and after is None:
+                self._list(block)
+                return
+            first = self._unlist(before) if before is not None else block
+            last = self._unlist(after) if after is not None else block
+            joined = first._part(0, last.offset + last.size - first.offset)
+            joined.fence = None
+            joined.earlier = _pending(w for b in (before, block, after) if b is not None for w in b.waits())
+            self._list(joined)
 
     def put_all(self, blocks: list[HostBlock]) -> None:
         for b in blocks:
             self.put(b)
 
     def trim(self) -> int:
-        """Free every pooled block; returns the bytes released."""
+        """Free every pooled block that is a whole allocation (a piece of one in use stays);
+        returns the bytes released."""
         with self._lock:
-            released, self.pooled = self.pooled, 0
-            for size, blocks in self._free.items():
-                self._owned[size] -= len(blocks)
-            self._free.clear()
-        return released
+            whole = [b for free in self._free.values() for b in free if b.offset == 0 and b.size == b.slab.numel()]
+            for b in whole:
+                self._unlist(b)
+                self._owned[b.size] -= 1
+            return sum(b.size for b in whole)

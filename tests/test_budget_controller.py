@@ -611,18 +611,39 @@ def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_pro
     assert c.settled and len(c.measured_plans()) == EXPLORE + 1
 
 
-def test_controller_a_predicted_profile_runs_its_first_choice_only():
-    """A profile predicted from another workload's (explored and calibrated already) runs the
-    model's first choice and settles on it once measured, where a measured profile would try
-    one more plan (here: the fastest moving no bytes, as the measured one moves bytes)."""
+@pytest.mark.parametrize("still_faster", [True, False])
+def test_controller_a_predicted_profile_tries_only_the_plan_moving_no_bytes_beyond_its_first_choice(still_faster):
+    """A profile predicted from another workload's (explored and calibrated already, but not its
+    bus) runs the model's first choice; where that moves bytes, the fastest plan moving none
+    too, whatever the model says of it, and no other; it settles on the faster of the two, and
+    the model is not corrected (docs/budgets.md: exploring)."""
     profile, budget, _ = _moving_preferred()
     c = BudgetController(budget, CPU, probe=FakeProbe())
     assert c.adopt_prediction(profile)
     first = c.plan
     assert moves_bytes(profile, first.groups)
-    _run(c, TIMINGS + 3, lambda p: 3.0 * p.step_s)  # slower than modelled: a measured profile would try another
-    assert c.settled and c.plan.key == first.key and len(c.measured_plans()) == 1
-    assert c.profile is profile  # not calibrated: no other plan would run
+
+    def seconds_of(plan):  # the first slower than modelled; the still one faster or slower than it
+        return 3.0 * first.step_s if plan.key == first.key else (2.0 if still_faster else 4.0) * first.step_s
+
+    _run(c, TIMINGS + 2, seconds_of)
+    still = c.plan
+    assert still.key != first.key and not moves_bytes(profile, still.groups)
+    _run(c, 4 * (TIMINGS + 1), seconds_of)
+    assert c.settled and set(_measured(c)) == {first.key, still.key}
+    assert c.plan.key == (still.key if still_faster else first.key)
+    assert c.profile is profile  # not calibrated
+
+
+def test_controller_a_predicted_profile_whose_first_choice_moves_nothing_tries_no_other():
+    profile = _profile()
+    plans = search.candidates(profile)
+    budget = 1 << 40  # everything fits: the first choice keeps, moving nothing
+    c = BudgetController(budget, CPU, probe=FakeProbe())
+    assert c.adopt_prediction(profile)
+    assert not moves_bytes(profile, c.plan.groups) and plans
+    _run(c, 4 * (TIMINGS + 1), lambda p: 3.0 * p.step_s)  # slower than modelled: a measured profile would try another
+    assert c.settled and len(c.measured_plans()) == 1
 
 
 def test_controller_counts_the_host_time_it_plans():

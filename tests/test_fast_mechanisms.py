@@ -39,6 +39,89 @@ def test_pool_reuses_blocks_of_a_size_class():
     assert pool.trim() == size_class(5000) and pool.pooled == 0
 
 
+class _Event:
+    """A stand-in for a CUDA event: done or not, as set."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+MIB = 1 << 20
+
+
+def test_pool_carves_a_smaller_class_out_of_a_larger_free_block_and_joins_the_pieces_again():
+    """A step of another length reuses what a longer one pinned: no new allocation."""
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    whole = pool.get(32 * MIB)
+    pool.put(whole)
+    a = pool.get(24 * MIB)  # carved from the 32 MiB block
+    b = pool.get(5 * MIB)  # from what is left of it
+    assert pool.allocations == 1 and a.slab is b.slab is whole.tensor
+    assert (a.offset, a.size, b.offset, b.size) == (0, 24 * MIB, 24 * MIB, 5 * MIB)
+    assert a.tensor.data_ptr() == whole.tensor.data_ptr() and b.tensor.data_ptr() == whole.tensor.data_ptr() + 24 * MIB
+    assert pool.in_use == 29 * MIB and pool.pooled == 3 * MIB
+    pool.put(b)
+    pool.put(a)
+    assert pool.in_use == 0 and pool.pooled == 32 * MIB
+    again = pool.get(32 * MIB)  # joined whole: served without allocating
+    assert pool.allocations == 1 and (again.offset, again.size) == (0, 32 * MIB)
+    pool.put(again)
+    assert pool.trim() == 32 * MIB and pool.pooled == 0
+
+
+def test_pool_cuts_pieces_on_page_boundaries_and_not_below_a_mebibyte():
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    pool.put(pool.get(8 * MIB))
+    small = pool.get(100_000)  # under the least size worth cutting for: its own allocation
+    assert pool.allocations == 2 and small.slab is small.tensor
+    odd = pool.get(MIB + 1)
+    assert odd.size % 4096 == 0 and size_class(MIB + 1) <= odd.size < size_class(MIB + 1) + 4096
+    assert pool.allocations == 2
+
+
+def test_pool_pieces_keep_the_reads_a_writer_must_wait_for():
+    """A piece waits for its block's last read; a joined block for its pieces' reads not yet
+    done; a new read stands for the earlier ones (it ran after its writer waited for them)."""
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    whole = pool.get(16 * MIB)
+    read = _Event(done=False)
+    whole.read_until(read)
+    pool.put(whole)
+    a, b = pool.get(4 * MIB), pool.get(4 * MIB)
+    assert a.waits() == (read,) and b.waits() == (read,)
+    later, finished = _Event(done=False), _Event(done=True)
+    a.read_until(later)
+    b.read_until(finished)
+    pool.put(b)  # joins the rest
+    pool.put(a)  # joins b and the rest: the reads not known to be done stay, its own among them
+    joined = pool.get(16 * MIB)
+    assert set(joined.waits()) == {read, later}
+    newer = _Event(done=False)
+    joined.read_until(newer)
+    assert joined.waits() == (newer,)
+
+
+def test_pool_trims_only_whole_allocations():
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    pool.put(pool.get(8 * MIB))
+    piece = pool.get(2 * MIB)
+    assert pool.trim() == 0 and pool.pooled == 6 * MIB  # the rest of an allocation in use stays
+    pool.put(piece)
+    assert pool.trim() == 8 * MIB and pool.pooled == 0
+
+
+def test_fast_steps_of_shorter_inputs_after_a_longer_one_allocate_no_host_memory():
+    model = mlp_stack(3, 512, "cpu")
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, pack_below=0)
+    first = train_steps(off, model, 1, "cpu", batch=1024)[-1]["host_allocations"]
+    for batch in (768, 512, 1024, 640):  # 1.5-3 MiB activations: carved from the longer step's blocks
+        assert train_steps(off, model, 1, "cpu", batch=batch)[-1]["host_allocations"] == first
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(device):
     model = mlp_stack(4, 64, device)
