@@ -611,6 +611,25 @@ def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_pro
     assert c.settled and len(c.measured_plans()) == EXPLORE + 1
 
 
+def test_controller_measures_plans_while_the_host_runs_ahead_and_settles_at_the_last_timed_step():
+    """No step's end is reached when the next step begins (the host issues work ahead of the
+    device): the steps are timed all the same, the one that completes a plan's measurement is
+    waited for at its backward's end, and the next step already runs what it chooses. With one
+    plan tried beyond the first: settled after eight steps (two profiling steps before them
+    make ten, docs/budgets.md: exploring); the last measurement corrects no model, as no plan
+    is left to try."""
+    profile, budget, c = _moving_preferred()
+    c.probe.pending = True
+    first = c.plan
+    _run(c, TIMINGS + 1, lambda p: 3.0 * p.step_s)
+    assert _measured(c)[first.key].step_s is not None and c.plan.key != first.key
+    calibrated = c.profile
+    _run(c, TIMINGS + 1, lambda p: 0.6 * p.step_s)  # faster than modelled: would shrink its compute times
+    assert c.settled and len(c.measured_plans()) == EXPLORE + 1
+    assert all(m.step_s is not None for m in c.measured_plans())
+    assert c.profile is calibrated
+
+
 @pytest.mark.parametrize("still_faster", [True, False])
 def test_controller_a_predicted_profile_tries_only_the_plan_moving_no_bytes_beyond_its_first_choice(still_faster):
     """A profile predicted from another workload's (explored and calibrated already, but not its

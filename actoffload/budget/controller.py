@@ -174,7 +174,7 @@ class BudgetController:
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (not its first step)
-        self._untimed: tuple[PlanKey, Any, Any] | None = None  # (plan, start, end) of a step to time
+        self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
         self._measured_steps: tuple[MeasuredStep, ...] = ()  # what the latest profile was made of
@@ -341,7 +341,7 @@ class BudgetController:
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._kept_first = {}
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
-        self._untimed = None  # a step of the old profile's plans, maybe not over when profiling began
+        self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
         if profiled_peak is not None:  # it ran: its peak is known
             self._peaks[self._plans[-1].key] = profiled_peak - profile.base
@@ -394,7 +394,7 @@ class BudgetController:
             else:
                 self._finish_profiling(now)
         else:
-            self._time_last_step()
+            self._time_steps()
         base = self._probe.allocated()
         if self._profile is not None and abs(base - self._profile.base) > base_tolerance(self._budget):
             # What is allocated when the first group opens changed: gradients kept from the last
@@ -622,9 +622,15 @@ class BudgetController:
         # its first step pinned host memory: not its pace; once measured, choosing again at
         # every step would cost host time for nothing
         if self._runs.get(key, 0) >= 2 and not self._timed(self._plan):
-            self._untimed = (key, self._step_start, now)
+            self._untimed.append((key, self._step_start, now))
         before = self._peaks.get(key)
         self._peaks[key] = max(before or 0, self.measured_peak - self._profile.base)
+        pending = sum(k == key for k, _, _ in self._untimed)
+        if pending and len(self._times.get(key, ())) + pending >= TIMINGS:
+            # the step that completes the plan's measurement: waited for here (once a plan, the
+            # host then issues the next step's work behind the device), so that the next step
+            # already runs what the measurement chooses, not one more of this plan
+            self._time_steps(wait=True)
         if self.too_small is not None:
             return  # no plan reaches the budget (nor will: margins only grow): choosing again changes nothing
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
@@ -931,20 +937,25 @@ class BudgetController:
         least of them would pick the lucky)."""
         return statistics.median(self._times[plan.key])
 
-    def _time_last_step(self) -> None:
-        """Record the latest planned step's time once it is known (never waits), and choose
-        again with it."""
-        if self._untimed is None:
-            return
-        key, start, end = self._untimed
-        if self._probe.cuda and not end.query():
-            return
-        self._untimed = None
-        times = self._times.setdefault(key, [])
-        times.append(self._probe.seconds(start, end))
-        if self._profile is not None:
-            if len(times) == TIMINGS:  # just measured: the model agrees with its median
+    def _time_steps(self, wait: bool = False) -> None:
+        """Record the times of the planned steps the device has finished, in order (``wait``:
+        all of them, waiting for the device), and choose again with them. A step is timed from
+        its first group's opening to its backward's end: the host is usually a step ahead, so
+        a step's end is seldom reached when the next begins, and several may wait here."""
+        recorded = False
+        while self._untimed:
+            key, start, end = self._untimed[0]
+            if self._probe.cuda and not wait and not end.query():
+                break
+            self._untimed.pop(0)
+            times = self._times.setdefault(key, [])
+            if len(times) >= TIMINGS:
+                continue  # measured already
+            times.append(self._probe.seconds(start, end))
+            recorded = True
+            if len(times) == TIMINGS and self._profile is not None:  # just measured: the model agrees with its median
                 self._calibrate(next(p for p in self._plans if p.key == key), statistics.median(times))
+        if recorded and self._profile is not None:
             self._choose()  # a plan measured: the model's next promise may run
 
     def _calibrate(self, plan: MemoryPlan, seconds: float) -> None:
@@ -952,8 +963,10 @@ class BudgetController:
         most): :func:`~.costmodel.calibrated`."""
         assert self._profile is not None
         # a predicted profile tries no other plan but the one that moves nothing, whatever the
-        # model says: a corrected model would change no choice, and making every plan again costs host time
-        if self._calibrated >= CALIBRATIONS or not self._explore:
+        # model says, and once the plans that may run have run the fastest measured stays: a
+        # corrected model would change no choice, and making every plan again costs host time
+        # (and, while the planning process makes them, a step before the plan is settled)
+        if self._calibrated >= CALIBRATIONS or not self._explore or len(self._runs) > self._explore:
             return
         profile = costmodel.calibrated(self._profile, plan, seconds)
         if profile is None:
