@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 import warnings
 import weakref
 from typing import Callable, Iterable, TypeVar
@@ -19,6 +18,7 @@ from typing import Callable, Iterable, TypeVar
 import torch
 
 from . import compat
+from .locks import OwnedLock
 
 HostAllocator = Callable[[int, bool], torch.Tensor]
 """``allocator(nbytes, pinned) -> torch.Tensor``: a 1-D uint8 CPU tensor of ``nbytes``."""
@@ -120,7 +120,7 @@ class HostMemory:
         self._allocator = allocator
         self.pinned = pinned
         self.budget = budget
-        self._lock = threading.Lock()
+        self._lock = OwnedLock()  # _count, a finalizer, may run inside a section holding it
         self.allocated = 0  # bytes of live buffers from this object
         self._freed = Finalizers()
         self._uncount = self._count  # (one bound method for every buffer's finalizer, not one each)
@@ -128,8 +128,14 @@ class HostMemory:
         self._trusted = allocator in (exact_host_allocator, cached_host_allocator)
 
     def _count(self, delta: int) -> None:
+        if self._lock.held_here():
+            self._lock.later(self._add, delta)
+            return
         with self._lock:
-            self.allocated += delta
+            self._add(delta)
+
+    def _add(self, delta: int) -> None:
+        self.allocated += delta
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A host buffer of ``nbytes``, or :class:`HostMemoryError` naming what was short."""

@@ -41,6 +41,7 @@ import torch
 from actoffload import plans
 from actoffload.graph import upcoming
 from actoffload.hostmem import Finalizers, allocate_all
+from actoffload.locks import OwnedLock
 from actoffload.observe import wants_copies
 from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
@@ -198,7 +199,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self._pool = PinnedPool(self._host.allocate)
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
-        self._inflight_lock = threading.Lock()
+        self._inflight_lock = OwnedLock()  # _group_freed, a finalizer, may run inside a section holding it
         self._finalizers = Finalizers()  # pool blocks back when a copy dies; sources when a group does
         # (one bound method each for every commit's finalizers, not one a commit)
         self._put_blocks_back, self._on_group_freed = self._pool.put_all, self._group_freed
@@ -352,14 +353,20 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _group_freed(self, rec_ref: weakref.ref[_Copied]) -> None:
         """The graph let the group go: sources its copy still holds are released once the
         compute stream is ordered after the copy (their memory is reused only after it)."""
+        if self._inflight_lock.held_here():  # freed by a collection pass inside a section holding it
+            self._inflight_lock.later(self._group_freed_held, rec_ref)
+            return
+        with self._inflight_lock:
+            self._group_freed_held(rec_ref)
+
+    def _group_freed_held(self, rec_ref: weakref.ref[_Copied]) -> None:
         rec = rec_ref()
         if rec is None or not rec.inflight:
             return
-        with self._inflight_lock:
-            for entry in [e for e in self._inflight if e[0] is rec]:
-                self._inflight.remove(entry)
-                self._streams.wait(rec.done)
-                self._release_sources(entry)
+        for entry in [e for e in self._inflight if e[0] is rec]:
+            self._inflight.remove(entry)
+            self._streams.wait(rec.done)
+            self._release_sources(entry)
 
     def _wait_for_reloads(self, spans: list[FastMoved]) -> None:
         for m in spans:

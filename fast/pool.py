@@ -1,21 +1,27 @@
 """A pinned host memory pool, reused across steps and sized by bytes.
 
 Blocks come in size classes a little larger than asked (less than 1/32 more at any size,
-exact below 64 bytes, so host memory in use stays within R9's 5% of what was offloaded
-however small the tensors) and go back to a free list when the data in them dies. The same model asks for the same sizes every step, so
+exact below 64 bytes, and a piece cut from a larger block less than a page more again, so
+host memory in use stays within R9's 5% of what was offloaded however small the tensors) and go back to a free list when the data in them dies. The same model asks for the same sizes every step, so
 after the first step no host memory is allocated at all.
 
 A request of a class with no free block is carved out of the smallest larger free block
 (from 1 MiB on, at a page boundary), and pieces freed beside each other in one allocation
 join again: a step of another sequence length reuses what a longer one pinned instead of
-pinning anew (on an H200, a 1536-token step after 2048-token ones pinned 45 new blocks and
-took 472 ms against 99 for checkpointing), and once every piece is back the allocation is
+pinning anew (on an H200 the decoder's first 1536-token step after 2048-token ones pinned
+26-45 new blocks and took 295-472 ms where checkpointing took 84-99; cut from the longer
+steps' blocks, it pinned 4 and took 162 ms), and once every piece is back the allocation is
 whole again for the longer step.
 
 A block's ``fence`` is the event after which the last copy *reading* it (a reload)
 is done; whoever writes into a reused block makes its stream wait on that fence
 first (and on those of the pieces it was joined from), so a block is never overwritten
 under an in-flight copy and the host never waits.
+
+Blocks go back from finalizers (a copy record's), which may run inside one of the pool's
+own sections on the same thread (a garbage-collection pass begun at an allocation there):
+such a block is handed to the section, which puts it back as it ends
+(:class:`~actoffload.locks.OwnedLock`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import threading
 from typing import Callable, Iterable
 
 import torch
+
+from actoffload.locks import OwnedLock
 
 
 def size_class(nbytes: int) -> int:
@@ -41,13 +49,13 @@ def size_class(nbytes: int) -> int:
 
 
 SPLIT_MIN = 1 << 20  # requests from this size on may be carved out of a larger free block
-PAGE = 4096  # where a block is cut: pieces start on a page
+PAGE = 4096  # where a block is cut: pieces start a whole number of pages into their allocation
 
 
 class HostBlock:
     """One pooled host buffer: ``tensor`` holds ``size`` bytes, at ``offset`` in ``slab``, the
     allocation it is part of. ``fence``: the last read of it; ``earlier``: reads of the pieces
-    it was joined from, not yet known to be done."""
+    it was joined from (or of the block it was cut from), not yet known to be done."""
 
     __slots__ = ("tensor", "size", "fence", "earlier", "slab", "offset")
 
@@ -92,7 +100,7 @@ class PinnedPool:
         pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
         block = pool.get(3 << 20)      # at least 3 MiB
         ...
-        pool.put(block)                # reused by the next get() of the same class
+        pool.put(block)                # reused by the next get() of the same class (or cut, from 1 MiB)
         pool.reserve([1 << 30])        # allocated meanwhile; pool.reserving says how much is left
     """
 
@@ -102,7 +110,9 @@ class PinnedPool:
         self._sizes: list[int] = []  # the sizes of free blocks, ascending (best fit)
         self._starts: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset)
         self._ends: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset of their end)
-        self._lock = threading.Lock()
+        # put() may run from a finalizer inside a section holding it (a collection pass that
+        # began at an allocation there freed a copy record): it then hands its block over
+        self._lock = OwnedLock()
         self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
         self._owned: collections.Counter[int] = collections.Counter()  # blocks allocated, by size class
         self._expected: collections.Counter[int] = collections.Counter()  # blocks expected in use together
@@ -247,20 +257,27 @@ class PinnedPool:
 
     def put(self, block: HostBlock) -> None:
         """``block`` is free again: joined with the free blocks beside it in its allocation."""
+        if self._lock.held_here():
+            self._lock.later(self._put_held, block)
+            return
         with self._lock:
-            self.in_use -= block.size
-            key = id(block.slab)
-            before = self._ends.get((key, block.offset))
-            after = self._starts.get((key, block.offset + block.size))
-            if before is None and after is None:
-                self._list(block)
-                return
-            first = self._unlist(before) if before is not None else block
-            last = self._unlist(after) if after is not None else block
-            joined = first._part(0, last.offset + last.size - first.offset)
-            joined.fence = None
-            joined.earlier = _pending(w for b in (before, block, after) if b is not None for w in b.waits())
-            self._list(joined)
+            self._put_held(block)
+
+    def _put_held(self, block: HostBlock) -> None:
+        """:meth:`put` (the caller holds the lock)."""
+        self.in_use -= block.size
+        key = id(block.slab)
+        before = self._ends.get((key, block.offset))
+        after = self._starts.get((key, block.offset + block.size))
+        if before is None and after is None:
+            self._list(block)
+            return
+        first = self._unlist(before) if before is not None else block
+        last = self._unlist(after) if after is not None else block
+        joined = first._part(0, last.offset + last.size - first.offset)
+        joined.fence = None
+        joined.earlier = _pending(w for b in (before, block, after) if b is not None for w in b.waits())
+        self._list(joined)
 
     def put_all(self, blocks: list[HostBlock]) -> None:
         for b in blocks:

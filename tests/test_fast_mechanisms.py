@@ -122,6 +122,92 @@ def test_fast_steps_of_shorter_inputs_after_a_longer_one_allocate_no_host_memory
     assert off.stats()["host_bytes_in_use"] == 0
 
 
+def test_owned_lock_runs_what_its_own_thread_hands_it_before_letting_go_and_makes_others_wait():
+    from actoffload.locks import OwnedLock
+
+    lock, ran = OwnedLock(), []
+    with lock:
+        assert lock.held_here()
+        lock.later(ran.append, "inside")  # a finalizer's work, on the holding thread
+        assert ran == []
+        other = threading.Thread(target=lambda: ran.append(lock.held_here()))
+        other.start()
+        other.join()
+    assert ran == [False, "inside"] and not lock.held_here()
+
+
+def test_pool_a_block_freed_inside_a_section_holding_its_lock_goes_back_as_the_section_ends():
+    """A collection pass that begins at an allocation inside the pool's lock may free a copy
+    record, whose finalizer puts its blocks back: on that thread, put() must not wait for the
+    lock (it would wait forever)."""
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    pool.put(pool.get(8 * MIB))
+    block = pool.get(2 * MIB)
+    with pool._lock:  # as get() would hold it
+        pool.put(block)  # the finalizer's put, inside
+        assert pool.in_use == 2 * MIB  # not yet: handed over
+    assert pool.in_use == 0 and pool.pooled == 8 * MIB
+
+
+def test_host_memory_a_buffer_freed_inside_a_section_holding_its_lock_is_counted_as_it_ends():
+    from actoffload.hostmem import HostMemory, exact_host_allocator
+
+    host = HostMemory(exact_host_allocator, pinned=False, budget=1 << 30)
+    seen = []
+
+    def section():
+        buf = host.allocate(4096)
+        with host._lock:
+            del buf  # its finalizer runs here, on the thread holding the lock
+            seen.append(host.allocated)
+        seen.append(host.allocated)
+
+    worker = threading.Thread(target=section, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert seen == [4096, 0], "the finalizer waited for the lock its own thread held"
+
+
+@pytest.mark.parametrize("where", ["pool", "inflight", "host"])
+def test_fast_graphs_freed_by_the_garbage_collector_never_hang_a_lock(where):
+    """Forward outputs in reference cycles, dropped: their copy records are freed by a
+    collection pass, which may begin at any allocation, here made to begin each time a lock
+    that a finalizer takes is taken (the pool's: carving and joining allocate there; the
+    copies in flight; the host memory's count)."""
+    from actoffload.locks import OwnedLock
+
+    class CollectingLock(OwnedLock):
+        def __enter__(self):
+            super().__enter__()
+            gc.collect()  # a pass that begins inside the section
+            return self
+
+    model = mlp_stack(2, 256, "cpu")
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=0, pack_below=0)
+    if where == "pool":
+        off._pool._lock = CollectingLock()
+    elif where == "inflight":
+        off._inflight_lock = CollectingLock()
+    else:
+        off._host._lock = CollectingLock()
+    done = []
+
+    def steps():
+        for i in range(8):
+            x = torch.randn((1024, 768, 1536, 640)[i % 4], 256, requires_grad=True)
+            holder = {"y": run_groups(model, x, off)}
+            holder["self"] = holder  # freed only by the collector
+            del holder, x
+        done.append(True)
+
+    worker = threading.Thread(target=steps, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "a step hung: a finalizer waited for the lock its own thread held"
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_pool_stops_allocating_after_the_first_step_and_does_not_grow(device):
     model = mlp_stack(4, 64, device)
