@@ -630,6 +630,72 @@ def test_controller_measures_plans_while_the_host_runs_ahead_and_settles_at_the_
     assert c.profile is calibrated
 
 
+def test_controller_a_step_of_two_backward_passes_is_timed_whole_and_chooses_at_the_next_step():
+    """Losses backwarded one by one (pipelined micro-batches): one step, two backward passes.
+    Each step is timed from its first group to its last backward's end, once; nothing is chosen
+    between its backward passes, so a plan's peak is only ever its own steps'."""
+    profile, budget, c = _moving_preferred()
+    first = c.plan
+    ran, peaks = [], {}
+    for _ in range(3 * (TIMINGS + 1)):
+        c.step_begins()
+        key = c.plan.key
+        ran.append(key)
+        c.probe.peak_bytes = first.peak if key == first.key else BASE + 1
+        for _ in range(2):
+            c.probe.advance(1.5 * first.step_s)
+            c.backward_ends()
+            assert c.plan.key == key or _ == 1  # not between its backward passes
+        peaks.setdefault(key, set()).add(c.probe.peak_bytes)
+    assert _measured(c)[first.key].times == pytest.approx((3.0 * first.step_s,) * TIMINGS)
+    assert ran[:TIMINGS + 1] == [first.key] * (TIMINGS + 1) and ran[TIMINGS + 1] != first.key
+    for key, peak in c._peaks.items():
+        assert peak + BASE in peaks[key]
+
+
+def test_controller_a_plan_chosen_between_two_backward_passes_gets_none_of_the_step_s_peak():
+    """A step's first backward pass went over the budget: another plan is chosen; the second
+    pass's end measures the step, which ran the first plan, and counts its peak to that plan."""
+    profile, budget, c = _moving_preferred()
+    first = c.plan
+    c.step_begins()
+    c.probe.peak_bytes = budget + MiB  # over: the margin widens, another plan is chosen
+    c.probe.advance(first.step_s)
+    c.backward_ends()
+    assert c.plan.key != first.key
+    c.probe.advance(first.step_s)
+    c.backward_ends()
+    assert c._peaks == {first.key: budget + MiB - BASE}
+
+
+@pytest.mark.parametrize("host_ahead", [False, True])
+def test_controller_a_measuring_step_that_found_another_workload_is_not_timed_and_settles_after(host_ahead):
+    """The step that would complete a plan's measurement opened one group more (it was found
+    another workload's: re-planning, then handed back, :meth:`undo_replan`): it is not one of
+    the plan's timings, and the controller settles once the plan is measured (also where the
+    host runs a step ahead, and the earlier steps' timings wait to be read)."""
+    c = _controller(1 << 40, probe=FakeProbe())
+    c.probe.pending = host_ahead
+    plan = c.plan
+
+    def step(groups):
+        before = c.state
+        c.step_begins()
+        for _ in range(groups):
+            c.action(True)
+        c.probe.advance(plan.step_s if groups == 4 else 2 * plan.step_s)
+        c.backward_ends()
+        if c.state is State.REPLANNING:
+            c.undo_replan(before)
+
+    for _ in range(TIMINGS):
+        step(4)
+    step(5)  # would have been the plan's last timed step
+    assert _measured(c)[plan.key].step_s is None
+    step(4)
+    assert c.settled and _measured(c)[plan.key].times == pytest.approx((plan.step_s,) * TIMINGS)
+
+
 @pytest.mark.parametrize("still_faster", [True, False])
 def test_controller_a_predicted_profile_tries_only_the_plan_moving_no_bytes_beyond_its_first_choice(still_faster):
     """A profile predicted from another workload's (explored and calibrated already, but not its

@@ -460,3 +460,31 @@ def test_a_quick_plan_that_is_the_whole_searchs_first_choice_counts_as_its_try(m
     (sync, sync_first, sync_settled), (late, quick_first, late_settled) = tried
     assert quick_first == sync_first and sync_settled and late_settled
     assert late == sync and len(sync) == 2
+
+
+def test_a_plan_measured_while_the_whole_search_is_still_to_answer_corrects_the_model(monkeypatch):
+    """The quick search's plans run while the planning process searches. Where every plan that
+    may run has run, a measurement corrects the model only while that answer is still to come:
+    it may let more plans run (the quick ones that ran are no tries of the whole search's
+    model), and those are chosen by the corrected model."""
+    from actoffload.budget.costmodel import moves_bytes, simulate
+
+    profile = _big_profile(8)
+    plans = search.candidates(profile)
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    budget = int(least + (most - least) * 0.7)
+
+    def true_s(p):  # the bus faster than modelled, recomputation slower
+        modelled = simulate(profile, p.groups, p.max_inflight, p.prefetch)[1]
+        return modelled * (0.7 if moves_bytes(profile, p.groups) else 1.2)
+
+    w = _Worker(after=30)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(budget, CPU, probe=probe)
+    c.adopt_profile(profile, None)
+    _run(c, 80, true_s)
+    assert c.settled and c._calibrated >= 1
+    assert min(true_s(m.plan) for m in c.measured_plans()) == true_s(c.plan)

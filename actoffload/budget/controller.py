@@ -41,6 +41,7 @@ other.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import itertools
@@ -181,6 +182,11 @@ class BudgetController:
         self._pending_steps: list[MeasuredStep] = []
         self._step_start: Any = None
         self._step_number = 0
+        self._step_key: PlanKey | None = None  # the plan the latest step began with (None: profiling)
+        self._step_backwards = 0  # backward passes of the latest step that ended
+        # a step of this workload ended more than one backward pass (pipelined micro-batches,
+        # losses backwarded one by one): only the next step's beginning knows it is over
+        self._several_backwards = False
         self._position = 0
         self._bandwidth: tuple[float, float] | None = None
         self._awaiting_end = False  # a backward pass of this step reached a group and has not ended
@@ -394,7 +400,7 @@ class BudgetController:
             else:
                 self._finish_profiling(now)
         else:
-            self._time_steps()
+            self._time_steps(wait=self._measurement_pending())
         base = self._probe.allocated()
         if self._profile is not None and abs(base - self._profile.base) > base_tolerance(self._budget):
             # What is allocated when the first group opens changed: gradients kept from the last
@@ -418,8 +424,10 @@ class BudgetController:
         # idle): a step's measured time is the plan's, not the controller's
         self._step_start = self._probe.mark()
         self._position = 0
-        if self._step is None and self._plan is not None:
-            self._runs[self._plan.key] = self._runs.get(self._plan.key, 0) + 1
+        self._step_backwards = 0
+        self._step_key = self._plan.key if self._step is None and self._plan is not None else None
+        if self._step_key is not None:
+            self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
 
     def _replan(self) -> None:
         """The workload changed: the plan runs to the end of this step, the next profiles."""
@@ -598,6 +606,8 @@ class BudgetController:
         if number != self._step_number:
             return  # a step already closed (its backward ended after the next step began)
         self._awaiting_end = False
+        self._step_backwards += 1
+        self._several_backwards |= self._step_backwards > 1
         now = self._probe.mark()
         if self._step is not None:
             step = self._step
@@ -618,15 +628,21 @@ class BudgetController:
             return
         if not self._probe.cuda:  # host time says nothing of a device's pace
             return
-        key = self._plan.key
+        key = self._step_key
+        if key is None:
+            return
         # its first step pinned host memory: not its pace; once measured, choosing again at
-        # every step would cost host time for nothing
-        if self._runs.get(key, 0) >= 2 and not self._timed(self._plan):
-            self._untimed.append((key, self._step_start, now))
+        # every step would cost host time for nothing; a step that found another workload is
+        # not this plan's
+        if (self._runs.get(key, 0) >= 2 and len(self._times.get(key, ())) < TIMINGS
+                and self._state is not State.REPLANNING):
+            if self._untimed and self._untimed[-1][1] is self._step_start:
+                self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass
+            else:
+                self._untimed.append((key, self._step_start, now))
         before = self._peaks.get(key)
         self._peaks[key] = max(before or 0, self.measured_peak - self._profile.base)
-        pending = sum(k == key for k, _, _ in self._untimed)
-        if pending and len(self._times.get(key, ())) + pending >= TIMINGS:
+        if not self._several_backwards and self._measurement_pending():
             # the step that completes the plan's measurement: waited for here (once a plan, the
             # host then issues the next step's work behind the device), so that the next step
             # already runs what the measurement chooses, not one more of this plan
@@ -937,6 +953,11 @@ class BudgetController:
         least of them would pick the lucky)."""
         return statistics.median(self._times[plan.key])
 
+    def _measurement_pending(self) -> bool:
+        """Whether the steps waiting to be timed complete a plan's measurement."""
+        counts = collections.Counter(k for k, _, _ in self._untimed)
+        return any(len(self._times.get(k, ())) + n >= TIMINGS for k, n in counts.items())
+
     def _time_steps(self, wait: bool = False) -> None:
         """Record the times of the planned steps the device has finished, in order (``wait``:
         all of them, waiting for the device), and choose again with them. A step is timed from
@@ -966,7 +987,9 @@ class BudgetController:
         # model says, and once the plans that may run have run the fastest measured stays: a
         # corrected model would change no choice, and making every plan again costs host time
         # (and, while the planning process makes them, a step before the plan is settled)
-        if self._calibrated >= CALIBRATIONS or not self._explore or len(self._runs) > self._explore:
+        answer_pending = self._pending is not None and self._pending[2]  # its answer may add tries (_collect)
+        if (self._calibrated >= CALIBRATIONS or not self._explore
+                or (len(self._runs) > self._explore and not answer_pending)):
             return
         profile = costmodel.calibrated(self._profile, plan, seconds)
         if profile is None:
