@@ -2,8 +2,9 @@
 
 Blocks come in size classes a little larger than asked (less than 1/32 more at any size,
 exact below 64 bytes, and a piece cut from a larger block less than a page more again, so
-host memory in use stays within R9's 5% of what was offloaded however small the tensors) and go back to a free list when the data in them dies. The same model asks for the same sizes every step, so
-after the first step no host memory is allocated at all.
+host memory in use stays within R9's 5% of what was offloaded however small the tensors)
+and go back to a free list when the data in them dies. The same model asks for the same
+sizes every step, so after the first step no host memory is allocated at all.
 
 A request of a class with no free block is carved out of the smallest larger free block
 (from 1 MiB on, at a page boundary), and pieces freed beside each other in one allocation
