@@ -22,16 +22,13 @@ import gc
 import pstats
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
+from forced_llama import ForcedLlama
 
-import actoffload as ao
-from actoffload.budget.actions import Action, GroupDecision
-from actoffload.budget.controller import PROFILE_STEPS
-from actoffload.tools.budget_sweep import _checkpointed
-from actoffload.tools.sweep_models import hf_llama, plain
+from actoffload.budget.actions import Action
+from actoffload.tools.sweep_models import plain
 
 
 def main(argv: list[str]) -> int:
@@ -41,38 +38,8 @@ def main(argv: list[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_diff_probe: no CUDA here; pass --device cpu", file=sys.stderr)
         return 2
-    dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    w = hf_llama("hf_llama_sdpa", dev, small=dev.type == "cpu")
-    ck = _checkpointed(len(w.blocks))
-
-    def step(call: Any, i: int = 0) -> tuple[float, float]:
-        sync()
-        t0 = time.perf_counter()
-        w.loss(call, i).backward()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        for q in w.trainable:
-            q.grad = None
-        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
-
-    for i in range(3):
-        step(plain, i)
-    off = ao.Offloader(memory_budget=1 << 40, device=dev)
-    h = ao.wrap(w.blocks, off)
-    for i in range(PROFILE_STEPS + 2):
-        step(plain, i)
-    ctrl = off.plan.controller
-    h.remove()
-
-    def forced(action: Action) -> Any:
-        """The blocks wrapped again, the controller made to run ``action`` everywhere (two steps in)."""
-        hh = ao.wrap(w.blocks, off)
-        ctrl.force([GroupDecision(action)] * len(w.blocks))
-        step(plain)
-        step(plain)
-        return hh
+    rig = ForcedLlama(torch.device(args.device))
+    step, forced, ck = rig.step, rig.forced, rig.checkpointed
 
     def timed(call: Any, n: int = 8) -> tuple[float, float]:
         v = [step(call, i) for i in range(n)]

@@ -20,17 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from typing import Any, Callable
 
 import torch
+from forced_llama import ForcedLlama
 from torch.profiler import ProfilerActivity, profile
 
-import actoffload as ao
-from actoffload.budget.actions import Action, GroupDecision
-from actoffload.budget.controller import PROFILE_STEPS
-from actoffload.tools.budget_sweep import _checkpointed
-from actoffload.tools.sweep_models import hf_llama, plain
+from actoffload.budget.actions import Action
+from actoffload.tools.sweep_models import plain
 
 
 def main(argv: list[str]) -> int:
@@ -43,37 +39,8 @@ def main(argv: list[str]) -> int:
         print("recompute_host_probe: no CUDA here; pass --device cpu", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    w = hf_llama("hf_llama_sdpa", device, small=device.type == "cpu")
-    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    checkpointed = _checkpointed(len(w.blocks))
-
-    def step(call: Any, i: int) -> tuple[float, float]:
-        sync()
-        t0 = time.perf_counter()
-        w.loss(call, i).backward()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        for q in w.trainable:
-            q.grad = None
-        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
-
-    for i in range(3):
-        step(plain, i)
-    off = ao.Offloader(memory_budget=1 << 40, device=device)
-    handle = ao.wrap(w.blocks, off)
-    for i in range(PROFILE_STEPS + 2):
-        step(plain, i)
-    controller = off.plan.controller
-    handle.remove()
-
-    def forced(action: Action) -> Any:
-        """The blocks wrapped again, the controller made to run ``action`` everywhere (two steps in)."""
-        h = ao.wrap(w.blocks, off)
-        controller.force([GroupDecision(action)] * len(w.blocks))
-        step(plain, 0)
-        step(plain, 1)
-        return h
+    rig = ForcedLlama(device)
+    step, forced, checkpointed = rig.step, rig.forced, rig.checkpointed
 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("none", "checkpoint", "fast_recompute", "fast_keep")}
     for _ in range(args.rounds):

@@ -1,0 +1,67 @@
+"""The probes' shared rig: transformers' SDPA Llama of the sweep (``hf_llama_sdpa``, tiny on
+the CPU), its steps timed on the host and in full, and ``fast`` under a memory budget whose
+controller is made to run one action on every layer (``BudgetController.force``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import actoffload as ao
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.tools.budget_sweep import _checkpointed
+from actoffload.tools.sweep_models import hf_llama, plain
+
+
+class ForcedLlama:
+    """The model, warmed up and profiled once by a budget's offloader (then unwrapped).
+
+    Example::
+
+        rig = ForcedLlama(torch.device("cuda"))
+        host_ms, full_ms = rig.step(rig.checkpointed, 0)   # torch's checkpoint around each layer
+        handle = rig.forced(Action.RECOMPUTE)              # fast, recomputing every layer
+        rig.step(plain, 0); handle.remove()
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.workload = hf_llama("hf_llama_sdpa", device, small=device.type == "cpu")
+        self.checkpointed = _checkpointed(len(self.workload.blocks))
+        for i in range(3):
+            self.step(plain, i)
+        self.offloader = ao.Offloader(memory_budget=1 << 40, device=device)
+        handle = ao.wrap(self.workload.blocks, self.offloader)
+        for i in range(PROFILE_STEPS + 2):
+            self.step(plain, i)
+        self._controller = self.offloader.plan.controller
+        handle.remove()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, call: Any, i: int = 0) -> tuple[float, float]:
+        """One training step with the layers called by ``call``: the host's ms to issue it
+        (until ``backward()`` returns) and its full ms."""
+        self._sync()
+        t0 = time.perf_counter()
+        self.workload.loss(call, i).backward()
+        t1 = time.perf_counter()
+        self._sync()
+        t2 = time.perf_counter()
+        for q in self.workload.trainable:
+            q.grad = None
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+    def forced(self, action: Action) -> Any:
+        """The layers wrapped again, the controller made to run ``action`` everywhere (two
+        steps in); the wrap's handle."""
+        handle = ao.wrap(self.workload.blocks, self.offloader)
+        self._controller.force([GroupDecision(action)] * len(self.workload.blocks))
+        self.step(plain, 0)
+        self.step(plain, 1)
+        return handle
