@@ -128,11 +128,7 @@ class HostMemory:
         self._trusted = allocator in (exact_host_allocator, cached_host_allocator)
 
     def _count(self, delta: int) -> None:
-        if self._lock.held_here():
-            self._lock.later(self._add, delta)
-            return
-        with self._lock:
-            self._add(delta)
+        self._lock.run(self._add, delta)
 
     def _add(self, delta: int) -> None:
         self.allocated += delta

@@ -4,9 +4,9 @@ A weak reference's callback (:class:`~actoffload.hostmem.Finalizers`) runs where
 watches is freed, and an object in a reference cycle is freed by a garbage-collection pass,
 which starts at whichever allocation of a tracked object comes next: possibly inside a
 section that holds the very lock the callback takes. A plain lock would then wait for
-itself. :class:`OwnedLock` knows its holder: a callback that finds the lock held by its own
-thread hands its work over (:meth:`OwnedLock.later`), and the holder runs it, still holding
-the lock, just before letting go.
+itself. :class:`OwnedLock` knows its holder: work a callback runs under it
+(:meth:`OwnedLock.run`) on the thread holding it is handed over, and the holder runs it, still
+holding the lock, just before letting go.
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ class OwnedLock:
 
         lock = OwnedLock()
 
-        def freed(item):                    # a finalizer's callback
-            if lock.held_here():
-                lock.later(give_back, item)  # the holder runs it before it lets go
-                return
-            with lock:
-                give_back(item)
+        def freed(item):                   # a finalizer's callback: may run inside `with lock:`
+            lock.run(give_back, item)      # under the lock, now or as this thread's section ends
     """
 
     def __init__(self) -> None:
@@ -54,7 +50,11 @@ class OwnedLock:
         """Whether this thread holds the lock (a callback run inside a section that holds it)."""
         return self._owner == threading.get_ident()
 
-    def later(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Have the holder run ``fn(*args)``, still holding the lock, before it lets go (call
-        only where :meth:`held_here`)."""
-        self._later.append((fn, args))
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` under the lock: at once, or, where this thread holds it already (a
+        finalizer run inside a section), by the holder as it lets go."""
+        if self.held_here():
+            self._later.append((fn, args))
+            return
+        with self:
+            fn(*args)

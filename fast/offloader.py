@@ -353,11 +353,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _group_freed(self, rec_ref: weakref.ref[_Copied]) -> None:
         """The graph let the group go: sources its copy still holds are released once the
         compute stream is ordered after the copy (their memory is reused only after it)."""
-        if self._inflight_lock.held_here():  # freed by a collection pass inside a section holding it
-            self._inflight_lock.later(self._group_freed_held, rec_ref)
-            return
-        with self._inflight_lock:
-            self._group_freed_held(rec_ref)
+        self._inflight_lock.run(self._group_freed_held, rec_ref)  # (maybe inside a section holding it)
 
     def _group_freed_held(self, rec_ref: weakref.ref[_Copied]) -> None:
         rec = rec_ref()

@@ -258,11 +258,7 @@ class PinnedPool:
 
     def put(self, block: HostBlock) -> None:
         """``block`` is free again: joined with the free blocks beside it in its allocation."""
-        if self._lock.held_here():
-            self._lock.later(self._put_held, block)
-            return
-        with self._lock:
-            self._put_held(block)
+        self._lock.run(self._put_held, block)  # (maybe from a finalizer inside a section holding it)
 
     def _put_held(self, block: HostBlock) -> None:
         """:meth:`put` (the caller holds the lock)."""

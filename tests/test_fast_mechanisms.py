@@ -128,7 +128,7 @@ def test_owned_lock_runs_what_its_own_thread_hands_it_before_letting_go_and_make
     lock, ran = OwnedLock(), []
     with lock:
         assert lock.held_here()
-        lock.later(ran.append, "inside")  # a finalizer's work, on the holding thread
+        lock.run(ran.append, "inside")  # a finalizer's work, on the holding thread
         assert ran == []
         other = threading.Thread(target=lambda: ran.append(lock.held_here()))
         other.start()
