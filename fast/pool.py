@@ -19,6 +19,11 @@ is done; whoever writes into a reused block makes its stream wait on that fence
 first (and on those of the pieces it was joined from), so a block is never overwritten
 under an in-flight copy and the host never waits.
 
+Free blocks are host memory held, and count against the host budget: where an allocation
+would pass it, the whole free blocks are let go (once the copies reading them are done) and
+the allocation is asked again, so that a step of a shorter length, whose size classes the
+longer step's blocks cannot serve, still fits the budget the longer one did.
+
 Blocks go back from finalizers (a copy record's), which may run inside one of the pool's
 own sections on the same thread (a garbage-collection pass begun at an allocation there):
 such a block is handed to the section, which puts it back as it ends
@@ -34,6 +39,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from actoffload.hostmem import HostMemoryError
 from actoffload.locks import OwnedLock
 
 
@@ -131,7 +137,13 @@ class PinnedPool:
             if block is not None:
                 self.in_use += block.size
                 return block
-        block = HostBlock(self._allocate(size))  # may raise HostMemoryError: nothing changed
+        try:
+            slab = self._allocate(size)
+        except HostMemoryError:  # over the host budget: what the free blocks hold counts too
+            if not self.trim():
+                raise  # nothing changed
+            slab = self._allocate(size)
+        block = HostBlock(slab)
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
@@ -281,11 +293,14 @@ class PinnedPool:
             self.put(b)
 
     def trim(self) -> int:
-        """Free every pooled block that is a whole allocation (a piece of one in use stays);
-        returns the bytes released."""
+        """Free every pooled block that is a whole allocation (a piece of one in use stays),
+        once the copies that may still read it are done (waited for); returns the bytes released."""
         with self._lock:
             whole = [b for free in self._free.values() for b in free if b.offset == 0 and b.size == b.slab.numel()]
             for b in whole:
                 self._unlist(b)
                 self._owned[b.size] -= 1
-            return sum(b.size for b in whole)
+        for b in whole:
+            for event in _pending(b.waits()):
+                event.synchronize()  # a reload may still read it: freed under the copy, pinned memory is reused
+        return sum(b.size for b in whole)

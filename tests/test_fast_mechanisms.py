@@ -39,14 +39,61 @@ def test_pool_reuses_blocks_of_a_size_class():
     assert pool.trim() == size_class(5000) and pool.pooled == 0
 
 
+def test_pool_lets_its_free_blocks_go_where_an_allocation_would_pass_the_host_budget():
+    """Free blocks count against the host budget: a class they cannot serve (too small to be cut
+    from them) is still had within it, the free blocks given back first; with nothing free to
+    give back the error stands, and nothing changed."""
+    from actoffload.hostmem import HostMemory, HostMemoryError, exact_host_allocator
+
+    host = HostMemory(exact_host_allocator, pinned=False, budget=12000)
+    pool = PinnedPool(host.allocate)
+    pool.put(pool.get(10000))  # a longer step's block, free now
+    small = pool.get(5000)  # its class cannot be cut from it (under 1 MiB), and 10240 + 5120 > 12000
+    assert small.size == size_class(5000) and pool.pooled == 0 and host.allocated == size_class(5000)
+    with pytest.raises(HostMemoryError):
+        pool.get(8000)  # nothing free to give back: over the budget
+    assert pool.in_use == size_class(5000) and host.allocated == size_class(5000)
+
+
+def test_fast_trains_varying_lengths_within_a_host_budget_the_longest_step_fits():
+    """A shorter step after a longer one, within the host budget the longer one needed."""
+    lengths = (64, 32, 64, 32)
+    m = mlp_stack(4, 32, "cpu")
+    off = ao.Offloader(impl="fast", device="cpu", warmup="offload", min_offload_bytes=0)
+    ao.wrap(m, off)
+    m(torch.randn(4, 64, 32)).sum().backward()
+    need = off.stats()["offloaded_bytes"]
+    m = mlp_stack(4, 32, "cpu")
+    off = ao.Offloader(impl="fast", device="cpu", warmup="offload", min_offload_bytes=0, host_budget=need)
+    ao.wrap(m, off)
+    for t in lengths:
+        m(torch.randn(4, t, 32)).square().mean().backward()  # raised HostMemoryError at t=32
+
+
 class _Event:
     """A stand-in for a CUDA event: done or not, as set."""
 
     def __init__(self, done: bool):
         self.done = done
+        self.waited = False
 
     def query(self) -> bool:
         return self.done
+
+    def synchronize(self) -> None:
+        self.waited, self.done = True, True
+
+
+def test_pool_trim_waits_for_the_copies_reading_a_block_before_letting_it_go():
+    """Pinned memory freed under a reload still reading it would be reused under the copy."""
+    pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    block, done = pool.get(4 * MIB), pool.get(MIB)
+    reading, read = _Event(False), _Event(True)
+    block.read_until(reading)
+    done.read_until(read)
+    pool.put(block)
+    pool.put(done)
+    assert pool.trim() == 5 * MIB and reading.waited and not read.waited
 
 
 MIB = 1 << 20

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ("import actoffload as ao, torch; from actoffload.ref import RefOffloader; "
-         "from actoffload.fast import FastOffloader; import actoffload.budget.planner, actoffload.tools.models; "
+         "from actoffload.fast import FastOffloader; import actoffload.budget.controller, actoffload.tools.models; "
          "off = ao.Offloader(impl='fast', device='cpu'); print(type(off).__module__, ao.__file__)")
 
 

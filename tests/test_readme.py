@@ -160,7 +160,7 @@ def test_the_cpu_torch_the_readme_names_is_the_one_setup_installs_and_pyproject_
     def v(s: str) -> tuple[int, ...]:
         return tuple(int(p) for p in s.split("."))
 
-    assert v(low) <= v(version) < v(high), (version, spec)
+    assert v(low) <= v(version) < v(high), (version, low, high)
 
 
 def test_the_editable_install_names_extras_that_exist_and_is_what_setup_runs():
