@@ -91,6 +91,11 @@ class Engine(Generic[GroupT, MovedT]):
         plan.attach(self)
 
     # ------------------------------------------------------------------ implementation
+    @property
+    def host_budget(self) -> int:
+        """The most host memory (bytes) this offloader may hold (its ``host_budget`` setting)."""
+        return self._host.budget
+
     def _new_group(self, name: str, prev: GroupT | None, first_seq: int) -> GroupT:
         raise NotImplementedError
 

@@ -278,7 +278,7 @@ class Offloader(Engine[GroupT, MovedT]):
     def settings(self) -> dict[str, Any]:
         """Every setting as it is in effect (defaults resolved)."""
         return {"device": str(self.device), "min_offload_bytes": self.min_offload_bytes, "policy": self.policy,
-                "keep_last": self.keep_last, "host_budget": self._host.budget}
+                "keep_last": self.keep_last, "host_budget": self.host_budget}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"

@@ -72,7 +72,8 @@ _MAX_BYTES = 1 << 63  # more than any machine holds: a larger size is a typo
 
 def parse_bytes(name: str, value: Any) -> int:
     """Bytes from an int (or an integer-like value such as ``numpy.int64``, not a bool) or a
-    string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most ``2**63`` bytes.
+    string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most ``2**63`` bytes. A size in a
+    unit is rounded down to whole bytes; bytes themselves must be whole (``"1.5"`` is refused).
 
     >>> parse_bytes("memory_budget", "1.5GiB")
     1610612736
@@ -84,7 +85,7 @@ def parse_bytes(name: str, value: Any) -> int:
             raise ValueError(f"{name} must be a whole number of bytes or a size such as '60GiB', got {value!r}")
         n = int(value)
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         unit = m.group(2).lower() if m else ""
         if m is None or unit not in _UNITS:
             raise ValueError(
@@ -96,6 +97,8 @@ def parse_bytes(name: str, value: Any) -> int:
             n = int(digits) * _UNITS[unit] if len(digits) <= 30 else _MAX_BYTES + 1
         else:  # a fraction or an exponent: float() gives inf rather than raise when it overflows
             x = float(m.group(1)) * _UNITS[unit]
+            if _UNITS[unit] == 1 and math.isfinite(x) and not x.is_integer():  # a size in a unit may round; bytes may not
+                raise ValueError(f"{name} must be a whole number of bytes or a size such as '60GiB', got {value!r}")
             n = int(x) if math.isfinite(x) and x <= _MAX_BYTES else _MAX_BYTES + 1
     else:
         try:

@@ -98,10 +98,16 @@ def wrap(
         keys, modules = list(modules.keys()), list(modules.values())
     elif isinstance(modules, torch.nn.Module) and not isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
         modules = [modules]
+    elif isinstance(modules, (str, bytes, dict)) or not isinstance(modules, Iterable):
+        raise TypeError(f"wrap takes an nn.Module or a sequence of them (a ModuleList, a list), got "
+                        f"{type(modules).__name__}")
     modules = list(modules)
     for m in modules:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"wrap takes nn.Modules, got {type(m).__name__}")
+    if parts is not None and not callable(parts):
+        raise TypeError(f"wrap's parts must be a function giving a module's parts (lambda b: [b.attn, b.mlp]), "
+                        f"got {type(parts).__name__}")
     if names is None:
         names = keys if keys is not None else [str(i) for i in range(len(modules))]
     elif isinstance(names, str):

@@ -66,7 +66,8 @@ def test_R10_a_setting_of_the_other_implementation_says_whose_it_is():
         ao.Offloader(impl="fast", device="cpu", prefetch_depth=2)
 
 
-@pytest.mark.parametrize("size, expected", [(4096, 4096), ("4096", 4096), ("1.5 KiB", 1536), ("2GB", 2 * 10**9)])
+@pytest.mark.parametrize("size, expected", [(4096, 4096), ("4096", 4096), ("1.5 KiB", 1536), ("2GB", 2 * 10**9),
+                                            ("1e-3GiB", 1073741), ("2e+3", 2000)])
 def test_R10_host_budget_takes_bytes_or_a_size(size, expected):
     assert ao.Offloader(impl="ref", device="cpu", host_budget=size).settings["host_budget"] == expected
 
@@ -82,7 +83,11 @@ def test_R10_host_budget_takes_bytes_or_a_size(size, expected):
     (True, "host_budget must be a number of bytes"),
     (torch.tensor(True), "host_budget must be a number of bytes"),
     (torch.tensor([1, 2]), "host_budget must be a number of bytes"),
-    ("1e-3", "host_budget '1e-3' is not a size"),
+    ("1e-3", "host_budget must be a whole number of bytes"),
+    ("1.5", "host_budget must be a whole number of bytes"),  # was cut to 1 byte
+    ("1000.9 B", "host_budget must be a whole number of bytes"),
+    ("0.5", "host_budget must be a whole number of bytes"),  # not "must be positive"
+    ("1e-3 parsecs", "host_budget '1e-3 parsecs' is not a size"),
 ])
 def test_R10_a_size_too_large_or_not_whole_is_a_value_error(size, message):
     with pytest.raises(ValueError, match=message):
@@ -125,6 +130,11 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
         ao.wrap(torch.nn.Linear(2, 2), object())
     with pytest.raises(ValueError, match="wrap got 2 modules but 1 names"):
         ao.wrap([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], off, names=["a"])
+    for what, name in ((5, "int"), (None, "NoneType"), ("blocks", "str"), ({"a": torch.nn.Linear(2, 2)}, "dict")):
+        with pytest.raises(TypeError, match=f"wrap takes an nn.Module or a sequence of them .*, got {name}$"):
+            ao.wrap(what, off)
+    with pytest.raises(TypeError, match="wrap's parts must be a function giving a module's parts .*, got int"):
+        ao.wrap(torch.nn.Linear(2, 2), off, parts=5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -61,6 +61,21 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
                               "predicted_step_s", "measured_peak_bytes", "measured_step_s"}
 
 
+def test_budget_plans_within_the_host_budget():
+    """A plan holds no more host memory than host_budget allows: one that moved more would raise
+    HostMemoryError at every commit (the profiling steps' inputs fit; the plan after them would
+    move a group's whole saves). Recomputing without moving fits both budgets."""
+    expected, _ = _steps(_blocks(), None, steps=PROFILE_STEPS + 4)
+    host = GROUP_BYTES  # the inputs of every block fit, a block's saves besides do not
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0,
+                       host_budget=host)
+    got, plans = _steps(_blocks(), off, steps=PROFILE_STEPS + 4)  # raised HostMemoryError from the third step
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    moved = sum(g["offloaded_bytes"] for g in plans[-1]["groups"])
+    assert 0 < moved <= host / 1.05 and plans[-1]["predicted_peak_bytes"] <= 2 * GROUP_BYTES
+
+
 def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):
     # a very slow bus makes recomputing the cheaper way to free memory
     monkeypatch.setattr(Probe, "bandwidth", lambda self: (1e6, 1e6))

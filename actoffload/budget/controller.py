@@ -162,6 +162,10 @@ class BudgetController:
         # bytes the model's peaks are raised by: the sum of its overshoots. Not per copy window:
         # a misjudged plan family would overshoot under each window, one after the other
         self._margin = 0
+        # the most bytes a plan may hold in host memory (the offloader's host budget, less what
+        # its pool may round up: R9), set by the plan; None: no bound
+        self.host_cap: int | None = None
+        self._host_of: dict[PlanKey, int] = {}  # plan -> its host bytes (costmodel.host_bytes), as asked
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
@@ -345,7 +349,7 @@ class BudgetController:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
-        self._kept_first = {}
+        self._kept_first, self._host_of = {}, {}
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
@@ -841,8 +845,9 @@ class BudgetController:
                     raise
                 self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
         fitting = self._fitting()
-        if not fitting:
-            chosen = min(self._judged(True), key=lambda p: (p.peak, p.step_s))
+        if not fitting:  # the least memory, within the host budget where a plan is
+            judged = self._judged(True)
+            chosen = min(self._within_host(judged) or judged, key=lambda p: (p.peak, p.step_s))
         else:
             chosen = self._fastest(fitting)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
@@ -871,9 +876,26 @@ class BudgetController:
 
     def _fitting(self) -> list[MemoryPlan]:
         """The candidates that fit the budget, judged with the margins (made only for those:
-        a choice is made at most steps while a plan is tried, among hundreds of candidates)."""
+        a choice is made at most steps while a plan is tried, among hundreds of candidates),
+        and the host budget."""
         budget = self._budget
-        return [replace(p, peak=q) for p, q in zip(self._plans, self._judged_peaks(True)) if q <= budget]
+        return self._within_host([replace(p, peak=q) for p, q in zip(self._plans, self._judged_peaks(True))
+                                  if q <= budget])
+
+    def _within_host(self, plans: list[MemoryPlan]) -> list[MemoryPlan]:
+        """``plans`` less those that would hold more host memory than :attr:`host_cap` (a commit
+        of theirs would raise HostMemoryError, step after step)."""
+        cap, profile = self.host_cap, self._profile
+        if cap is None or profile is None:
+            return plans
+        out = []
+        for p in plans:
+            held = self._host_of.get(p.key)
+            if held is None:
+                held = self._host_of[p.key] = costmodel.host_bytes(profile, p.groups)
+            if held <= cap:
+                out.append(p)
+        return out
 
     def _first_choice(self, fitting: list[MemoryPlan]) -> MemoryPlan:
         """The model's choice among plans that fit, should nothing be measured."""

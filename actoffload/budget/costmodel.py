@@ -235,6 +235,17 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
     return 0
 
 
+def host_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> int:
+    """Bytes a plan holds in host memory when its forward ends: what every group moves (a whole
+    module's inputs: those of its first part)."""
+    total = 0
+    for i, (d, g) in enumerate(zip(groups, profile.groups)):
+        if d.action.whole:
+            g = replace(g, inputs=profile.whole_at[i].inputs)
+        total += moved(d, g)
+    return total
+
+
 def resident(d: GroupDecision, g: GroupProfile) -> int:
     """Bytes a group holds on the device between its forward and its backward under ``d``."""
     a = d.action

@@ -32,6 +32,9 @@ class _Planned:
     would_save: WouldSave | None  # while profiling a recomputed group: what it would save
 
 
+HOST_ROUNDING = 1.05  # host memory in use per byte moved, at most (R9)
+
+
 class BudgetPlan(Plan):
     """Keep each step's peak device memory under ``budget`` bytes at the least step time.
 
@@ -80,6 +83,10 @@ class BudgetPlan(Plan):
             total, outside = probe.memory_totals()
             self.workloads = Workloads(budget_of("memory_budget", self.memory_budget, total, outside),
                                        self.device, probe)
+        if self.offloader is not None and self.workloads.host_cap is None:
+            # the offloader's host budget bounds what a plan may move (the pool rounds each
+            # block up by less than R9's 5%): a plan past it would raise HostMemoryError at every step
+            self.workloads.host_cap = int(self.offloader.host_budget / HOST_ROUNDING)
         return self.workloads
 
     # ------------------------------------------------------------------ a step and its workload

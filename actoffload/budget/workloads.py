@@ -105,6 +105,7 @@ class Workloads:
         self.probe = Probe(device) if probe is None else probe
         self.reserve = AllocatorReserve()  # one allocator: one reserve for every workload
         self.capacity = capacity
+        self._host_cap: int | None = None  # the most host memory a plan may hold (host_cap), for every workload
         self._first: BudgetController | None = BudgetController(budget, device, self.probe, self.reserve)
         self._entries: list[Workload] = []  # least recently used first
         self.current: Workload | None = None
@@ -193,9 +194,22 @@ class Workloads:
         # step's, as when a first step has no optimizer state yet)
         return next((e for e in alike if e.controller.profile is None), None)
 
+    @property
+    def host_cap(self) -> int | None:
+        """The most bytes a plan may hold in host memory (each controller's ``host_cap``)."""
+        return self._host_cap
+
+    @host_cap.setter
+    def host_cap(self, cap: int | None) -> None:
+        self._host_cap = cap
+        for c in [e.controller for e in self._entries] + ([self._first] if self._first is not None else []):
+            c.host_cap = cap
+
     def _controller(self) -> BudgetController:
         first, self._first = self._first, None
-        return first if first is not None else BudgetController(self.budget, self.device, self.probe, self.reserve)
+        c = first if first is not None else BudgetController(self.budget, self.device, self.probe, self.reserve)
+        c.host_cap = self._host_cap
+        return c
 
     def _new(self, signature: Signature, base: int) -> Workload:
         entry = Workload(signature, self._controller(), None, base)
