@@ -192,6 +192,10 @@ def select_modules(model: nn.Module, roles: Iterable[str]) -> list[tuple[str, st
 
         ao.select_modules(model, {"moe_act", "expert_fc1"})
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"select_modules takes the model (an nn.Module) first, got {type(model).__name__}")
+    if isinstance(roles, str):  # a set of its letters is never meant
+        raise TypeError(f"select_modules takes a collection of roles, got the str {roles!r}: write {{{roles!r}}}")
     roles = set(roles)
     unknown = roles - set(ROLES)
     if unknown:

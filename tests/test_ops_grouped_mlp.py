@@ -142,6 +142,10 @@ def test_select_modules_replaces_the_selection_and_names_bad_roles():
     assert ao.select_modules(model, set()) == [] and model["b"].offload_selected == set()
     with pytest.raises(ValueError, match=r"unknown role\(s\) \['moe'\]; valid roles are: attn_norm, qkv"):
         ao.select_modules(model, {"moe"})
+    with pytest.raises(TypeError, match="a collection of roles, got the str 'moe_act': write {'moe_act'}"):
+        ao.select_modules(model, "moe_act")  # was the roles 'm', 'o', 'e', ...: unknown
+    with pytest.raises(TypeError, match=r"the model \(an nn.Module\) first, got int"):
+        ao.select_modules(5, {"moe_act"})
 
 
 def test_grouped_mlp_rejects_bad_splits_and_activations():
