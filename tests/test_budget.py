@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import actoffload as ao
+from actoffload.budget import costmodel
 from actoffload.budget.controller import PROFILE_STEPS, State
 from actoffload.budget.probe import Probe
 from helpers import assert_bitwise, residual_step
@@ -74,6 +75,9 @@ def test_budget_plans_within_the_host_budget():
         assert_bitwise(a, b)
     moved = sum(g["offloaded_bytes"] for g in plans[-1]["groups"])
     assert 0 < moved <= host / 1.05 and plans[-1]["predicted_peak_bytes"] <= 2 * GROUP_BYTES
+    # (the bound that spares the check where no plan comes near the host budget holds every plan)
+    c = off.plan.controller
+    assert max(costmodel.host_bytes(c.profile, p.groups) for p in c.plans) <= costmodel.most_host_bytes(c.profile)
 
 
 def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):

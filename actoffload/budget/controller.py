@@ -166,6 +166,7 @@ class BudgetController:
         # its pool may round up: R9), set by the plan; None: no bound
         self.host_cap: int | None = None
         self._host_of: dict[PlanKey, int] = {}  # plan -> its host bytes (costmodel.host_bytes), as asked
+        self._host_bound: int | None = None  # costmodel.most_host_bytes of the profile
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
@@ -349,7 +350,7 @@ class BudgetController:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
-        self._kept_first, self._host_of = {}, {}
+        self._kept_first, self._host_of, self._host_bound = {}, {}, None
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
@@ -887,6 +888,10 @@ class BudgetController:
         of theirs would raise HostMemoryError, step after step)."""
         cap, profile = self.host_cap, self._profile
         if cap is None or profile is None:
+            return plans
+        if self._host_bound is None:
+            self._host_bound = costmodel.most_host_bytes(profile)
+        if self._host_bound <= cap:  # no plan comes near it (the usual case: most of the machine's RAM)
             return plans
         out = []
         for p in plans:

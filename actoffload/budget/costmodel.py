@@ -246,6 +246,13 @@ def host_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> int:
     return total
 
 
+def most_host_bytes(profile: Profile) -> int:
+    """At least what any plan holds in host memory (:func:`host_bytes`): every group moving all
+    it could under any action, and every whole module its inputs."""
+    return (sum(g.offloadable + (g.inputs or 0) + g.costly_bytes for g in profile.groups)
+            + sum(w.inputs for w in profile.wholes))
+
+
 def resident(d: GroupDecision, g: GroupProfile) -> int:
     """Bytes a group holds on the device between its forward and its backward under ``d``."""
     a = d.action
