@@ -321,6 +321,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 m.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
             self._report_copy("d2h", sum(m.nbytes for m in moved), start)
         rec.done = self._streams.record(self._streams.d2h)
+        for b in rec.blocks:  # the copy writes them until then: whoever frees or rewrites one waits
+            b.read_until(rec.done)
         # The large sources are not record_stream'ed: their references (``m.storage``) are let go
         # only once the copy has finished, or once the compute stream waits for it (_reap), so
         # the compute stream's pool reuses their memory in stream order, at once. A block freed

@@ -20,9 +20,11 @@ first (and on those of the pieces it was joined from), so a block is never overw
 under an in-flight copy and the host never waits.
 
 Free blocks are host memory held, and count against the host budget: where an allocation
-would pass it, the whole free blocks are let go (once the copies reading them are done) and
-the allocation is asked again, so that a step of a shorter length, whose size classes the
-longer step's blocks cannot serve, still fits the budget the longer one did.
+would pass it, the free blocks that are whole allocations are let go (once the copies using
+them are done) and the allocation is asked again, so that a step of a shorter length, whose
+size classes the longer step's blocks cannot serve, fits the budget the longer one did. A
+free piece of an allocation another piece of which is in use cannot be let go: with blocks
+cut from larger ones (from 1 MiB), a shorter step may still find the budget short.
 
 Blocks go back from finalizers (a copy record's), which may run inside one of the pool's
 own sections on the same thread (a garbage-collection pass begun at an allocation there):
@@ -79,8 +81,9 @@ class HostBlock:
         return self.earlier if self.fence is None else (self.fence, *self.earlier)
 
     def read_until(self, event) -> None:
-        """A copy reads this block until ``event``: the next writer waits for it (and, as the
-        copy ran after its writer, which waited for the earlier reads, for nothing else)."""
+        """A copy reads (or writes) this block until ``event``: the next writer, and whoever
+        frees it, waits for it (and, as the copy ran after its writer, which waited for the
+        earlier reads, for nothing else)."""
         self.fence, self.earlier = event, ()
 
     def _part(self, start: int, end: int) -> "HostBlock":
@@ -141,7 +144,9 @@ class PinnedPool:
             slab = self._allocate(size)
         except HostMemoryError:  # over the host budget: what the free blocks hold counts too
             if not self.trim():
-                raise  # nothing changed
+                raise  # nothing else to let go
+            slab = None
+        if slab is None:  # (asked again outside the handler: its error is the one to see)
             slab = self._allocate(size)
         block = HostBlock(slab)
         with self._lock:
@@ -294,7 +299,7 @@ class PinnedPool:
 
     def trim(self) -> int:
         """Free every pooled block that is a whole allocation (a piece of one in use stays),
-        once the copies that may still read it are done (waited for); returns the bytes released."""
+        once the copies that may still use it are done (waited for); returns the bytes released."""
         with self._lock:
             whole = [b for free in self._free.values() for b in free if b.offset == 0 and b.size == b.slab.numel()]
             for b in whole:
@@ -302,5 +307,5 @@ class PinnedPool:
                 self._owned[b.size] -= 1
         for b in whole:
             for event in _pending(b.waits()):
-                event.synchronize()  # a reload may still read it: freed under the copy, pinned memory is reused
+                event.synchronize()  # a copy may still use it: freed under the copy, pinned memory is reused
         return sum(b.size for b in whole)

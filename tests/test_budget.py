@@ -80,6 +80,31 @@ def test_budget_plans_within_the_host_budget():
     assert max(costmodel.host_bytes(c.profile, p.groups) for p in c.plans) <= costmodel.most_host_bytes(c.profile)
 
 
+def test_budget_host_cap_reaches_every_workload_and_spares_plans_that_ran():
+    """Each signature's controller gets the host cap; a plan that ran a step to its end had its host
+    memory (the profiled plan, however close to the cap its bytes came)."""
+    from actoffload.budget.workloads import Signature, Workloads
+
+    w = Workloads(1 << 40, torch.device("cpu"))
+    w.host_cap = 1234
+    first = w.begin(Signature(((4, 64),), None))
+    second = w.begin(Signature(((4, 32),), None))
+    assert first is not second and first.host_cap == second.host_cap == 1234
+    w.host_cap = 99
+    assert first.host_cap == second.host_cap == 99
+
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    _steps(_blocks(), off)
+    c = off.plan.controller
+    profiled = c.plans[-1]
+    assert costmodel.host_bytes(c.profile, profiled.groups) > 0
+    c._peaks[profiled.key] = c._peaks.get(profiled.key, 0)  # (it ran: its measured peak is known)
+    c.host_cap = 0
+    kept = c._within_host(c.plans)
+    assert profiled in kept
+    assert all(costmodel.host_bytes(c.profile, p.groups) == 0 for p in kept if p.key not in c._peaks)
+
+
 def test_budget_recompute_runs_under_checkpoint_and_is_bitwise(monkeypatch):
     # a very slow bus makes recomputing the cheaper way to free memory
     monkeypatch.setattr(Probe, "bandwidth", lambda self: (1e6, 1e6))

@@ -50,9 +50,17 @@ def test_pool_lets_its_free_blocks_go_where_an_allocation_would_pass_the_host_bu
     pool.put(pool.get(10000))  # a longer step's block, free now
     small = pool.get(5000)  # its class cannot be cut from it (under 1 MiB), and 10240 + 5120 > 12000
     assert small.size == size_class(5000) and pool.pooled == 0 and host.allocated == size_class(5000)
-    with pytest.raises(HostMemoryError):
+    with pytest.raises(HostMemoryError) as raised:
         pool.get(8000)  # nothing free to give back: over the budget
+    assert raised.value.__context__ is None  # one error, not the retry's inside the first's
     assert pool.in_use == size_class(5000) and host.allocated == size_class(5000)
+    pool.put(small)
+    del small
+    held = pool.get(500)  # 504 in use
+    pool.put(pool.get(6000))  # 5120 and 6016 free
+    with pytest.raises(HostMemoryError) as raised:
+        pool.get(11600)  # both let go, and 504 + 11776 still pass 12000: the retry's error, alone
+    assert raised.value.__context__ is None and pool.pooled == 0 and host.allocated == held.size
 
 
 def test_fast_trains_varying_lengths_within_a_host_budget_the_longest_step_fits():
@@ -68,6 +76,21 @@ def test_fast_trains_varying_lengths_within_a_host_budget_the_longest_step_fits(
     ao.wrap(m, off)
     for t in lengths:
         m(torch.randn(4, t, 32)).square().mean().backward()  # raised HostMemoryError at t=32
+
+
+def test_a_block_back_unread_keeps_its_copy_outs_event_for_whoever_frees_it():
+    """A graph dropped before backward (or a group used in place) puts its blocks back unread:
+    the copy out may still write them, and trim() must wait for it before letting them go."""
+    off = ao.Offloader(impl="fast", device="cpu", warmup="offload", min_offload_bytes=0, keep_last=0)
+    h = torch.randn(256, 256, requires_grad=True) * 2
+    for i in range(3):
+        with off.group(str(i)):
+            h = h.sin()
+    assert off.stats()["offloaded_bytes"] == 3 * 256 * 256 * 4
+    del h
+    gc.collect()
+    free = [b for blocks in off._pool._free.values() for b in blocks]
+    assert free and all(b.fence is not None for b in free)  # (on the CPU: an event already done)
 
 
 class _Event:

@@ -895,6 +895,9 @@ class BudgetController:
             return plans
         out = []
         for p in plans:
+            if p.key in self._peaks:  # it ran a step to its end: its commits had their host memory
+                out.append(p)
+                continue
             held = self._host_of.get(p.key)
             if held is None:
                 held = self._host_of[p.key] = costmodel.host_bytes(profile, p.groups)
