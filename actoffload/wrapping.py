@@ -126,6 +126,10 @@ def wrap(
     for m in modules:
         if _is_wrapped(m):
             raise ValueError(f"{_class_name(m)} is already wrapped; remove() its handle before wrapping it again")
+        inner = next((path for path, x in m.named_modules() if x is not m and _is_wrapped(x)), None)
+        if inner is not None and parts is None:  # its group would open around the inner one's
+            raise ValueError(f"{_class_name(m)} holds {inner!r}, which is already wrapped: groups do not nest "
+                             "(R2); wrap one or the other (remove() the inner one's handle first)")
     if parts is None:
         return _wrap_all([(m, name, 0) for m, name in zip(modules, names)], off)
     inner_of = [_parts_of(m, parts) for m in modules]

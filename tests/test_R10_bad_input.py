@@ -135,6 +135,11 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
             ao.wrap(what, off)
     with pytest.raises(TypeError, match="wrap's parts must be a function giving a module's parts .*, got int"):
         ao.wrap(torch.nn.Linear(2, 2), off, parts=5)
+    block = torch.nn.Module()
+    block.attn, block.mlp = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    ao.wrap(block.mlp, off)
+    with pytest.raises(ValueError, match="Module holds 'mlp', which is already wrapped: groups do not nest"):
+        ao.wrap(block, off)  # (found at its forward before, as group '0' inside group '0')
 
 
 @pytest.mark.parametrize("device", DEVICES)
