@@ -126,8 +126,10 @@ def wrap(
     for m in modules:
         if _is_wrapped(m):
             raise ValueError(f"{_class_name(m)} is already wrapped; remove() its handle before wrapping it again")
+        if parts is not None:
+            continue  # (its parts are checked below)
         inner = next((path for path, x in m.named_modules() if x is not m and _is_wrapped(x)), None)
-        if inner is not None and parts is None:  # its group would open around the inner one's
+        if inner is not None:  # its group would open around the inner one's
             raise ValueError(f"{_class_name(m)} holds {inner!r}, which is already wrapped: groups do not nest "
                              "(R2); wrap one or the other (remove() the inner one's handle first)")
     if parts is None:

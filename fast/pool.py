@@ -140,20 +140,22 @@ class PinnedPool:
             if block is not None:
                 self.in_use += block.size
                 return block
-        try:
-            slab = self._allocate(size)
-        except HostMemoryError:  # over the host budget: what the free blocks hold counts too
-            if not self.trim():
-                raise  # nothing else to let go
-            slab = None
-        if slab is None:  # (asked again outside the handler: its error is the one to see)
-            slab = self._allocate(size)
-        block = HostBlock(slab)
+        block = HostBlock(self._new_allocation(size))
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
             self.in_use += size
         return block
+
+    def _new_allocation(self, size: int) -> torch.Tensor:
+        """``size`` bytes of new host memory; over the host budget, where what the free blocks
+        hold counts too, those are let go first (may raise HostMemoryError: nothing taken)."""
+        try:
+            return self._allocate(size)
+        except HostMemoryError:
+            if not self.trim():
+                raise  # nothing else to let go
+        return self._allocate(size)  # asked again outside the handler: its error is the one to see
 
     def _take(self, size: int) -> HostBlock | None:
         """A free block of ``size``, else (from ``SPLIT_MIN`` on) one cut from the smallest larger
