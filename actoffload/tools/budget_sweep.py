@@ -659,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
                "verdicts": {r["workload"]: verdicts(r) for r in results if "error" not in r}}
         if args.out:
             with open(args.out, "w") as f:
-                f.write(json.dumps(doc, indent=1, default=float))
+                # compact: results are committed, and the repository travels whole to the GPU machine
+                f.write(json.dumps(doc, separators=(",", ":"), default=float))
         return doc
 
     results = sweep(device, small, log=lambda s: print(s, file=sys.stderr, flush=True),

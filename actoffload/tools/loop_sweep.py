@@ -942,7 +942,8 @@ def main(argv: list[str] | None = None) -> int:
                "verdicts": {r["workload"]: verdicts(r) for r in results if "variable_length" in r}}
         if args.out:  # whole or not at all: a run stopped while writing keeps the last file
             with open(args.out + ".part", "w") as f:
-                f.write(json.dumps(doc, indent=1, default=float))
+                # compact: results are committed, and the repository travels whole to the GPU machine
+                f.write(json.dumps(doc, separators=(",", ":"), default=float))
             os.replace(args.out + ".part", args.out)
         return doc
 
