@@ -546,6 +546,34 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
+def test_controller_judges_its_plan_again_when_another_workloads_step_grew_the_shared_reserve():
+    """Two workloads (two lengths) share one allocator and one reserve: a step of the other
+    showed the allocator holding more beyond its allocated peak, so the plan this workload
+    chose, measured within the budget before, no longer fits with it; it is chosen again as this
+    workload's next step begins, not after that step went over."""
+    probe = FakeProbe()
+    reserve = AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    c = BudgetController(budget, CPU, probe=probe, reserve=reserve)
+    c.adopt_profile(_profile())
+    assert c.plan.key == keep_all.key
+    probe.peak_bytes = keep_all.peak
+    c.step_begins()
+    probe.advance(keep_all.step_s)
+    c.backward_ends()
+    assert c.plan.key == keep_all.key  # measured within the budget
+    probe.reserved_bytes = keep_all.peak  # the other workload's step, on this cache, grows it
+    reserve.step_begins(probe, budget)
+    assert reserve.step_ended(probe, budget, allocated_peak=keep_all.peak - 10 * MiB,
+                              reserved_peak=keep_all.peak + 50 * MiB)
+    assert reserve.bytes == 60 * MiB
+    probe.reserved_bytes = keep_all.peak + 50 * MiB
+    c.step_begins()
+    assert c.plan.key != keep_all.key
+    assert c._fits_now(c.plan)
+
+
 def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
     """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
     step pays its allocations again); over it as the plan changes, or beginning over it after

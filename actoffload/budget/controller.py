@@ -178,6 +178,7 @@ class BudgetController:
         self.measured_step_s: float | None = None
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
+        self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (not its first step)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
@@ -420,6 +421,12 @@ class BudgetController:
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
             self._choose()  # no plan was chosen (no plan fitted the budget where it was raised)
+        elif (self._plan is not None and self._forced is None and self.too_small is None
+              and self._reserve.bytes > self._reserve_judged):
+            # another workload's step grew the reserve (one allocator): judged again before it runs
+            self._reserve_judged = self._reserve.bytes
+            if not self._fits_now(self._plan):
+                self._choose()
         if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
@@ -852,7 +859,17 @@ class BudgetController:
         else:
             chosen = self._fastest(fitting)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
+        self._reserve_judged = self._reserve.bytes
         self._settle()
+
+    def _fits_now(self, plan: MemoryPlan) -> bool:
+        """Whether ``plan`` fits the budget with the reserve as it is now, judged as
+        :meth:`_judged_peaks` judges it (measured where it ran, else modelled with the margins)."""
+        assert self._profile is not None
+        measured = self._peaks.get(plan.key)
+        if measured is not None:
+            return measured + self._profile.base + self._reserve.bytes <= self._budget
+        return plan.peak + self._margin + least_margin(self._budget) + self._reserve.bytes <= self._budget
 
     def _judged_peaks(self, with_margins: bool) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the
