@@ -1,0 +1,135 @@
+"""Where the caching allocator's cache grows in gradient accumulation on the loop sweep's
+decoder (a diagnostic, not a test): the loop sweep's accumulation (4 micro-batches of 4 x 2048
+tokens, gradients accumulating, then AdamW), run by checkpointing every block and by ``fast``
+under a memory budget forced to recompute every part with its inputs moved out (the
+least-memory plan) and to recompute every part with its inputs kept. For each: every
+micro-batch's reserved and allocated peaks, and for the last optimizer step (recorded with
+``torch.cuda.memory._record_memory_history``) each allocation that made the allocator take a
+new segment from the device (its size and where the program asked for it), and the cache at the
+end: segments by size, what of them is allocated, and what lies free inside segments in use.
+
+    PYTHONPATH=. python benchmarks/fragmentation_probe.py [--steps 5] > OUT-log.txt
+
+Why: the loop sweep's accumulation at checkpointing's peak goes over the budget in most
+micro-batches, the least-memory plan reserving 9.1-9.6 GiB for 6.76 allocated where
+checkpointing reserves 8.13 for 7.00; this says what fills the difference. On the CPU it runs
+the tiny decoder and reports peaks only (the CPU has no caching allocator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from typing import Any
+
+import torch
+
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.tools import loop_sweep
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+MICRO = loop_sweep.MICRO_BATCHES
+# frames of these files say where in the program a block was asked for
+OURS = ("actoffload/", "loop_sweep.py", "models.py", "torch/utils/checkpoint.py", "torch/optim/")
+
+
+def _force(off: Any, action: Action) -> None:
+    """Every workload's controller seen so far runs ``action`` on every group."""
+    for wl in off.plan.workloads.workloads:
+        c = wl.controller
+        if c.profile is not None:
+            c.force([GroupDecision(action)] * len(c.profile.groups))
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    mine = [f for f in frames if any(k in f.get("filename", "") for k in OURS)]
+    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in mine[:4]) or "?"
+
+
+def _growth(snapshot: dict[str, Any]) -> list[str]:
+    """Each new segment of the recorded events: its size and the allocation that asked for it."""
+    out: list[str] = []
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    last_alloc: dict[str, Any] | None = None
+    sizes: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e["action"] == "segment_alloc":
+            last_alloc = e
+        elif e["action"] == "alloc" and last_alloc is not None:
+            where = _where(e.get("frames", []))
+            out.append(f"    segment {last_alloc['size'] / MiB:8.1f} MiB for a request of {e['size'] / MiB:8.2f} MiB at {where}")
+            sizes[where] += last_alloc["size"]
+            last_alloc = None
+    if sizes:
+        out.append("    new segments' bytes by where asked: " + "; ".join(
+            f"{v / MiB:.0f} MiB at {k}" for k, v in sizes.most_common(6)))
+    return out
+
+
+def _cache(snapshot: dict[str, Any]) -> list[str]:
+    """The cache's segments at the end, by size class: held, allocated, and free inside
+    segments with something allocated (what no release can give back)."""
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+    for s in snapshot["segments"]:
+        total, allocated = s["total_size"], s["allocated_size"]
+        kind = "small (2 MiB)" if s["segment_type"] == "small" else (
+            "20 MiB" if total == 20 * (1 << 20) else f"{'<' if total < 256 * (1 << 20) else '>='} 256 MiB")
+        r = rows[kind]
+        r[0] += 1
+        r[1] += total
+        r[2] += allocated
+        r[3] += total - allocated if allocated else 0
+    return [f"    {k:14s} {int(r[0]):4d} segments {r[1] / GiB:6.2f} GiB held {r[2] / GiB:6.2f} allocated "
+            f"{r[3] / GiB:6.2f} free inside used ones" for k, r in sorted(rows.items())]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per method; the last is recorded")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    w = loop_sweep.llama(device, small=not cuda)
+    loop = loop_sweep._Loop(w, log=print)
+    print(f"decoder on {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
+    for name, action in (("checkpoint_all", None), ("fast recompute_offload", Action.RECOMPUTE_OFFLOAD),
+                         ("fast recompute", Action.RECOMPUTE)):
+        m = loop_sweep.Method(name, checkpoint=action is None, budget=None if action is None else 1 << 50,
+                              level="probe")
+        print(f"== {name}")
+        with loop.method(m) as off:
+            opt = torch.optim.AdamW(loop.params, lr=1e-4)
+            for k in range(args.steps):
+                recording = cuda and k == args.steps - 1
+                if recording:
+                    torch.cuda.memory._record_memory_history(max_entries=500_000)
+                peaks = []
+                for j in range(MICRO):
+                    tokens = w.tokens(100_000 + MICRO * k + j, w.seq_len)
+                    _, seconds, reserved, allocated = loop.timed(
+                        lambda: (w.loss(m.call(), tokens) / MICRO).backward())
+                    peaks.append(f"{(reserved or 0) / GiB:.2f}/{(allocated or 0) / GiB:.2f} ({seconds * 1e3:.0f} ms)")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                ran = "" if off is None else str(dict(collections.Counter(
+                    g["action"] for g in off.stats()["plan"].get("groups", []))))
+                print(f"  step {k}: reserved/allocated GiB per micro-batch {', '.join(peaks)} {ran}")
+                if off is not None and action is not None:
+                    _force(off, action)
+                if recording:
+                    snapshot = torch.cuda.memory._snapshot()
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    print("  new segments in the recorded step:")
+                    print("\n".join(_growth(snapshot)) or "    none")
+                    print("  the cache after it:")
+                    print("\n".join(_cache(snapshot)))
+                    stats = torch.cuda.memory_stats()
+                    print(f"  allocator: peak inactive split {stats.get('inactive_split_bytes.all.peak', 0) / GiB:.2f} GiB, "
+                          f"retries {stats.get('num_alloc_retries', 0)}, segments {stats.get('segment.all.current', 0)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
