@@ -3,9 +3,10 @@ decoder (a diagnostic, not a test): the loop sweep's accumulation (4 micro-batch
 tokens, gradients accumulating, then AdamW), run by checkpointing every block and by ``fast``
 under a memory budget forced to recompute every part with its inputs moved out (the
 least-memory plan) and to recompute every part with its inputs kept. For each: every
-micro-batch's reserved and allocated peaks, and for the last optimizer step (recorded with
-``torch.cuda.memory._record_memory_history``) each allocation that made the allocator take a
-new segment from the device (its size and where the program asked for it), and the cache at the
+micro-batch's reserved and allocated peaks (the cache given back once a plan is forced, so that
+what it holds is the forced plan's), and for the second micro-batch of the last optimizer step
+(recorded with ``torch.cuda.memory._record_memory_history``, Python stacks) each allocation that
+made the allocator take a new segment from the device (its size and where the program asked for it), and the cache at the
 end: segments by size, what of them is allocated, and what lies free inside segments in use.
 
     PYTHONPATH=. python benchmarks/fragmentation_probe.py [--steps 5] > OUT-log.txt
@@ -99,36 +100,47 @@ def main(argv: list[str]) -> int:
         m = loop_sweep.Method(name, checkpoint=action is None, budget=None if action is None else 1 << 50,
                               level="probe")
         print(f"== {name}")
-        with loop.method(m) as off:
-            opt = torch.optim.AdamW(loop.params, lr=1e-4)
-            for k in range(args.steps):
-                recording = cuda and k == args.steps - 1
+        try:
+            _run(loop, w, m, action, args.steps, cuda)
+        except Exception as e:  # noqa: BLE001  a diagnostic: report it and go on to the next method
+            if cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"  {name} raised {type(e).__name__}: {e}")
+    return 0
+
+
+def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: bool) -> None:
+    with loop.method(m) as off:
+        opt = torch.optim.AdamW(loop.params, lr=1e-4)
+        for k in range(steps):
+            peaks = []
+            for j in range(MICRO):
+                recording = cuda and k == steps - 1 and j == 1  # a micro-batch with gradients there
                 if recording:
-                    torch.cuda.memory._record_memory_history(max_entries=500_000)
-                peaks = []
-                for j in range(MICRO):
-                    tokens = w.tokens(100_000 + MICRO * k + j, w.seq_len)
-                    _, seconds, reserved, allocated = loop.timed(
-                        lambda: (w.loss(m.call(), tokens) / MICRO).backward())
-                    peaks.append(f"{(reserved or 0) / GiB:.2f}/{(allocated or 0) / GiB:.2f} ({seconds * 1e3:.0f} ms)")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                ran = "" if off is None else str(dict(collections.Counter(
-                    g["action"] for g in off.stats()["plan"].get("groups", []))))
-                print(f"  step {k}: reserved/allocated GiB per micro-batch {', '.join(peaks)} {ran}")
-                if off is not None and action is not None:
-                    _force(off, action)
+                    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+                tokens = w.tokens(100_000 + MICRO * k + j, w.seq_len)
+                _, seconds, reserved, allocated = loop.timed(lambda: (w.loss(m.call(), tokens) / MICRO).backward())
+                peaks.append(f"{(reserved or 0) / GiB:.2f}/{(allocated or 0) / GiB:.2f} ({seconds * 1e3:.0f} ms)")
                 if recording:
                     snapshot = torch.cuda.memory._snapshot()
                     torch.cuda.memory._record_memory_history(enabled=None)
-                    print("  new segments in the recorded step:")
-                    print("\n".join(_growth(snapshot)) or "    none")
-                    print("  the cache after it:")
-                    print("\n".join(_cache(snapshot)))
-                    stats = torch.cuda.memory_stats()
-                    print(f"  allocator: peak inactive split {stats.get('inactive_split_bytes.all.peak', 0) / GiB:.2f} GiB, "
-                          f"retries {stats.get('num_alloc_retries', 0)}, segments {stats.get('segment.all.current', 0)}")
-    return 0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ran = "" if off is None else str(dict(collections.Counter(
+                g["action"] for g in off.stats()["plan"].get("groups", []))))
+            print(f"  step {k}: reserved/allocated GiB per micro-batch {', '.join(peaks)} {ran}")
+            if off is not None and action is not None and k < steps - 2:
+                _force(off, action)
+                if cuda:  # the cache the plans before it built (keeping everything, say) is not its own
+                    torch.cuda.empty_cache()
+            if cuda and k == steps - 1:
+                print("  new segments in the recorded micro-batch (the second of the last step):")
+                print("\n".join(_growth(snapshot)) or "    none")
+                print("  the cache after it:")
+                print("\n".join(_cache(snapshot)))
+                stats = torch.cuda.memory_stats()
+                print(f"  allocator: peak inactive split {stats.get('inactive_split_bytes.all.peak', 0) / GiB:.2f} GiB, "
+                      f"retries {stats.get('num_alloc_retries', 0)}, segments {stats.get('segment.all.current', 0)}")
 
 
 if __name__ == "__main__":
