@@ -15,6 +15,12 @@ Why: the loop sweep's accumulation at checkpointing's peak goes over the budget 
 micro-batches, the least-memory plan reserving 9.1-9.6 GiB for 6.76 allocated where
 checkpointing reserves 8.13 for 7.00; this says what fills the difference. On the CPU it runs
 the tiny decoder and reports peaks only (the CPU has no caching allocator).
+
+On an H200 at 1a160d8 (``benchmarks/results/*-1a160d8-fragmentation-probe-log.txt``): on its
+own cache the least-memory plan reserved 8.48 GiB for 6.76 allocated, checkpointing 8.57 for
+7.00; the recorded micro-batch of either fast plan raised ``SystemError`` in its recomputation
+while the allocator recorded Python stacks (docs/semantics.md, "Recomputed groups"), so which
+allocations grew the cache under fast is still to be seen.
 """
 
 from __future__ import annotations

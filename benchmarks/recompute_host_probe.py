@@ -11,7 +11,9 @@ On an H200 at e746ed5 (``benchmarks/results/*-e746ed5-recompute-host-probe-log.t
 offloading 61.8 ms (host 39.5), checkpointing 80.5 (host 72.4), fast recomputing 90.3 (host
 82.2), fast keeping 63.2 (host 45.6). The device's time is the same for checkpointing and fast
 recomputing (71.8 and 71.6 ms of kernels); the step waits on the host, about 1.2 ms more a
-layer. On the CPU machine (``--device cpu``, the tiny model, one thread) the same comparison
+layer. At d73a67d (``*-d73a67d-recompute-host-probe-log.txt``), after the work on the
+recomputed group's host costs: no offloading 62.6 ms (host 32.7), checkpointing 78.2 (host
+61.6), fast recomputing 79.8 (host 67.3), fast keeping 62.5 (host 33.3): 1.02x checkpointing. On the CPU machine (``--device cpu``, the tiny model, one thread) the same comparison
 shows 0.3-0.7 ms a layer (it varies with the machine's load).
 """
 
