@@ -3,8 +3,9 @@ decoder (a diagnostic, not a test): the loop sweep's accumulation (4 micro-batch
 tokens, gradients accumulating, then AdamW), run by checkpointing every block and by ``fast``
 under a memory budget forced to recompute every part with its inputs moved out (the
 least-memory plan) and to recompute every part with its inputs kept. For each: every
-micro-batch's reserved and allocated peaks (the cache given back once a plan is forced, so that
-what it holds is the forced plan's), and for the second micro-batch of the last optimizer step
+micro-batch's reserved and allocated peaks (the plan forced, and the cache given back, after
+each optimizer step but the last two, so that those run on the cache the forced plan built), and
+for the second micro-batch of the last optimizer step
 (recorded with ``torch.cuda.memory._record_memory_history``, Python stacks) each allocation that
 made the allocator take a new segment from the device (its size and where the program asked for it), and the cache at the
 end: segments by size, what of them is allocated, and what lies free inside segments in use.
@@ -14,7 +15,7 @@ end: segments by size, what of them is allocated, and what lies free inside segm
 Why: the loop sweep's accumulation at checkpointing's peak goes over the budget in most
 micro-batches, the least-memory plan reserving 9.1-9.6 GiB for 6.76 allocated where
 checkpointing reserves 8.13 for 7.00; this says what fills the difference. On the CPU it runs
-the tiny decoder and reports peaks only (the CPU has no caching allocator).
+the tiny decoder and reports times and plans only (the CPU has no caching allocator).
 
 On an H200 at 1a160d8 (``benchmarks/results/*-1a160d8-fragmentation-probe-log.txt``): on its
 own cache the least-memory plan reserved 8.48 GiB for 6.76 allocated, checkpointing 8.57 for
@@ -96,6 +97,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per method; the last is recorded")
     args = p.parse_args(argv)
+    if args.steps < 3:
+        p.error("--steps: at least 3 (a plan is forced after the first, and the last two run it on its own cache)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     w = loop_sweep.llama(device, small=not cuda)
@@ -116,6 +119,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: bool) -> None:
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     with loop.method(m) as off:
         opt = torch.optim.AdamW(loop.params, lr=1e-4)
         for k in range(steps):
@@ -126,7 +130,8 @@ def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: boo
                     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
                 tokens = w.tokens(100_000 + MICRO * k + j, w.seq_len)
                 _, seconds, reserved, allocated = loop.timed(lambda: (w.loss(m.call(), tokens) / MICRO).backward())
-                peaks.append(f"{(reserved or 0) / GiB:.2f}/{(allocated or 0) / GiB:.2f} ({seconds * 1e3:.0f} ms)")
+                sizes = "-" if reserved is None else f"{reserved / GiB:.2f}/{(allocated or 0) / GiB:.2f}"
+                peaks.append(f"{sizes} ({seconds * 1e3:.0f} ms)")
                 if recording:
                     snapshot = torch.cuda.memory._snapshot()
                     torch.cuda.memory._record_memory_history(enabled=None)
@@ -144,9 +149,11 @@ def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: boo
                 print("\n".join(_growth(snapshot)) or "    none")
                 print("  the cache after it:")
                 print("\n".join(_cache(snapshot)))
+                # now, not peaks: the budget's controller resets the peak counters group by group
                 stats = torch.cuda.memory_stats()
-                print(f"  allocator: peak inactive split {stats.get('inactive_split_bytes.all.peak', 0) / GiB:.2f} GiB, "
-                      f"retries {stats.get('num_alloc_retries', 0)}, segments {stats.get('segment.all.current', 0)}")
+                print(f"  allocator now: inactive split {stats.get('inactive_split_bytes.all.current', 0) / GiB:.2f} GiB, "
+                      f"segments {stats.get('segment.all.current', 0)}; "
+                      f"retries in this method {stats.get('num_alloc_retries', 0) - retries}")
 
 
 if __name__ == "__main__":

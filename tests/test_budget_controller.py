@@ -4,6 +4,7 @@ the model promises are measured, and a step whose backward failed is dropped (CP
 is a fake the test drives, or the CPU's own)."""
 
 import collections
+from typing import Any
 from dataclasses import replace
 
 import pytest
@@ -572,6 +573,70 @@ def test_controller_judges_its_plan_again_when_another_workloads_step_grew_the_s
     c.step_begins()
     assert c.plan.key != keep_all.key
     assert c._fits_now(c.plan)
+
+
+def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:
+    """Another workload's step, beginning with ``at`` bytes reserved, grows the cache by ``by``
+    bytes beyond its allocated peak of ``at``."""
+    probe.reserved_bytes = at
+    reserve.step_begins(probe, budget)
+    assert reserve.step_ended(probe, budget, allocated_peak=at, reserved_peak=at + by)
+    probe.reserved_bytes = at + by
+
+
+def _keep_all_under(slack: int) -> tuple[FakeProbe, AllocatorReserve, BudgetController, Any]:
+    """A controller sharing a reserve, whose first choice is keeping everything, ``slack`` bytes
+    (beyond the least margin) under its budget."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + slack
+    c = BudgetController(budget, CPU, probe=probe, reserve=reserve)
+    c.adopt_profile(_profile())
+    assert c.plan.key == keep_all.key
+    return probe, reserve, c, keep_all
+
+
+def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one_with_the_margins():
+    """Judged again after another workload grew the shared reserve: a plan that ran by what its
+    step measured (above its model here), one that never ran to its end by its model and the
+    margins; one that still fits stays."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak + 20 * MiB  # it runs above its model, within the budget
+    _run(c, TIMINGS + 2, lambda p: p.step_s)
+    assert c.settled and c.plan.key == keep_all.key  # measured: nothing more to choose at a step begin
+    _grow_shared_reserve(probe, reserve, c.budget, 5 * MiB, keep_all.peak)
+    c.step_begins()
+    assert c.plan.key == keep_all.key  # 20 + 5 MiB over its model: still within the budget
+    probe.advance(keep_all.step_s)
+    c.backward_ends()
+    _grow_shared_reserve(probe, reserve, c.budget, 15 * MiB, keep_all.peak)
+    c.step_begins()
+    assert c.plan.key != keep_all.key  # its model and the reserve would fit; its step does not
+
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    c.step_begins()  # its backward never ends: not measured
+    probe.advance(keep_all.step_s)
+    _grow_shared_reserve(probe, reserve, c.budget, 30 * MiB + MiB // 2, keep_all.peak)
+    c.step_begins()
+    assert c.plan.key != keep_all.key  # fits without the margin, not with it
+
+
+def test_controller_a_reserve_grown_past_every_plan_raises_at_the_step_begin_then_runs_the_least_memory():
+    """Another workload's step grew the shared reserve past what any plan leaves room for: the
+    step begin raises BudgetTooSmall, and the step begun again runs the least-memory plan (not
+    the plan that no longer fits)."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    c.step_begins()
+    probe.advance(keep_all.step_s)
+    c.backward_ends()
+    least = min(p.peak for p in c.plans)
+    _grow_shared_reserve(probe, reserve, c.budget, c.budget - least + 10 * MiB, keep_all.peak)
+    with pytest.raises(BudgetTooSmall):
+        c.step_begins()
+    c.step_begins()  # the engine begins the step again at its next group
+    assert c.plan.peak == least
 
 
 def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():

@@ -200,8 +200,9 @@ class BudgetController:
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
         self._hooked = 0  # the kept group that keeps its hooks: the first whose saves backward unpacks
-        # BudgetTooSmall is raised once, where a step begins (the first choice under a profile, or
-        # the step after a choice made in backward found no plan fits); then the least memory runs
+        # BudgetTooSmall is raised once, where a step begins (the first choice under a profile, the
+        # step after a choice made in backward found no plan fits, or a step whose plan another
+        # workload's growth of the shared reserve left without one); then the least memory runs
         self.too_small: str | None = None  # its message, once raised
         self._raise_next: str | None = None  # found outside a step's beginning: raised at the next
         self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
@@ -426,7 +427,7 @@ class BudgetController:
             # another workload's step grew the reserve (one allocator): judged again before it runs
             self._reserve_judged = self._reserve.bytes
             if not self._fits_now(self._plan):
-                self._choose()
+                self._choose_before_step()
         if self._raise_next is not None and self._beginning:  # found where raising would break the pass
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
@@ -440,6 +441,19 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
+
+    def _choose_before_step(self) -> None:
+        """Choose again as a step begins: should no plan fit, the least memory is chosen first
+        and the error raised after (``_raise_next``, below the call), and only the whole search
+        says so (a planning process's answer still to come is waited for, as after profiling)."""
+        beginning, self._beginning = self._beginning, False
+        try:
+            if self._pending is not None and all(q > self._budget for q in self._judged_peaks(False)):
+                self._collect(wait=True)
+            else:
+                self._choose()
+        finally:
+            self._beginning = beginning
 
     def _replan(self) -> None:
         """The workload changed: the plan runs to the end of this step, the next profiles."""
