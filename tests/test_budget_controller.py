@@ -639,6 +639,19 @@ def test_controller_a_reserve_grown_past_every_plan_raises_at_the_step_begin_the
     assert c.plan.peak == least
 
 
+def test_controller_a_forced_plan_let_go_where_no_plan_fits_any_more_raises_and_runs_the_least_memory():
+    """``force(None)`` chooses again; where meanwhile no plan fits (another workload grew the
+    shared reserve), it raises BudgetTooSmall with the least-memory plan chosen, not the forced
+    plan left running."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    c.force([GroupDecision(Action.KEEP)] * len(keep_all.groups))
+    least = min(p.peak for p in c.plans)
+    _grow_shared_reserve(probe, reserve, c.budget, c.budget - least + 10 * MiB, keep_all.peak)
+    with pytest.raises(BudgetTooSmall):
+        c.force(None)
+    assert c.plan.peak == least
+
+
 def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
     """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
     step pays its allocations again); over it as the plan changes, or beginning over it after

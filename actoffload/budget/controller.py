@@ -366,11 +366,10 @@ class BudgetController:
         measure one plan."""
         self._forced = None if groups is None else (tuple(groups), max_inflight, prefetch)
         if self._profile is not None and self._step is None:
-            self._beginning = True  # the caller's: it may hear that no plan fits
-            try:
-                self._choose()
-            finally:
-                self._beginning = False
+            self._choose_before_step()  # should no plan fit, the least memory is chosen first
+            if self._raise_next is not None:  # the caller's: it may hear that no plan fits
+                message, self._raise_next = self._raise_next, None
+                raise BudgetTooSmall(message)
 
     def backward_ends(self) -> None:
         """The step's backward pass is over. The controller asks autograd to call this at the
