@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                          "none_step_s": base["step_s"], "none_grew": base["grew"]})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows, f)  # compact: results files are committed (actoffload.tools.provenance.results_json)
 
 
 if __name__ == "__main__":

@@ -609,7 +609,9 @@ def _comparison(a: argparse.Namespace, methods: list[str]) -> dict:
         "methods": results,
         "wall_s": time.perf_counter() - started,
     }
-    Path(a.out).write_text(json.dumps(report, indent=1))
+    from actoffload.tools.provenance import results_json
+
+    Path(a.out).write_text(results_json(report))
     print(f"\n{env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
           f"trl {env.get('trl')}, commit {env.get('commit')}; {isolation}; "
           f"B = {_size(budget)}; none vs none bitwise: {report['none_vs_none_bitwise']}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ if not torch.cuda.is_available():
 
 from actoffload.tools.determinism import use_deterministic  # noqa: E402
 from actoffload.tools.progress import Progress  # noqa: E402
-from actoffload.tools.provenance import git_commit  # noqa: E402
+from actoffload.tools.provenance import git_commit, results_json  # noqa: E402
 
 from .runner import check_seeds, compare, init_worker, minimize  # noqa: E402
 from .scenario import Scenario, generate, themes  # noqa: E402
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         stem = "-".join([gpu.replace(" ", "-"), result["date"][:10]] + ([result["commit"]] if result["commit"] else []))
         path = Path(out_dir) / f"{stem}-conformance.json"
-        path.write_text(json.dumps(result, indent=1))
+        path.write_text(results_json(result))
         print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0
 

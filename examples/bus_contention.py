@@ -21,7 +21,6 @@ On a machine without CUDA it says so and exits 0: it is a GPU measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import actoffload as ao
-from common import Context, MiB, describe, init_distributed, launch
+from common import Context, MiB, describe, init_distributed, launch, results_json
 
 
 class CopyTimes(ao.Observer):
@@ -198,8 +197,8 @@ def rank_main(args: argparse.Namespace) -> int:
                 other = v["with the other"]
                 print(f"{r['rank']:<5} {name:<22} {v['alone']:>8.1f} {other:>15.1f} {other / v['alone']:>6.2f}")
         if args.out:
-            Path(args.out).write_text(json.dumps({"example": "bus_contention", "config": vars(args),
-                                                  "provenance": prov, "ranks": gathered}, indent=1) + "\n")
+            Path(args.out).write_text(results_json({"example": "bus_contention", "config": vars(args),
+                                                    "provenance": prov, "ranks": gathered}))
             print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0

@@ -36,7 +36,6 @@ import datetime as dt
 import functools
 import gc
 import hashlib
-import json
 import os
 import socket
 import statistics
@@ -63,7 +62,7 @@ from actoffload.settings import parse_memory_budget  # noqa: E402
 from actoffload.tools.peaks import Peaks  # noqa: E402
 
 set_cublas_workspace()  # before any CUDA work here or in the ranks this module starts
-from actoffload.tools.provenance import describe  # noqa: E402
+from actoffload.tools.provenance import describe, results_json  # noqa: E402
 
 MODES = ("none", "offload", "checkpoint", "budget")
 MiB = 1 << 20
@@ -615,7 +614,7 @@ def _rank_main(name: str, build: BuildFn, args: argparse.Namespace) -> int:
         print_table(report)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            Path(args.out).write_text(results_json(report))
             print(f"wrote {args.out}")
     # leave together: a rank tearing gloo down while another still talks to it can abort
     dist.barrier()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import statistics
 import time
@@ -187,7 +186,7 @@ def check(device: torch.device, small: bool, steps: int, log: Callable[[str], No
 
 def main(argv: list[str] | None = None) -> int:
     from .determinism import use_deterministic
-    from .provenance import describe
+    from .provenance import describe, results_json
 
     p = argparse.ArgumentParser(prog="python -m actoffload.tools.auto_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="results JSON")
@@ -199,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"env": describe(device), **check(device, args.small or device.type != "cuda", args.steps)}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(results_json(res))
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 from .arguments import BenchOptions
 from .determinism import set_cublas_workspace, use_deterministic
 from .models import GPTConfig
-from .provenance import describe
+from .provenance import describe, results_json
 from .workloads import (HOOK_MODES, STEP_MODES, CopyTimer, TrainingStep, copy_per_tensor, group_offloader,
                         group_round_trip, hook_offloader, make_stack, random_bytes, sync, tiny_op_stack)
 
@@ -345,7 +345,7 @@ def write_results(res: dict[str, Any], out_dir: Path) -> Path:
     parts += [env["commit"]] if env.get("commit") else []
     parts += ["quick"] if res.get("quick") else []
     path = out_dir / ("-".join(parts) + ".json")
-    path.write_text(json.dumps(res, indent=1, default=float))
+    path.write_text(results_json(res))
     return path
 
 

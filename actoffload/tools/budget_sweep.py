@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     from .determinism import use_deterministic
-    from .provenance import describe
+    from .provenance import describe, results_json
 
     p = argparse.ArgumentParser(prog="python -m actoffload.tools.budget_sweep")
     p.add_argument("--small", action="store_true", help="tiny workloads (the CPU always uses them)")
@@ -659,8 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                "verdicts": {r["workload"]: verdicts(r) for r in results if "error" not in r}}
         if args.out:
             with open(args.out, "w") as f:
-                # compact: results are committed, and the repository travels whole to the GPU machine
-                f.write(json.dumps(doc, separators=(",", ":"), default=float))
+                f.write(results_json(doc))
         return doc
 
     results = sweep(device, small, log=lambda s: print(s, file=sys.stderr, flush=True),

@@ -56,7 +56,6 @@ import argparse
 import collections
 import gc
 import hashlib
-import json
 import os
 import random
 import sys
@@ -902,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
     [--steps 48] [--opt-steps 20]``: 1 where a workload failed as a whole, else 0 (whatever the
     figures say)."""
     from .determinism import use_deterministic
-    from .provenance import describe
+    from .provenance import describe, results_json
 
     p = argparse.ArgumentParser(prog="python -m actoffload.tools.loop_sweep",
                                 description="Memory budgets in a variable-length loop and in gradient accumulation "
@@ -942,8 +941,7 @@ def main(argv: list[str] | None = None) -> int:
                "verdicts": {r["workload"]: verdicts(r) for r in results if "variable_length" in r}}
         if args.out:  # whole or not at all: a run stopped while writing keeps the last file
             with open(args.out + ".part", "w") as f:
-                # compact: results are committed, and the repository travels whole to the GPU machine
-                f.write(json.dumps(doc, separators=(",", ":"), default=float))
+                f.write(results_json(doc))
             os.replace(args.out + ".part", args.out)
         return doc
 
