@@ -4,8 +4,8 @@ the model promises are measured, and a step whose backward failed is dropped (CP
 is a fake the test drives, or the CPU's own)."""
 
 import collections
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -547,34 +547,6 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
-def test_controller_judges_its_plan_again_when_another_workloads_step_grew_the_shared_reserve():
-    """Two workloads (two lengths) share one allocator and one reserve: a step of the other
-    showed the allocator holding more beyond its allocated peak, so the plan this workload
-    chose, measured within the budget before, no longer fits with it; it is chosen again as this
-    workload's next step begins, not after that step went over."""
-    probe = FakeProbe()
-    reserve = AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
-    c = BudgetController(budget, CPU, probe=probe, reserve=reserve)
-    c.adopt_profile(_profile())
-    assert c.plan.key == keep_all.key
-    probe.peak_bytes = keep_all.peak
-    c.step_begins()
-    probe.advance(keep_all.step_s)
-    c.backward_ends()
-    assert c.plan.key == keep_all.key  # measured within the budget
-    probe.reserved_bytes = keep_all.peak  # the other workload's step, on this cache, grows it
-    reserve.step_begins(probe, budget)
-    assert reserve.step_ended(probe, budget, allocated_peak=keep_all.peak - 10 * MiB,
-                              reserved_peak=keep_all.peak + 50 * MiB)
-    assert reserve.bytes == 60 * MiB
-    probe.reserved_bytes = keep_all.peak + 50 * MiB
-    c.step_begins()
-    assert c.plan.key != keep_all.key
-    assert c._fits_now(c.plan)
-
-
 def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:
     """Another workload's step, beginning with ``at`` bytes reserved, grows the cache by ``by``
     bytes beyond its allocated peak of ``at``."""
@@ -594,6 +566,24 @@ def _keep_all_under(slack: int) -> tuple[FakeProbe, AllocatorReserve, BudgetCont
     c.adopt_profile(_profile())
     assert c.plan.key == keep_all.key
     return probe, reserve, c, keep_all
+
+
+def test_controller_judges_its_plan_again_when_another_workloads_step_grew_the_shared_reserve():
+    """Two workloads (two lengths) share one allocator and one reserve: a step of the other
+    showed the allocator holding more beyond its allocated peak, so the plan this workload
+    chose, measured within the budget before, no longer fits with it; it is chosen again as this
+    workload's next step begins, not after that step went over."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    c.step_begins()
+    probe.advance(keep_all.step_s)
+    c.backward_ends()
+    assert c.plan.key == keep_all.key  # measured within the budget
+    _grow_shared_reserve(probe, reserve, c.budget, 60 * MiB, keep_all.peak - 10 * MiB)
+    assert reserve.bytes == 60 * MiB
+    c.step_begins()
+    assert c.plan.key != keep_all.key
+    assert c._fits_now(c.plan)
 
 
 def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one_with_the_margins():
