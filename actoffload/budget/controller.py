@@ -876,13 +876,11 @@ class BudgetController:
         self._settle()
 
     def _fits_now(self, plan: MemoryPlan) -> bool:
-        """Whether ``plan`` fits the budget with the reserve as it is now, judged as
-        :meth:`_judged_peaks` judges it (measured where it ran, else modelled with the margins)."""
-        assert self._profile is not None
-        measured = self._peaks.get(plan.key)
-        if measured is not None:
-            return measured + self._profile.base + self._reserve.bytes <= self._budget
-        return plan.peak + self._margin + least_margin(self._budget) + self._reserve.bytes <= self._budget
+        """Whether ``plan`` fits the budget with the reserve as it is now, as :meth:`_fitting`
+        judges it (asked only when the reserve grew, so judging every candidate is no cost to
+        speak of; a plan no longer a candidate does not fit)."""
+        judged = self._judged_peaks(True)
+        return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
 
     def _judged_peaks(self, with_margins: bool) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the
