@@ -65,3 +65,12 @@ class ForcedLlama:
         self.step(plain, 0)
         self.step(plain, 1)
         return handle
+
+
+def force_every_workload(off: ao.Offloader, action: Action) -> None:
+    """Every workload's controller of ``off``'s memory budget that has a profile runs
+    ``action`` on every group (``BudgetController.force``)."""
+    for wl in off.plan.workloads.workloads:
+        c = wl.controller
+        if c.profile is not None:
+            c.force([GroupDecision(action)] * len(c.profile.groups))

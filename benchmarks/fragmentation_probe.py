@@ -33,22 +33,15 @@ from typing import Any
 
 import torch
 
-from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.actions import Action
 from actoffload.tools import loop_sweep
+from forced_llama import force_every_workload
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 MICRO = loop_sweep.MICRO_BATCHES
 # frames of these files say where in the program a block was asked for
 OURS = ("actoffload/", "loop_sweep.py", "models.py", "torch/utils/checkpoint.py", "torch/optim/")
-
-
-def _force(off: Any, action: Action) -> None:
-    """Every workload's controller seen so far runs ``action`` on every group."""
-    for wl in off.plan.workloads.workloads:
-        c = wl.controller
-        if c.profile is not None:
-            c.force([GroupDecision(action)] * len(c.profile.groups))
 
 
 def _where(frames: list[dict[str, Any]]) -> str:
@@ -141,7 +134,7 @@ def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: boo
                 g["action"] for g in off.stats()["plan"].get("groups", []))))
             print(f"  step {k}: reserved/allocated GiB per micro-batch {', '.join(peaks)} {ran}")
             if off is not None and action is not None and k < steps - 2:
-                _force(off, action)
+                force_every_workload(off, action)
                 if cuda:  # the cache the plans before it built (keeping everything, say) is not its own
                     torch.cuda.empty_cache()
             if cuda and k == steps - 1:

@@ -29,8 +29,9 @@ import torch
 import torch.utils.checkpoint
 
 import actoffload as ao
-from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.actions import Action
 from actoffload.budget.controller import PROFILE_STEPS
+from forced_llama import force_every_workload
 
 
 class Block(torch.nn.Module):
@@ -83,8 +84,7 @@ def main() -> int:
         handle = ao.wrap(blocks, off)
         for _ in range(PROFILE_STEPS + 1):
             _step(blocks, x, False)
-        for wl in off.plan.workloads.workloads:
-            wl.controller.force([GroupDecision(action)] * len(blocks))
+        force_every_workload(off, action)
         _step(blocks, x, False)  # the forced plan's first step, unrecorded
         handle.remove()
 
