@@ -136,6 +136,11 @@ class Engine(Generic[GroupT, MovedT]):
         """``(in_use, pooled)`` host bytes."""
         raise NotImplementedError
 
+    def host_allocations(self) -> int | None:
+        """Host buffers this offloader has allocated so far, or ``None`` where it does not count
+        them: a plan's step that allocated none (pinned none) ran at its own pace."""
+        return None
+
     # ------------------------------------------------------------------ for plans
     def reserve_host_blocks(self, span_bytes: list[int]) -> Callable[[], None]:
         """Get host memory ready, ahead of time, for a commit that will move spans of these

@@ -589,6 +589,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _host_bytes(self) -> tuple[int, int]:
         return self._pool.in_use, self._pool.pooled
 
+    def host_allocations(self) -> int:
+        return self._pool.allocations
+
     def _stats(self) -> dict[str, Any]:
         return {**super()._stats(), "host_allocations": self._pool.allocations, "packer": self._packer.name,
                 "pack_below": self.pack_below, "copies": dict(self.counters)}

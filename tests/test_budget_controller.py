@@ -50,6 +50,7 @@ class FakeProbe:
         self.pending = False  # marks made now are not reached yet
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
+        self.host_count: int | None = None
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -88,6 +89,9 @@ class FakeProbe:
 
     def bandwidth(self) -> tuple[float, float]:
         return 20e9, 20e9
+
+    def host_allocations(self) -> int | None:
+        return self.host_count  # None: not counted (a plan's first step is then never timed)
 
 
 def _profile() -> Profile:
@@ -394,6 +398,34 @@ def test_controller_is_settled_once_its_plan_is_measured_and_nothing_is_left_to_
     probe.allocated_bytes = BASE + 64 * MiB
     c.step_begins()  # profiling again
     assert not c.settled and not c.stats()["settled"]
+
+
+def _steps_until_measured(pinned: bool, grew: bool) -> int:
+    """Steps of the first plan until its time is measured, its first step pinning host memory
+    or growing the cache as said."""
+    probe = FakeProbe()
+    probe.host_count = 0
+    c = _controller(1 << 40, probe=probe)
+    first = c.plan
+    for n in range(1, 3 * TIMINGS):
+        c.step_begins()
+        probe.host_count += pinned and n == 1
+        probe.cached_bytes = BASE + 64 * MiB if grew and n == 1 else 0  # over what was reserved as it began
+        probe.advance(first.step_s)
+        c.backward_ends()
+        probe.cached_bytes = 0
+        if _measured(c)[first.key].step_s is not None:
+            return n
+    raise AssertionError("never measured")
+
+
+def test_controller_times_a_plans_first_step_where_it_pinned_nothing_and_grew_no_cache():
+    """A plan's first step is left out of its timing where it pinned host memory or grew the
+    allocator's cache (not its pace); where it did neither, it is timed like the steps after,
+    and the plan is measured a step sooner."""
+    assert _steps_until_measured(pinned=False, grew=False) == TIMINGS
+    assert _steps_until_measured(pinned=True, grew=False) == TIMINGS + 1
+    assert _steps_until_measured(pinned=False, grew=True) == TIMINGS + 1
 
 
 def test_controller_a_step_whose_backward_failed_is_dropped(monkeypatch):
@@ -849,3 +881,20 @@ def test_controller_a_budget_too_small_is_not_planned_again_at_every_step():
     spent = c.stats()["planning_s"]
     _run(c, 5, lambda p: p.step_s)
     assert c.stats()["planning_s"] == spent and c.stats()["budget_too_small"]
+
+
+def test_a_budgets_probe_counts_the_fast_offloaders_host_allocations():
+    """The budget's probe reads the offloader's host allocations (so that a plan's first step
+    that pinned nothing can be timed): the pinned pool's count, read as it grows."""
+    import actoffload as ao
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                       torch.nn.Linear(256, 64)) for _ in range(3)])
+    off = ao.Offloader(impl="fast", memory_budget="1MiB")
+    ao.wrap(blocks, off)
+    for _ in range(PROFILE_STEPS + 1):
+        blocks(torch.randn(32, 64)).square().mean().backward()
+    probe = off.plan.workloads.probe
+    assert probe.host_allocations() == off.stats()["host_allocations"] == off.host_allocations()
+    assert probe.host_allocations() > 0  # profiling moved the recomputed blocks' inputs out

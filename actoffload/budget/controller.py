@@ -179,6 +179,7 @@ class BudgetController:
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
+        self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (not its first step)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
@@ -435,6 +436,7 @@ class BudgetController:
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
         self._step_start = self._probe.mark()
+        self._host_at_start = self._probe.host_allocations()
         self._position = 0
         self._step_backwards = 0
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
@@ -453,6 +455,13 @@ class BudgetController:
                 self._choose()
         finally:
             self._beginning = beginning
+
+    def _at_its_pace(self) -> bool:
+        """Whether the step ending, its plan's first, allocated no host memory (as counted by
+        the probe; uncounted: assumed it did) and grew no cache: then it is timed like the steps
+        after it."""
+        now = self._probe.host_allocations()
+        return now is not None and now == self._host_at_start and not self._reserve.cache_grew
 
     def _replan(self) -> None:
         """The workload changed: the plan runs to the end of this step, the next profiles."""
@@ -656,10 +665,11 @@ class BudgetController:
         key = self._step_key
         if key is None:
             return
-        # its first step pinned host memory: not its pace; once measured, choosing again at
-        # every step would cost host time for nothing; a step that found another workload is
-        # not this plan's
-        if (self._runs.get(key, 0) >= 2 and len(self._times.get(key, ())) < TIMINGS
+        # a first step that pinned host memory or grew the cache is not its plan's pace; once
+        # measured, choosing again at every step would cost host time for nothing; a step that
+        # found another workload is not this plan's
+        runs = self._runs.get(key, 0)
+        if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and len(self._times.get(key, ())) < TIMINGS
                 and self._state is not State.REPLANNING):
             if self._untimed and self._untimed[-1][1] is self._step_start:
                 self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass

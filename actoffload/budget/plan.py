@@ -87,6 +87,8 @@ class BudgetPlan(Plan):
             # the offloader's host budget bounds what a plan may move (the pool rounds each
             # block up by less than R9's 5%): a plan past it would raise HostMemoryError at every step
             self.workloads.host_cap = int(self.offloader.host_budget / HOST_ROUNDING)
+            # a plan's first step that pinned nothing is timed like any other
+            self.workloads.probe.count_host_allocations(self.offloader.host_allocations)
         return self.workloads
 
     # ------------------------------------------------------------------ a step and its workload

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +38,16 @@ class Probe:
         # the device works on while the host goes ahead: host work beside the step (planning in
         # a helper process) costs the step nothing where the host waits on the device anyway
         self.asynchronous = self.cuda
+        self._host_allocations: Callable[[], int | None] = lambda: None
+
+    def count_host_allocations(self, count: Callable[[], int | None]) -> None:
+        """Read the offloader's host allocations so far through ``count`` (:meth:`host_allocations`)."""
+        self._host_allocations = count
+
+    def host_allocations(self) -> int | None:
+        """Host buffers the offloader has allocated so far (``None``: not counted): a step
+        that pinned none ran at its plan's pace."""
+        return self._host_allocations()
 
     def allocated(self) -> int:
         return self._stat("allocated_bytes", "current")

@@ -44,6 +44,7 @@ class AllocatorReserve:
     def __init__(self) -> None:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back
+        self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
         self._start: int | None = None  # reserved when the latest step began
         self._last_peak = 0  # the latest step's reserved peak
         self._over = False  # the latest step's reserved peak is over the budget
@@ -66,6 +67,7 @@ class AllocatorReserve:
         if self._start is None:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
+        self.cache_grew = reserved_peak > self._start
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
         self.bytes = reserved_peak - allocated_peak
