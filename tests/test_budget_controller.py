@@ -644,42 +644,6 @@ def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one
     assert c.plan.key != keep_all.key  # fits without the margin, not with it
 
 
-def test_controller_judges_a_plan_by_what_its_step_reserved_on_the_cache_as_it_is():
-    """A short step grew the cache a little and set a large reserve (its reserved peak less its
-    own small allocated peak, beside blocks cached for longer steps). A plan whose step then ran
-    within the budget on that very cache is judged by what the step reserved, not by its
-    allocated peak plus the reserve; once the cache changes (a step grew it, it was given back),
-    by its allocated peak and the reserve again."""
-    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
-    budget = c.budget
-    probe.peak_bytes = keep_all.peak
-    c.step_begins()
-    probe.advance(keep_all.step_s)
-    c.backward_ends()
-    assert c.plan.key == keep_all.key
-    # another workload's short step: the cache grows to 5 MiB under the budget, 100 MiB beyond
-    # what that step allocated
-    probe.reserved_bytes = keep_all.peak
-    reserve.step_begins(probe, budget)
-    assert reserve.step_ended(probe, budget, allocated_peak=budget - 105 * MiB, reserved_peak=budget - 5 * MiB)
-    probe.reserved_bytes = budget - 5 * MiB
-    assert reserve.bytes == 100 * MiB
-    c.step_begins()  # judged again: keeping everything and the reserve no longer fit
-    plan = c.plan
-    assert plan.key != keep_all.key
-    # its step allocates far more than modelled, and the cache serves it
-    probe.peak_bytes, probe.cached_bytes = budget - 10 * MiB, 5 * MiB
-    probe.advance(plan.step_s)
-    c.backward_ends()
-    assert probe.peak_bytes + reserve.bytes > budget
-    assert c.plan.key == plan.key and c._fits_now(plan)  # what it reserved on this cache fits
-    generation = reserve.generation
-    reserve.step_begins(probe, budget)
-    assert not reserve.step_ended(probe, budget, allocated_peak=budget - 50 * MiB, reserved_peak=budget - 4 * MiB)
-    assert reserve.generation == generation + 1  # it grew the cache (by a MiB) and not the reserve
-    assert not c._fits_now(plan)
-
-
 def test_controller_a_reserve_grown_past_every_plan_raises_at_the_step_begin_then_runs_the_least_memory():
     """Another workload's step grew the shared reserve past what any plan leaves room for: the
     step begin raises BudgetTooSmall, and the step begun again runs the least-memory plan (not

@@ -179,8 +179,6 @@ class BudgetController:
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
-        # plan -> (the cache's generation, its latest step's reserved peak on that cache)
-        self._served: dict[PlanKey, tuple[int, int]] = {}
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (not its first step)
@@ -355,7 +353,6 @@ class BudgetController:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
-        self._served = {}
         self._kept_first, self._host_of, self._host_bound = {}, {}, None
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
@@ -680,7 +677,6 @@ class BudgetController:
                 self._untimed.append((key, self._step_start, now))
         before = self._peaks.get(key)
         self._peaks[key] = max(before or 0, self.measured_peak - self._profile.base)
-        self._served[key] = (self._reserve.generation, self.measured_reserved_peak)
         if not self._several_backwards and self._measurement_pending():
             # the step that completes the plan's measurement: waited for here (once a plan, the
             # host then issues the next step's work behind the device), so that the next step
@@ -691,7 +687,7 @@ class BudgetController:
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
             self._margin += overshoot_margin(self._budget, self.measured_peak)
             self._choose()
-        elif (grew or self._peaks[key] != before) and self._judged_measured(key) > self._budget:
+        elif (grew or self._peaks[key] != before) and self.measured_peak + self._reserve.bytes > self._budget:
             self._choose()  # with what the allocator adds, it no longer fits (it did when chosen)
 
     # ------------------------------------------------------------------ planning
@@ -908,20 +904,10 @@ class BudgetController:
             self._index = {}
             for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
                 self._index.setdefault(p.key, []).append(i)
-        for key in self._peaks:
+        for key, peak in self._peaks.items():
             for i in self._index.get(key, ()):
-                out[i] = self._judged_measured(key)
+                out[i] = peak + base + reserve
         return out
-
-    def _judged_measured(self, key: PlanKey) -> int:
-        """A plan that ran, as the allocator will reserve it: its measured allocated peak and
-        the reserve, or, where less, what its latest step reserved on the cache as it is now
-        (of the same generation: nothing grew it or gave it back since), which the next step of
-        the plan finds again (:mod:`~.reserve`)."""
-        assert self._profile is not None
-        judged = self._peaks[key] + self._profile.base + self._reserve.bytes
-        generation, reserved = self._served.get(key, (-1, judged))
-        return min(judged, reserved) if generation == self._reserve.generation else judged
 
     def _judged(self, with_margins: bool) -> list[MemoryPlan]:
         """The candidates with their peaks as :meth:`_judged_peaks` gives them."""

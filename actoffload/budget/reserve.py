@@ -8,16 +8,9 @@ step's requests could not reuse (freed blocks of other sizes, split blocks too s
 That difference is measured, not modelled: after a step whose reserved peak grew beyond what
 was reserved when it began (its cache did not serve it), its reserved peak less its allocated
 peak. The most seen is the **reserve**, added to every plan's peak before it is judged against
-the budget. A step its cache served says nothing new about the reserve; it says what that plan
-reserves on this cache. The cache's **generation** counts the changes of what it holds (a step
-that grew it, a give-back): a plan whose step ran on the cache of this generation is judged by
-that step's reserved peak where that is less than its allocated peak and the reserve (a short
-step that grew the cache a few MiB sets the reserve from its own small allocated peak, beside
-blocks cached for longer steps, which every plan would otherwise be charged again).
-
-The cache a training loop builds over its first steps serves the steps after (a cache warmed by
-every length serves them all), so it is kept: emptying it would make the next steps build it
-again, each growing it its own way.
+the budget. A step its cache served says nothing new. The cache a training loop builds over its
+first steps serves the steps after (a cache warmed by every length serves them all), so it is
+kept: emptying it would make the next steps build it again, each growing it its own way.
 
 It is given back to the device (``torch.cuda.empty_cache``) only where what it holds is not the
 loop's: before the first step (a loader's blocks), and before a step that begins with more
@@ -52,7 +45,6 @@ class AllocatorReserve:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back
         self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
-        self.generation = 0  # changes of what the cache holds: steps that grew it, give-backs
         self._start: int | None = None  # reserved when the latest step began
         self._last_peak = 0  # the latest step's reserved peak
         self._over = False  # the latest step's reserved peak is over the budget
@@ -76,7 +68,6 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
-        self.generation += self.cache_grew
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
         self.bytes = reserved_peak - allocated_peak
@@ -91,5 +82,4 @@ class AllocatorReserve:
     def _give_back(self, probe: Any) -> None:
         probe.trim()
         self.trims += 1
-        self.generation += 1
         self._trimmed = True
