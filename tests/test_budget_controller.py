@@ -197,6 +197,25 @@ def test_controller_a_measured_plan_the_model_cannot_beat_stays():
     assert c.plan.key == keep.key and c.settled and list(_measured(c)) == [keep.key]
 
 
+def test_controller_a_plan_that_ran_as_modelled_is_not_followed_by_plans_the_model_rates_alike():
+    """The plan measured ran 3% over its model (within the calibration's slack), moving no
+    bytes: a plan the model rates alike to it (within the tie) is no faster, so none is tried,
+    though its modelled time is under the measured one; one that ran 10x its model is followed."""
+    keep = _controller(1 << 40).plan
+    c = _controller(keep.peak - 1, probe=FakeProbe())
+    first = c.plan
+    assert not moves_bytes(c.profile, first.groups)
+    alike_faster = [p for p in c.plans if p.key != first.key and p.peak + c.margin <= c.budget
+                    and first.step_s <= p.step_s < 1.03 * first.step_s]
+    assert alike_faster  # what the measured time alone would have tried
+    _run(c, TIMINGS + 4, lambda p: 1.03 * p.step_s)
+    assert c.settled and list(_measured(c)) == [first.key]
+
+    c = _controller(keep.peak - 1, probe=FakeProbe())
+    _run(c, TIMINGS + 4, lambda p: 10 * p.step_s)
+    assert len(_measured(c)) > 1
+
+
 def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_modelled_bus():
     c = _controller(1 << 40, probe=FakeProbe())
     mover = next(p for p in c.plans if any(d.action is Action.OFFLOAD for d in p.groups))

@@ -285,7 +285,8 @@ def test_a_planning_process_that_cannot_start_leaves_planning_in_the_training_pr
 
 def test_answers_to_a_calibrations_requests_grant_no_more_tries(monkeypatch):
     """Each calibration asks the planning process again: its answer replaces the candidates,
-    and tries no more plans than a controller searching by itself (it settles as soon)."""
+    and tries no more plans than a controller searching by itself; it settles as soon, or, where
+    the calibration's answer is the last thing to wait for, the one step later that it comes."""
     from actoffload.budget.costmodel import moves_bytes
 
     profile = _big_profile(8)
@@ -306,7 +307,9 @@ def test_answers_to_a_calibrations_requests_grant_no_more_tries(monkeypatch):
             _run(c, 1, seconds)
             settled_at = settled_at or (step if c.settled else None)
         runs.append((len(c.measured_plans()), settled_at, c._calibrated))
-    assert runs[0] == runs[1] and runs[0][2] > 0  # (calibrated: its requests were asked again)
+    (tried, settled, calibrated), (tried_async, settled_async, calibrated_async) = runs
+    assert (tried, calibrated) == (tried_async, calibrated_async) and calibrated > 0  # its requests were asked again
+    assert settled <= settled_async <= settled + 1  # the answer comes a step after its request
 
 
 def test_a_predicted_workload_is_refused_only_where_the_whole_search_fits_nothing(monkeypatch):

@@ -62,7 +62,7 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import base_tolerance, least_margin, new_workload, overshoot_margin
+from .tolerances import alike, base_tolerance, least_margin, new_workload, off_model, overshoot_margin
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -1000,7 +1000,7 @@ class BudgetController:
             still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
             still = search.fastest(profile, still_plans) if still_plans else None
         for p in itertools.chain((first,), (still,) if still is not None else (), by_model):
-            if self._timed(p) or (p is not still and best is not None and p.step_s >= self._time_of(best)):
+            if self._timed(p) or (p is not still and best is not None and not self._promises(p, best)):
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond its first choice, but the one that moves
             # nothing: its bus was modelled from another workload's (on an H200 a 1536-token
@@ -1010,6 +1010,19 @@ class BudgetController:
                 return p
             break
         return best if best is not None else first
+
+    def _promises(self, plan: MemoryPlan, best: MemoryPlan) -> bool:
+        """Whether the model rates ``plan`` faster than ``best``, the fastest measured: than its
+        measured time where ``best`` moves bytes or ran off its model (a cost the model missed,
+        the bus's or another, which a plan may escape); else, ``best`` having run as modelled
+        within noise, than its modelled time beyond the tie: a plan the model rates alike to it
+        is no faster (on an H200 a d4096 plan modelled at 376 ms ran 385, and two plans modelled
+        alike to it were tried for six steps, to run 384 and 385)."""
+        assert self._profile is not None
+        measured = self._time_of(best)
+        if moves_bytes(self._profile, best.groups) or off_model(measured, best.step_s):
+            return plan.step_s < measured
+        return not alike(plan.step_s, best.step_s)
 
     def _timed(self, plan: MemoryPlan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed."""

@@ -1,0 +1,152 @@
+"""How many steps a fixed-shape budget takes to settle, replayed on the CPU from a GPU sweep's
+results (a diagnostic, not a test): for each budget cell of ``budget_sweep`` JSON files, a
+controller adopts the profile the cell ended with, under the cell's budget, with the allocator's
+share its profiling steps showed, and runs steps that take each plan's modelled time (times
+``--factor``) and allocate its modelled peak. Where ``--sleep`` (the default), each step lasts
+that long on the host's clock too, and the planning process answers as it would beside a GPU's
+steps. It prints the steps until the plan settled (profiling's two counted, as the sweep counts
+them) beside what the GPU run took.
+
+    PYTHONPATH=. python benchmarks/settle_replay.py benchmarks/results/*-9aa3e0b-budget-sweep-d4096.json
+
+A replay knows only the model: its steps run as modelled (times a constant), so a plan tried
+never turns out faster than the model said. It counts the steps the rules for trying plans
+spend; whether trying fewer loses speed, only a GPU run says. The profile a cell ended with was
+calibrated by its own steps, so the first plans a replay chooses may differ from the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actoffload.budget.controller import PROFILE_STEPS, BudgetController
+from actoffload.budget.costmodel import GroupProfile, Profile, Whole
+from actoffload.budget.search import BudgetTooSmall
+
+
+class _Mark:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def query(self) -> bool:
+        return True
+
+
+class ReplayProbe:
+    """A device whose steps take what the replay says, with a cache that holds ``share`` bytes
+    beyond every step's allocated peak and keeps what it grew to."""
+
+    cuda = True
+    asynchronous = True  # the planning process answers beside the steps, as on a GPU
+
+    def __init__(self, base: int, share: int, bandwidth: float) -> None:
+        self.now = 0.0
+        self.base, self.share, self._bandwidth = base, share, bandwidth
+        self.peak_bytes = base
+        self.cache = base + share
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def mark(self) -> _Mark:
+        return _Mark(self.now)
+
+    def seconds(self, start: _Mark, end: _Mark) -> float:
+        return end.t - start.t
+
+    def allocated(self) -> int:
+        return self.base
+
+    def peak(self) -> int:
+        return self.peak_bytes
+
+    def peak_reserved(self) -> int:
+        return max(self.cache, self.peak_bytes + self.share)
+
+    def reserved(self) -> int:
+        return self.cache
+
+    def trim(self) -> None:
+        self.cache = self.base
+
+    def reset_peak(self) -> None:
+        pass
+
+    def host_clock(self) -> None:
+        return None
+
+    def bandwidth(self) -> tuple[float, float]:
+        return self._bandwidth, self._bandwidth
+
+    def host_allocations(self) -> int:
+        return 0
+
+
+def profile_of(stats: dict[str, Any]) -> Profile:
+    """The :class:`Profile` a cell's ``stats()["plan"]["profile"]`` describes."""
+    groups = []
+    for g in stats["groups"]:
+        g = dict(g)
+        for key in ("spans", "costly", "dispatch_host_s"):
+            if g.get(key) is not None:
+                g[key] = tuple(g[key])
+        groups.append(GroupProfile(**g))
+    return Profile(tuple(groups), stats["base"], stats["outside_s"], stats["d2h_bps"], stats["h2d_bps"],
+                   stats["outside_extra"], tuple(Whole(**w) for w in stats["wholes"]))
+
+
+def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, most: int = 30) -> int | str:
+    """Steps until the plan of one budget cell (a ``fast_budget`` entry of a sweep) settled,
+    profiling's counted; or why it did not.
+
+    Example::
+
+        cell = next(b for b in sweep["workloads"][0]["budgets"] if b["method"] == "fast_budget")
+        replay(cell, sleep=False)   # 8, say
+    """
+    profile = profile_of(cell["plan"]["profile"])
+    first = cell["early_steps"][0]
+    probe = ReplayProbe(profile.base, first["reserved_peak_bytes"] - first["peak_bytes"], profile.d2h_bps)
+    controller = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
+    try:
+        controller.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
+        for step in range(most):
+            controller.step_begins()
+            seconds = controller.plan.step_s * factor
+            probe.peak_bytes = controller.plan.peak
+            if sleep:
+                time.sleep(seconds)
+            probe.advance(seconds)
+            controller.backward_ends()
+            probe.cache = probe.peak_reserved()
+            if controller.settled:
+                return PROFILE_STEPS + step + 1
+    except BudgetTooSmall:
+        return "BudgetTooSmall"
+    return f"not settled in {most}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweeps", nargs="+", type=Path, help="budget_sweep JSON files")
+    parser.add_argument("--factor", type=float, default=1.02, help="steps take their modelled time times this")
+    parser.add_argument("--no-sleep", dest="sleep", action="store_false",
+                        help="steps take no host time (the planning process then answers later, in steps)")
+    args = parser.parse_args()
+    for path in args.sweeps:
+        sweep = json.loads(path.read_text())
+        for workload in sweep["workloads"]:
+            cells = [b for b in workload["budgets"] if b.get("method") == "fast_budget"]
+            replayed = [replay(c, args.factor, args.sleep) for c in cells]
+            gpu = sweep["verdicts"][workload["workload"]].get("budget_steps_to_settle")
+            print(f"{workload['workload']:10s} replayed {replayed}  on the GPU {gpu}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
