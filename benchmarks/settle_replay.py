@@ -1,11 +1,13 @@
 """How many steps a fixed-shape budget takes to settle, replayed on the CPU from a GPU sweep's
 results (a diagnostic, not a test): for each budget cell of ``budget_sweep`` JSON files, a
 controller adopts the profile the cell ended with, under the cell's budget, with the allocator's
-share its profiling steps showed, and runs steps that take each plan's modelled time (times
-``--factor``) and allocate its modelled peak. Where ``--sleep`` (the default), each step lasts
-that long on the host's clock too, and the planning process answers as it would beside a GPU's
-steps. It prints the steps until the plan settled (profiling's two counted, as the sweep counts
-them) beside what the GPU run took.
+share its profiling steps showed as its reserve, and runs steps that take each plan's modelled
+time (times ``--factor``) and allocate its modelled peak. Each step lasts that long on the host's
+clock too (unless ``--no-sleep``), and the planning process answers as it would beside a GPU's
+steps. A plan's first step pins no host memory, or with ``--pin`` every plan's first step does
+(the sweep records no count: on a GPU a plan moving spans of sizes its pool has not held pins).
+It prints the steps until the plan settled (profiling's two counted, as the sweep counts them)
+beside what the GPU run took.
 
     PYTHONPATH=. python benchmarks/settle_replay.py benchmarks/results/*-9aa3e0b-budget-sweep-d4096.json
 
@@ -50,6 +52,7 @@ class ReplayProbe:
         self.base, self.share, self._bandwidth = base, share, bandwidth
         self.peak_bytes = base
         self.cache = base + share
+        self.pinned = 0  # host allocations so far
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -85,7 +88,7 @@ class ReplayProbe:
         return self._bandwidth, self._bandwidth
 
     def host_allocations(self) -> int:
-        return 0
+        return self.pinned
 
 
 def profile_of(stats: dict[str, Any]) -> Profile:
@@ -101,23 +104,33 @@ def profile_of(stats: dict[str, Any]) -> Profile:
                    stats["outside_extra"], tuple(Whole(**w) for w in stats["wholes"]))
 
 
-def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, most: int = 30) -> int | str:
+def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, pin: bool = False,
+           most: int = 30) -> int | str:
     """Steps until the plan of one budget cell (a ``fast_budget`` entry of a sweep) settled,
-    profiling's counted; or why it did not.
+    profiling's counted; or why it did not. ``pin``: every plan's first step pins host memory.
 
     Example::
 
         cell = next(b for b in sweep["workloads"][0]["budgets"] if b["method"] == "fast_budget")
         replay(cell, sleep=False)   # 8, say
     """
-    profile = profile_of(cell["plan"]["profile"])
-    first = cell["early_steps"][0]
-    probe = ReplayProbe(profile.base, first["reserved_peak_bytes"] - first["peak_bytes"], profile.d2h_bps)
+    try:
+        profile = profile_of(cell["plan"]["profile"])
+        first = cell["early_steps"][0]
+    except (KeyError, TypeError) as e:
+        return f"not replayable: no {e} in this sweep's cell"
+    share = first["reserved_peak_bytes"] - first["peak_bytes"]
+    probe = ReplayProbe(profile.base, share, profile.d2h_bps)
     controller = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
+    controller.reserve.bytes = share  # as the profiling steps measured it, before the plan is chosen
+    ran: set[Any] = set()
     try:
         controller.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
         for step in range(most):
             controller.step_begins()
+            if pin and controller.plan.key not in ran:
+                ran.add(controller.plan.key)
+                probe.pinned += 1
             seconds = controller.plan.step_s * factor
             probe.peak_bytes = controller.plan.peak
             if sleep:
@@ -138,12 +151,13 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=1.02, help="steps take their modelled time times this")
     parser.add_argument("--no-sleep", dest="sleep", action="store_false",
                         help="steps take no host time (the planning process then answers later, in steps)")
+    parser.add_argument("--pin", action="store_true", help="every plan's first step pins host memory")
     args = parser.parse_args()
     for path in args.sweeps:
         sweep = json.loads(path.read_text())
         for workload in sweep["workloads"]:
             cells = [b for b in workload["budgets"] if b.get("method") == "fast_budget"]
-            replayed = [replay(c, args.factor, args.sleep) for c in cells]
+            replayed = [replay(c, args.factor, args.sleep, args.pin) for c in cells]
             gpu = sweep["verdicts"][workload["workload"]].get("budget_steps_to_settle")
             print(f"{workload['workload']:10s} replayed {replayed}  on the GPU {gpu}", flush=True)
 

@@ -100,6 +100,14 @@ def _profile() -> Profile:
     return Profile((g,) * 4, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
 
 
+def _big_profile(n: int) -> Profile:
+    """``n`` groups of unequal spans and forward times: many candidate plans."""
+    groups = tuple(GroupProfile(f"layers.{i}", spans=tuple((64 + i + k) * MiB for k in range(4)), kept=0,
+                                inputs=8 * MiB, forward_s=1e-3 * (1 + i % 3), backward_s=2e-3,
+                                forward_extra=16 * MiB, backward_extra=16 * MiB) for i in range(n))
+    return Profile(groups, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+
+
 def _controller(budget: int, profiled_peak: int | None = None, probe: FakeProbe | None = None,
                 profile: Profile | None = None) -> BudgetController:
     """A controller planned over ``profile`` (four equal groups); ``profiled_peak``: the
@@ -214,6 +222,60 @@ def test_controller_a_plan_that_ran_as_modelled_is_not_followed_by_plans_the_mod
     c = _controller(keep.peak - 1, probe=FakeProbe())
     _run(c, TIMINGS + 4, lambda p: 10 * p.step_s)
     assert len(_measured(c)) > 1
+
+
+def test_controller_tries_the_plan_moving_nothing_before_a_new_first_choice_that_moves_bytes():
+    """The plan measured first moves bytes and ran 6% over its model: the bus is calibrated, and
+    the model's first choice becomes another plan that moves bytes, not yet run. The fastest plan
+    moving nothing (checkpointing by hand) is tried before it, as the one more try."""
+    profile = _big_profile(12)
+    plans = _controller(1 << 40, profile=profile).plans
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    probe = FakeProbe()
+    probe.host_count = 0
+    c = _controller(least + (most - least) * 7 // 24 + 4 * MiB, probe=probe, profile=profile)
+    modelled = {p.key: p.step_s for p in c.plans}  # as first modelled: the step times the test's device runs
+    assert moves_bytes(profile, c.plan.groups)
+    _run(c, 20, lambda p: modelled[p.key] * (1.06 if moves_bytes(profile, p.groups) else 0.97))
+    assert c._calibrated and c.settled
+    assert any(not moves_bytes(profile, m.plan.groups) for m in c.measured_plans())
+    assert not moves_bytes(profile, c.plan.groups)  # it ran faster than the plan moving bytes
+
+
+def test_controller_times_a_plans_first_step_only_where_none_of_its_backward_passes_pinned_or_grew():
+    """A step of two backward passes (two micro-batches): the plan's first step is timed where
+    neither pinned host memory nor grew the cache, to the end of its last backward pass; where
+    the second pinned or grew, not at all (not its first backward pass's part either)."""
+    for second in (None, "pinned", "grew"):
+        probe = FakeProbe()
+        probe.host_count = 0
+        c = _controller(1 << 40, probe=probe)
+        first = c.plan
+        for step in range(TIMINGS):
+            c.step_begins()
+            probe.advance(1.0)
+            c.backward_ends()
+            if step == 0 and second == "pinned":
+                probe.host_count += 1
+            if step == 0 and second == "grew":
+                probe.cached_bytes = BASE + 64 * MiB  # past what was reserved as the step began
+            probe.advance(1.0)
+            c.backward_ends()
+            probe.cached_bytes = 0
+        c.step_begins()  # the latest step's time is read as the next begins
+        assert c._times[first.key] == [2.0] * (TIMINGS if second is None else TIMINGS - 1), second
+
+
+def test_controller_takes_a_probe_of_ones_own_that_does_not_count_host_allocations():
+    """A probe without ``host_allocations`` (the method came later): steps run, and a plan's
+    first step is not timed (its host allocations are not known)."""
+
+    class Uncounted(FakeProbe):
+        host_allocations = None  # type: ignore[assignment]
+
+    c = _controller(1 << 40, probe=Uncounted())
+    _run(c, TIMINGS + 1, lambda p: p.step_s)
+    assert c.settled
 
 
 def test_controller_a_step_that_moved_bytes_slower_than_modelled_slows_the_modelled_bus():

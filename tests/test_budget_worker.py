@@ -15,7 +15,7 @@ from actoffload.budget import controller as controller_module
 from actoffload.budget import search
 from actoffload.budget import worker as planning
 from actoffload.budget.controller import BudgetController, BudgetTooSmall, State
-from test_budget_controller import BASE, CPU, MiB, FakeProbe, _profile, _run
+from test_budget_controller import BASE, CPU, MiB, FakeProbe, _big_profile, _profile, _run
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the planning process waits on its pipe with select")
 
@@ -68,15 +68,6 @@ def test_the_planning_process_does_not_import_torch():
     out = subprocess.run([sys.executable, "-I", "-c", check, "0"], input=pickle.dumps((sys.path, "actoffload", package)),
                          capture_output=True, check=True, timeout=60)
     assert out.stdout.split() == [b"False", b"True"]
-
-
-def _big_profile(n):
-    from actoffload.budget.costmodel import GroupProfile, Profile
-
-    groups = tuple(GroupProfile(f"layers.{i}", spans=tuple((64 + i + k) * MiB for k in range(4)), kept=0,
-                                inputs=8 * MiB, forward_s=1e-3 * (1 + i % 3), backward_s=2e-3,
-                                forward_extra=16 * MiB, backward_extra=16 * MiB) for i in range(n))
-    return Profile(groups, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
 
 
 def test_asking_never_waits_for_the_process_whatever_the_answers_size(worker):

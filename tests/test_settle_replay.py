@@ -30,3 +30,15 @@ def test_a_cell_replayed_settles_and_counts_its_profiling_steps(cells, monkeypat
     monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)  # planning in this process: no helper to start
     steps = settle_replay.replay(cells[1], sleep=False)
     assert isinstance(steps, int) and settle_replay.PROFILE_STEPS < steps <= 10
+
+
+def test_a_replay_whose_plans_pin_host_memory_in_their_first_step_still_settles(cells, monkeypatch):
+    monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)
+    unpinned = settle_replay.replay(cells[1], sleep=False)
+    pinned = settle_replay.replay(cells[1], sleep=False, pin=True)
+    assert isinstance(pinned, int) and pinned >= unpinned  # a first step that pinned is not timed
+
+
+def test_a_cell_of_an_older_sweep_says_why_it_cannot_be_replayed(cells):
+    cell = dict(cells[1], plan={k: v for k, v in cells[1]["plan"].items() if k != "profile"})
+    assert settle_replay.replay(cell, sleep=False).startswith("not replayable")

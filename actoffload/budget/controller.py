@@ -66,7 +66,7 @@ from .tolerances import alike, base_tolerance, least_margin, new_workload, off_m
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
-TIMINGS = 3  # timed steps that measure a plan (after its first, which pins host memory)
+TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 
 __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_STEPS", "EXPLORE", "TIMINGS",
@@ -181,7 +181,7 @@ class BudgetController:
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
-        self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (not its first step)
+        self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (its first: see _at_its_pace)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
@@ -436,7 +436,7 @@ class BudgetController:
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
         self._step_start = self._probe.mark()
-        self._host_at_start = self._probe.host_allocations()
+        self._host_at_start = self._host_allocations()
         self._position = 0
         self._step_backwards = 0
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
@@ -460,8 +460,14 @@ class BudgetController:
         """Whether the step ending, its plan's first, allocated no host memory (as counted by
         the probe; uncounted: assumed it did) and grew no cache: then it is timed like the steps
         after it."""
-        now = self._probe.host_allocations()
+        now = self._host_allocations()
         return now is not None and now == self._host_at_start and not self._reserve.cache_grew
+
+    def _host_allocations(self) -> int | None:
+        """The probe's count of the offloader's host allocations (a probe of one's own without
+        the count: not counted)."""
+        count = getattr(self._probe, "host_allocations", None)
+        return None if count is None else count()
 
     def _replan(self) -> None:
         """The workload changed: the plan runs to the end of this step, the next profiles."""
@@ -669,12 +675,15 @@ class BudgetController:
         # measured, choosing again at every step would cost host time for nothing; a step that
         # found another workload is not this plan's
         runs = self._runs.get(key, 0)
+        this_step = bool(self._untimed) and self._untimed[-1][1] is self._step_start
         if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and len(self._times.get(key, ())) < TIMINGS
                 and self._state is not State.REPLANNING):
-            if self._untimed and self._untimed[-1][1] is self._step_start:
+            if this_step:
                 self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass
             else:
                 self._untimed.append((key, self._step_start, now))
+        elif this_step and runs == 1:
+            self._untimed.pop()  # a later backward pass of its first step pinned or grew: not its pace
         before = self._peaks.get(key)
         self._peaks[key] = max(before or 0, self.measured_peak - self._profile.base)
         if not self._several_backwards and self._measurement_pending():
@@ -982,10 +991,11 @@ class BudgetController:
     def _fastest(self, fitting: list[MemoryPlan]) -> MemoryPlan:
         """Among plans that fit: the fastest measured one, unless one more may run (at most
         ``EXPLORE`` beyond the model's first choice (none for a predicted profile, but the plan
-        that moves nothing, below), each ``TIMINGS`` + 1 steps: its first pins
-        host memory). First, where the fastest measured plan moves bytes, the fastest plan
-        that moves none (what checkpointing by hand gives): the bus and recomputation are both
-        modelled from the profiling steps, and an error in either must not keep the slower.
+        that moves nothing, below), each ``TIMINGS`` steps, or one more where its first pinned
+        host memory or grew the cache). First, where the fastest measured plan moves bytes, the
+        fastest plan that moves none (what checkpointing by hand gives), unless the model's first
+        choice is being measured: the bus and recomputation are both modelled from the profiling
+        steps, and an error in either must not keep the slower.
         Then a plan the model rates faster than the fastest measured. The model misses costs
         it cannot see (hooks, packing, contention, a step that waits on the host); measuring
         finds them, and few tries keep the first steps few."""
@@ -999,7 +1009,10 @@ class BudgetController:
         if best is not None and moves_bytes(profile, best.groups):
             still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
             still = search.fastest(profile, still_plans) if still_plans else None
-        for p in itertools.chain((first,), (still,) if still is not None else (), by_model):
+        # the plan moving nothing before a first choice not yet run (a calibration may make
+        # another plan that moves bytes the first choice), after one being measured
+        ahead = (first, still) if still is None or first.key in self._runs else (still, first)
+        for p in itertools.chain((q for q in ahead if q is not None), by_model):
             if self._timed(p) or (p is not still and best is not None and not self._promises(p, best)):
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond its first choice, but the one that moves
