@@ -996,7 +996,7 @@ class BudgetController:
         fastest plan that moves none (what checkpointing by hand gives), unless the model's first
         choice is being measured: the bus and recomputation are both modelled from the profiling
         steps, and an error in either must not keep the slower.
-        Then a plan the model rates faster than the fastest measured. The model misses costs
+        Then a plan the model rates faster than the fastest measured (:meth:`_promises`). The model misses costs
         it cannot see (hooks, packing, contention, a step that waits on the host); measuring
         finds them, and few tries keep the first steps few."""
         assert self._profile is not None
