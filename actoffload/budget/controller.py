@@ -945,10 +945,7 @@ class BudgetController:
             if p.key in self._peaks:  # it ran a step to its end: its commits had their host memory
                 out.append(p)
                 continue
-            held = self._host_of.get(p.key)
-            if held is None:
-                held = self._host_of[p.key] = costmodel.host_bytes(profile, p.groups)
-            if held <= cap:
+            if self._moved(p) <= cap:
                 out.append(p)
         return out
 
@@ -1026,16 +1023,25 @@ class BudgetController:
 
     def _promises(self, plan: MemoryPlan, best: MemoryPlan) -> bool:
         """Whether the model rates ``plan`` faster than ``best``, the fastest measured: than its
-        measured time where ``best`` moves bytes or ran off its model (a cost the model missed,
-        the bus's or another, which a plan may escape); else, ``best`` having run as modelled
-        within noise, than its modelled time beyond the tie: a plan the model rates alike to it
-        is no faster (on an H200 a d4096 plan modelled at 376 ms ran 385, and two plans modelled
-        alike to it were tried for six steps, to run 384 and 385)."""
+        measured time where ``best`` ran off its model (a cost the model missed, which a plan
+        may escape), or where ``best`` moves bytes and ``plan`` moves fewer (what it took beyond
+        its model may be the bus's); else than its modelled time, beyond the tie: ``best`` ran as
+        modelled within noise, and a plan the model rates alike to it is no faster (on an H200 a
+        d4096 plan modelled at 376 ms ran 385, and two plans modelled alike to it were tried for
+        six steps, to run 384 and 385)."""
         assert self._profile is not None
         measured = self._time_of(best)
-        if moves_bytes(self._profile, best.groups) or off_model(measured, best.step_s):
+        if off_model(measured, best.step_s) or self._moved(plan) < self._moved(best):
             return plan.step_s < measured
         return not alike(plan.step_s, best.step_s)
+
+    def _moved(self, plan: MemoryPlan) -> int:
+        """The bytes a plan moves to host memory (:func:`~.costmodel.host_bytes`), worked out once."""
+        assert self._profile is not None
+        held = self._host_of.get(plan.key)
+        if held is None:
+            held = self._host_of[plan.key] = costmodel.host_bytes(self._profile, plan.groups)
+        return held
 
     def _timed(self, plan: MemoryPlan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed."""
