@@ -1023,17 +1023,18 @@ class BudgetController:
 
     def _promises(self, plan: MemoryPlan, best: MemoryPlan) -> bool:
         """Whether the model rates ``plan`` faster than ``best``, the fastest measured: than its
-        measured time where ``best`` ran off its model (a cost the model missed, which a plan
-        may escape), or where ``best`` moves bytes and ``plan`` moves fewer (what it took beyond
-        its model may be the bus's); else than its modelled time, beyond the tie: ``best`` ran as
-        modelled within noise, and a plan the model rates alike to it is no faster (on an H200 a
-        d4096 plan modelled at 376 ms ran 385, and two plans modelled alike to it were tried for
-        six steps, to run 384 and 385)."""
+        measured time where ``best`` ran off the model as it stands (a cost the model missed,
+        which a plan may escape; a calibration makes it agree), or where ``best`` moves bytes and
+        ``plan`` moves fewer (what it took beyond its model may be the bus's); else than both its
+        modelled time, beyond the tie, and its measured time: ``best`` ran as modelled within
+        noise, and a plan the model rates alike to it is no faster (on an H200 a d4096 plan
+        modelled at 376 ms ran 385, and two plans modelled alike to it were tried for six steps,
+        to run 384 and 385)."""
         assert self._profile is not None
         measured = self._time_of(best)
         if off_model(measured, best.step_s) or self._moved(plan) < self._moved(best):
             return plan.step_s < measured
-        return not alike(plan.step_s, best.step_s)
+        return not alike(plan.step_s, best.step_s) and plan.step_s < measured
 
     def _moved(self, plan: MemoryPlan) -> int:
         """The bytes a plan moves to host memory (:func:`~.costmodel.host_bytes`), worked out once."""
