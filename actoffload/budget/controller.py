@@ -368,9 +368,7 @@ class BudgetController:
         self._forced = None if groups is None else (tuple(groups), max_inflight, prefetch)
         if self._profile is not None and self._step is None:
             self._choose_before_step()  # should no plan fit, the least memory is chosen first
-            if self._raise_next is not None:  # the caller's: it may hear that no plan fits
-                message, self._raise_next = self._raise_next, None
-                raise BudgetTooSmall(message)
+            self._raise_found()  # the caller's: it may hear that no plan fits
 
     def backward_ends(self) -> None:
         """The step's backward pass is over. The controller asks autograd to call this at the
@@ -428,9 +426,8 @@ class BudgetController:
             self._reserve_judged = self._reserve.bytes
             if not self._fits_now(self._plan):
                 self._choose_before_step()
-        if self._raise_next is not None and self._beginning:  # found where raising would break the pass
-            message, self._raise_next = self._raise_next, None
-            raise BudgetTooSmall(message)
+        if self._beginning:
+            self._raise_found()  # found where raising would break the pass
         self._reserve.step_begins(self._probe, self._budget)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
@@ -442,6 +439,12 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
+
+    def _raise_found(self) -> None:
+        """Raise the :class:`BudgetTooSmall` found where raising was not safe, once."""
+        if self._raise_next is not None:
+            message, self._raise_next = self._raise_next, None
+            raise BudgetTooSmall(message)
 
     def _choose_before_step(self) -> None:
         """Choose again as a step begins: should no plan fit, the least memory is chosen first
@@ -1008,8 +1011,11 @@ class BudgetController:
             still = search.fastest(profile, still_plans) if still_plans else None
         # the plan moving nothing before a first choice not yet run (a calibration may make
         # another plan that moves bytes the first choice), after one being measured
-        ahead = (first, still) if still is None or first.key in self._runs else (still, first)
-        for p in itertools.chain((q for q in ahead if q is not None), by_model):
+        if still is None:
+            ahead: tuple[MemoryPlan, ...] = (first,)
+        else:
+            ahead = (first, still) if first.key in self._runs else (still, first)
+        for p in itertools.chain(ahead, by_model):
             if self._timed(p) or (p is not still and best is not None and not self._promises(p, best)):
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond its first choice, but the one that moves
