@@ -302,3 +302,42 @@ def test_the_sweep_sets_and_judges_budgets_by_reserved_peaks():
     workload = {"methods": {"none": {"method": "none", "step_ms": 1.0, **gpu}}, "selective": []}
     assert budget_sweep._fastest_fitting(workload, 12)["method"] == "none"
     assert budget_sweep._fastest_fitting(workload, 11) is None  # its allocated peak fits; what it reserved does not
+
+
+
+def test_a_method_measured_begins_after_what_earlier_ones_left_is_let_go(monkeypatch):
+    """What earlier methods leave (their gradients, and runners and offloaders dropped in
+    reference cycles) is let go before the caches are emptied; else it is cached into the next
+    method's first step, whose reserved peak counts it."""
+    import gc
+    import weakref
+
+    import torch
+
+    from actoffload.tools.sweep_models import workloads
+
+    w = next(iter(workloads(torch.device("cpu"), True, "default")))[1]()
+
+    class Cycle:  # what a dropped offloader is: freed by a collection only
+        def __init__(self):
+            self.me = self
+
+    seen = {}
+    runner = budget_sweep._Runner
+
+    def first_runner(*args):  # what was there when the method's runner was made
+        seen["dropped alive"] = dropped() is not None
+        seen["grads"] = [t.grad for t in w.trainable]
+        return runner(*args)
+
+    monkeypatch.setattr(budget_sweep, "_Runner", first_runner)
+    for t in w.trainable:
+        t.grad = torch.ones_like(t)
+    gc.disable()
+    try:
+        dropped = weakref.ref(Cycle())
+        assert dropped() is not None
+        budget_sweep.measure(w, budget_sweep.Method("plain"), torch.device("cpu"), 1, 1)
+    finally:
+        gc.enable()
+    assert seen == {"dropped alive": False, "grads": [None] * len(w.trainable)}

@@ -196,6 +196,11 @@ def measure(w: Workload, method: Method, device: torch.device, steps: int, warmu
     """Median step seconds, peak device bytes, the gradients of the last step, and what the
     offloader reports; and the runner, for more steps of the same method. ``settle``: warm
     up until a memory budget's plan is final too."""
+    # what earlier methods leave is let go before the caches are emptied, else their first step
+    # begins on it: the gradients, and the runners and offloaders (reference cycles) they dropped
+    for t in w.trainable:
+        t.grad = None
+    gc.collect()
     compat.empty_host_cache()  # earlier methods' pinned memory: each first step starts alike
     if device.type == "cuda":
         torch.cuda.empty_cache()  # and their cached device blocks: each method's reserved peak is its own
@@ -412,6 +417,7 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
                 f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
         res["budgets"].append(r)
+        run = None  # its offloader (pinned pool, plans) let go before the next budget's first step
     return res
 
 
