@@ -40,10 +40,11 @@ def synthetic(n: int, parts: bool = False, seed: int = 0, selective: bool = Fals
 
 
 def planning_seconds(profile: Profile, budget: int, quick: bool = False) -> float:
-    """One pass: the whole search (``quick``: the quick one a CUDA step makes while the whole
-    one runs in the planning process) and the choice."""
+    """One pass: the whole search, with the fastest plan within the budget improved group by
+    group as a controller asks it (``quick``: the quick search a CUDA step makes while the whole
+    one runs in the planning process), and the choice."""
     start = time.perf_counter()
-    plans = search.quick_candidates(profile) if quick else search.candidates(profile)
+    plans = search.quick_candidates(profile) if quick else search.candidates(profile, limits=[budget])
     search.choose(profile, budget, plans)
     return time.perf_counter() - start
 

@@ -362,3 +362,36 @@ def test_a_group_decision_hashes_once_and_afresh_in_each_process():
                              "{GroupDecision(Action.RECOMPUTE): 1}))"], capture_output=True, check=True,
                             env={"PYTHONHASHSEED": "1", "PATH": ""}, cwd=str(Path(__file__).parents[1]))
     assert pickle.loads(theirs.stdout)[GroupDecision(Action.RECOMPUTE)] == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_search_a_plan_improved_within_a_limit_stays_within_it_and_no_group_alone_makes_it_faster(seed):
+    from actoffload.budget.search import _alternatives, evaluated, improved_within
+    profile = PROFILES[seed]
+    plans = candidates(profile)
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    for limit in (least, (least + most) // 2, least + (most - least) // 10):
+        start = min((p for p in plans if p.peak <= limit), key=lambda p: p.step_s)
+        better = improved_within(profile, start, limit, sweeps=100)
+        again = evaluated(profile, better.groups, better.max_inflight, better.prefetch)
+        assert (better.peak, better.step_s) == (again.peak, again.step_s)  # as simulated afresh
+        assert better.peak <= limit and better.step_s <= start.step_s
+        for i, g in enumerate(profile.groups):
+            if better.groups[i].action.whole or better.groups[i].action is Action.INSIDE:
+                continue
+            for d in _alternatives(g):
+                trial = evaluated(profile, better.groups[:i] + (d,) + better.groups[i + 1:], better.max_inflight,
+                                  better.prefetch)
+                assert trial.peak > limit or trial.step_s >= better.step_s * (1 - 1e-12), (i, d)
+
+
+def test_search_candidates_for_a_limit_add_the_fastest_plan_within_it_improved():
+    from actoffload.budget.search import improved_within
+    profile = PROFILES[24]
+    plans = candidates(profile)
+    limit = sorted({p.peak for p in plans})[2]  # near the least memory, where the paths keep too little
+    best = min((p for p in plans if p.peak <= limit), key=lambda p: p.step_s)
+    with_limit = candidates(profile, limits=[limit])
+    better = improved_within(profile, best, limit)
+    assert better.step_s < 0.95 * best.step_s
+    assert with_limit == plans + [better] and choose(profile, limit, with_limit) == better

@@ -38,6 +38,10 @@ def test_the_planning_process_answers_what_the_search_makes_here(worker):
     assert _keys(answers[1][0]) == _keys(search.candidates(profile))
     assert _keys(answers[0][0]) == _keys(search.candidates(profile, [(1, 1)]))
     assert all(seconds >= 0 for _, seconds in answers)
+    from test_budget_search import PROFILES  # one whose fastest plan near the least memory is improved
+    limit = sorted({p.peak for p in search.candidates(PROFILES[24])})[2]
+    plans, _ = worker.result(worker.submit(PROFILES[24], None, [limit]), wait=True)
+    assert _keys(plans) == _keys(search.candidates(PROFILES[24], limits=[limit])) != _keys(search.candidates(PROFILES[24]))
 
 
 def test_answers_arriving_together_are_each_found_by_looking(worker):
@@ -148,11 +152,13 @@ class _Worker:
     def __init__(self, after: int = 2, fail: bool = False):
         self.after, self.fail = after, fail
         self.asked: dict[int, tuple] = {}
+        self.limits: dict[int, tuple] = {}
         self.looks = 0
 
-    def submit(self, profile, windows=None):
+    def submit(self, profile, windows=None, limits=()):
         ticket = len(self.asked) + 1
         self.asked[ticket] = (profile, windows)
+        self.limits[ticket] = limits
         return ticket
 
     def result(self, ticket, wait=False):
@@ -161,7 +167,7 @@ class _Worker:
             raise planning.WorkerFailed("the test's worker failed")
         if not wait and self.looks < self.after:
             return None
-        return search.candidates(*self.asked[ticket]), 0.5
+        return search.candidates(*self.asked[ticket], limits=self.limits[ticket]), 0.5
 
     def forget(self, ticket):
         pass
@@ -327,7 +333,7 @@ def test_a_predicted_workload_is_refused_only_where_the_whole_search_fits_nothin
 
 def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search(monkeypatch):
     class Refusing(_Worker):
-        def submit(self, profile, windows=None):
+        def submit(self, profile, windows=None, limits=()):
             raise planning.WorkerFailed("the test's worker refuses")
 
     monkeypatch.setattr(planning, "failed", lambda worker, error: None)
@@ -391,16 +397,17 @@ class _Late:
     def __init__(self, delay):
         self.delay, self.asked, self.looks = delay, {}, {}
 
-    def submit(self, profile, windows=None):
+    def submit(self, profile, windows=None, limits=()):
         ticket = len(self.asked) + 1
-        self.asked[ticket], self.looks[ticket] = (profile, windows), 0
+        self.asked[ticket], self.looks[ticket] = (profile, windows, limits), 0
         return ticket
 
     def result(self, ticket, wait=False):
         self.looks[ticket] += 1
         if not wait and self.looks[ticket] <= self.delay:
             return None
-        return search.candidates(*self.asked[ticket]), 0.1
+        profile, windows, limits = self.asked[ticket]
+        return search.candidates(profile, windows, limits=limits), 0.1
 
     def forget(self, ticket):
         pass

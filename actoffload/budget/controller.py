@@ -336,12 +336,12 @@ class BudgetController:
         with self._planning():
             plans = search.quick_candidates(profile, window) if quick else search.candidates(profile, windows)
             if quick and not fits(plans):
-                plans, quick = search.candidates(profile, windows), False
+                plans, quick = search.candidates(profile, windows, limits=self._limits()), False
         if not fits(plans):
             return False
         self._adopt(profile, None, plans)
         if quick and not self._ask(windows, fresh=True):
-            self._plan_all(search.candidates(profile, windows))
+            self._plan_all(search.candidates(profile, windows, limits=self._limits()))
         self.predicted = True
         # the profile it was predicted from was explored and calibrated already: its model's
         # first choice runs, and is measured like any plan (its peak checked, its time taken)
@@ -771,7 +771,7 @@ class BudgetController:
             with self._planning():
                 plans = search.quick_candidates(self._profile)
         with self._planning():
-            self._plans = search.candidates(self._profile) if plans is None else list(plans)
+            self._plans = search.candidates(self._profile, limits=self._limits()) if plans is None else list(plans)
             self._index = None
             # a plan that ran stays a candidate, should the search no longer propose it (the
             # profile was calibrated): what it measured still stands
@@ -796,7 +796,7 @@ class BudgetController:
         assert self._profile is not None
         try:
             with self._planning():
-                ticket = self._worker.submit(self._profile, windows)
+                ticket = self._worker.submit(self._profile, windows, self._limits())
         except planning.WorkerFailed as e:
             self._lose_worker(e)
             return False
@@ -903,6 +903,13 @@ class BudgetController:
         speak of; a plan no longer a candidate does not fit)."""
         judged = self._judged_peaks(True)
         return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
+
+    def _limits(self) -> tuple[int]:
+        """The modelled peak a plan not yet run may reach, as :meth:`_fitting` judges it now: the
+        search improves its fastest plan within it (:func:`~.search.improved_within`). Asked with
+        the reserve as it is when the search is made; a reserve grown since leaves that plan out
+        of what fits, as any other."""
+        return (self._budget - self._reserve.bytes - self._margin - least_margin(self._budget),)
 
     def _judged_peaks(self, with_margins: bool) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the

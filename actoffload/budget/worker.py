@@ -60,7 +60,7 @@ class WorkerFailed(RuntimeError):
 
 
 def serve(requests: IO[bytes], answers_fd: int) -> None:
-    """The helper's loop: each request ``(ticket, profile, windows)`` is answered with
+    """The helper's loop: each request ``(ticket, profile, windows, limits)`` is answered with
     ``(ticket, plans, seconds)``, or ``(ticket, None, error)`` where the search raised, until
     the parent closes the pipe (or is gone)."""
     from . import search
@@ -68,12 +68,12 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
     try:
         while True:
             try:
-                ticket, profile, windows = pickle.load(requests)
+                ticket, profile, windows, limits = pickle.load(requests)
             except (EOFError, OSError):
                 return
             started = time.perf_counter()
             try:
-                answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows),
+                answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows, limits=limits),
                                                 time.perf_counter() - started)
             except Exception as e:  # the parent searches itself, and raises it there
                 answer = (ticket, None, repr(e))
@@ -200,11 +200,12 @@ class PlanWorker:
             self._cond.notify_all()
 
     # -------------------------------------------------------------- the controllers' side
-    def submit(self, profile: Profile, windows: Sequence[tuple[int, int]] | None = None) -> int:
-        """Ask for :func:`~.search.candidates` of ``profile`` (and ``windows``); returns the
-        ticket its answer comes under. Never waits for the helper."""
+    def submit(self, profile: Profile, windows: Sequence[tuple[int, int]] | None = None,
+               limits: Sequence[int] = ()) -> int:
+        """Ask for :func:`~.search.candidates` of ``profile`` (and ``windows``, ``limits``);
+        returns the ticket its answer comes under. Never waits for the helper."""
         ticket = next(self._tickets)
-        data = pickle.dumps((ticket, profile, None if windows is None else list(windows)),
+        data = pickle.dumps((ticket, profile, None if windows is None else list(windows), list(limits)),
                             protocol=pickle.HIGHEST_PROTOCOL)
         with self._cond:
             if self._error is not None:
