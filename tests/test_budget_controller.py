@@ -402,6 +402,29 @@ def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too(still_fast
     assert moves_bytes(profile, c.plan.groups) != still_faster
 
 
+def test_controller_a_plan_being_measured_runs_until_it_is_timed():
+    """The plan moving nothing ran one step after the plan moving bytes was measured; choosing
+    again (here: another plan moving nothing now rated faster) keeps it until it is timed, and
+    where it ran faster it is kept, not the plan measured before it."""
+    profile, budget, c = _moving_preferred()
+    first = c.plan
+    for _ in range(20):  # the first choice measured, as modelled, and the plan moving nothing begun
+        _run(c, 1, lambda p: p.step_s)
+        if not moves_bytes(profile, c.plan.groups) and c._runs.get(c.plan.key) == 1:
+            break
+    still = c.plan
+    assert c._timed(first) and not moves_bytes(profile, still.groups) and not c._timed(still)
+    others = [p for p in c.plans if not moves_bytes(profile, p.groups) and p.key != still.key
+              and p.peak <= c.plan.peak]
+    rated = replace(others[0], step_s=0.5 * min(first.step_s, still.step_s))  # the model now rates it fastest
+    c._plans[c._plans.index(others[0])] = rated
+    c._index = None
+    c._choose()
+    assert c.plan.key == still.key and c.state is State.EXPLORING
+    _run(c, TIMINGS + 1, lambda p: 0.8 * first.step_s if p.key == still.key else p.step_s)
+    assert c._timed(still) and c.settled and c.plan.key == still.key
+
+
 def _profiling_step(c: BudgetController, groups: int, recompute: bool = False, forward_s: float = 1e-3) -> None:
     """One profiling step of ``groups`` recomputed groups, each saving 4 MiB of inputs (32 MiB
     unrecomputed) and taking ``forward_s``; ``recompute``: backward marks each one's
