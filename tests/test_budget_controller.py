@@ -1027,3 +1027,32 @@ def test_a_budgets_probe_counts_the_fast_offloaders_host_allocations():
     probe = off.plan.workloads.probe
     assert probe.host_allocations() == off.stats()["host_allocations"] == off.host_allocations()
     assert probe.host_allocations() > 0  # profiling moved the recomputed blocks' inputs out
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_controller_a_forced_plan_let_go_is_not_held_until_timed(cuda):
+    """A plan forced for a step and let go (``force(None)``) is not a plan being measured: the
+    model's choice runs at once (on the CPU, where no plan is timed, it would be held for good)."""
+    c = _controller(1 << 40, probe=FakeProbe(cuda=cuda))
+    first = c.plan
+    slow = max(c.plans, key=lambda p: p.step_s)
+    c.force(slow.groups, slow.max_inflight, slow.prefetch)
+    _run(c, 1, lambda p: p.step_s)
+    c.force(None)
+    assert c.plan.key == first.key
+
+
+def test_controller_a_predicted_profile_searched_here_has_the_improved_plan_too():
+    """Without a planning process a predicted profile's search is the whole one, with the
+    budget's limit: the same candidates, and choice, as a profile measured."""
+    from test_budget_search import PROFILES
+    profile = PROFILES[24]
+    limit = sorted({p.peak for p in search.candidates(profile)})[2]
+    budget = limit + least_margin(limit)
+    measured = BudgetController(budget, CPU, probe=FakeProbe(cuda=False, allocated=profile.base))
+    measured.adopt_profile(profile)
+    predicted = BudgetController(budget, CPU, probe=FakeProbe(cuda=False, allocated=profile.base))
+    assert predicted.adopt_prediction(profile)
+    assert [p.key for p in predicted.plans] == [p.key for p in measured.plans]
+    assert predicted.plan.key == measured.plan.key
+    assert len(measured.plans) == len(search.candidates(profile)) + 2  # the improved plan, and the profiled one

@@ -15,7 +15,7 @@ from actoffload.budget import controller as controller_module
 from actoffload.budget import search
 from actoffload.budget import worker as planning
 from actoffload.budget.controller import BudgetController, BudgetTooSmall, State
-from test_budget_controller import BASE, CPU, MiB, FakeProbe, _big_profile, _profile, _run
+from test_budget_controller import BASE, CPU, TIMINGS, MiB, FakeProbe, _big_profile, _profile, _run
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the planning process waits on its pipe with select")
 
@@ -489,3 +489,34 @@ def test_a_plan_measured_while_the_whole_search_is_still_to_answer_corrects_the_
     _run(c, 80, true_s)
     assert c.settled and c._calibrated >= 1
     assert min(true_s(m.plan) for m in c.measured_plans()) == true_s(c.plan)
+
+
+def test_a_predicted_profile_runs_the_whole_searchs_first_choice_when_it_answers(monkeypatch):
+    """A predicted profile's quick plan runs until the planning process answers; where the whole
+    search's first choice is another plan, that plan runs then (the quick one is not held until
+    it is timed)."""
+    from test_budget_search import PROFILES
+    from actoffload.budget.tolerances import least_margin
+
+    differing = 0
+    for profile in PROFILES[:12]:
+        peaks = sorted({p.peak for p in search.candidates(profile)})
+        for peak in peaks[1::max(1, len(peaks) // 4)]:
+            w = _Worker(after=2)
+            monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
+            probe = FakeProbe(allocated=profile.base)
+            probe.asynchronous = True
+            c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
+            if not c.adopt_prediction(profile, (1, 1)):
+                continue
+            quick, whole = c.plan.key, None
+            for _ in range(6 * TIMINGS):
+                c.step_begins()
+                if whole is None and c._pending is None:
+                    whole = c._first_choice(c._fitting()).key
+                c.probe.advance(c.plan.step_s)
+                c.backward_ends()
+            if whole is not None and whole != quick:
+                differing += 1
+                assert whole in {m.plan.key for m in c.measured_plans()}
+    assert differing > 5

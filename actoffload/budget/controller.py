@@ -181,7 +181,7 @@ class BudgetController:
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
-        self._quick_runs: set[PlanKey] = set()  # those run while a quick search's plans stood (_collect)
+        self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (its first: see _at_its_pace)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
@@ -335,7 +335,8 @@ class BudgetController:
         # (but the whole search says whether none fits, and searches here should it not answer)
         quick = self._worker is not None
         with self._planning():
-            plans = search.quick_candidates(profile, window) if quick else search.candidates(profile, windows)
+            plans = (search.quick_candidates(profile, window) if quick
+                     else search.candidates(profile, windows, limits=self._limits()))
             if quick and not fits(plans):
                 plans, quick = search.candidates(profile, windows, limits=self._limits()), False
         if not fits(plans):
@@ -354,7 +355,7 @@ class BudgetController:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
-        self._quick_runs = set()
+        self._unheld = set()
         self._kept_first, self._host_of, self._host_bound = {}, {}, None
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
@@ -837,14 +838,17 @@ class BudgetController:
             self._plan_all(plans)
         else:
             self._plan_all()
-        if fresh and not self.predicted:
-            # the quick search's plans that ran meanwhile are no tries of the whole search's
-            # model: its first choice (one of them or not), and EXPLORE more, may still run (a
-            # predicted profile's first choice runs alone, as it would have)
+        if fresh:
+            # the quick search's plans that ran meanwhile are not held until timed, and are no
+            # tries of the whole search's model: its first choice (one of them or not), and
+            # EXPLORE more, may still run (a predicted profile's first choice runs alone, as it
+            # would have)
             fitting = self._fitting()
             first = self._first_choice(fitting).key if fitting else None
-            self._quick_runs = set(self._runs) - {first}
-            self._explore += len(self._quick_runs)
+            quick = set(self._runs) - {first}
+            self._unheld |= quick
+            if not self.predicted:
+                self._explore += len(quick)
         if self._state is State.SETTLED:
             self._state = State.EXPLORING
         self._choose()
@@ -880,6 +884,7 @@ class BudgetController:
         assert self._profile is not None
         if self._forced is not None:
             self._plan = self._forced_plan(*self._forced)
+            self._unheld.add(self._plan.key)  # run as told: once let go, not held until timed
             self._settle()
             return
         if self.too_small is None and all(q > self._budget for q in self._judged_peaks(False)):
@@ -1011,14 +1016,15 @@ class BudgetController:
         finds them, and few tries keep the first steps few."""
         assert self._profile is not None
         profile = self._profile
-        # a plan being measured runs until it is timed (but a quick search's, which the whole
-        # search's plans replace): choosing again meanwhile (a calibration, say) may make another
-        # plan the one to try, and leaving it would waste its steps and keep a slower plan (on an H200 the MoE at 11.80 GiB left a
+        # on a GPU a plan being measured runs until it is timed (but a quick search's, which the
+        # whole search's plans replace, or one forced): choosing again meanwhile (a calibration,
+        # say) may make another plan the one to try, and leaving it would waste its steps and
+        # keep a slower plan (on an H200 the MoE at 11.80 GiB left a
         # plan after one step of 158.9 ms, another moving nothing now rated faster, and settled
         # on the 193.6 ms plan measured before it)
         running = self._plan
-        if (running is not None and running.key in self._runs and running.key not in self._quick_runs
-                and not self._timed(running)):
+        if (self._probe.cuda and running is not None and running.key in self._runs
+                and running.key not in self._unheld and not self._timed(running)):
             for p in fitting:
                 if p.key == running.key:
                     return p
