@@ -1019,9 +1019,9 @@ class BudgetController:
         # on a GPU a plan being measured runs until it is timed (but a quick search's, which the
         # whole search's plans replace, or one forced): choosing again meanwhile (a calibration,
         # say) may make another plan the one to try, and leaving it would waste its steps and
-        # keep a slower plan (on an H200 the MoE at 11.80 GiB left a
-        # plan after one step of 158.9 ms, another moving nothing now rated faster, and settled
-        # on the 193.6 ms plan measured before it)
+        # keep a slower plan (on an H200 the MoE at 11.80 GiB left a plan after one step of
+        # 158.9 ms, another moving nothing now rated faster, and settled on the 193.6 ms plan
+        # measured before it)
         running = self._plan
         if (self._probe.cuda and running is not None and running.key in self._runs
                 and running.key not in self._unheld and not self._timed(running)):

@@ -96,7 +96,7 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
     The search's paths only ever keep less, each move the one saving the most memory for the
     time it adds; near the least memory, where most groups must give something up, a path can
     end on a plan that keeps less than the budget needs it to: on the GPT-MoE of the budget
-    sweep, at a budget within 1% of the least reachable peak, its fastest plan within the budget
+    sweep, at a budget within 1.5% of the least reachable peak, its fastest plan within the budget
     recomputed every group with its inputs moved out (236.6 ms modelled), where keeping a third
     of them and recomputing the rest in place fits too (179.6 ms).
 
