@@ -247,6 +247,29 @@ def test_controller_after_a_plan_moving_bytes_ran_as_modelled_tries_only_plans_m
     assert all(c._promises(p, best) for p in fewer)
 
 
+@pytest.mark.parametrize("excess", [0.02, 0.04])
+def test_controller_rates_a_plan_moving_bytes_against_one_moving_none_with_the_bus_excess_measured(excess):
+    """The plan moving bytes measured first ran ``excess`` over its model (within the
+    calibration's slack), the plan moving none as modelled, and faster: a plan moving bytes
+    modelled 3.3% under it is promised where the measured excess leaves it faster (2%), not where
+    it does not (4%)."""
+    profile = _big_profile(12)
+    plans = _controller(1 << 40, profile=profile).plans
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
+    assert moves_bytes(profile, c.plan.groups)
+    pace = lambda p: (1 + excess if moves_bytes(profile, p.groups) else 1.0) * p.step_s  # noqa: E731
+    _run(c, TIMINGS + 1, pace)
+    still = min((p for p in c._fitting() if not moves_bytes(profile, p.groups)), key=lambda p: p.step_s)
+    c.force(still.groups, still.max_inflight, still.prefetch)
+    _run(c, TIMINGS + 1, pace)
+    c.force(None)
+    assert c._timed(still) and c._bus_excess() == pytest.approx(excess)
+    under = [p for p in c._fitting() if moves_bytes(profile, p.groups)
+             and 0.96 * still.step_s < p.step_s < 0.97 * still.step_s]
+    assert under and all(c._promises(p, still) == (excess == 0.02) for p in under)
+
+
 def test_controller_tries_the_plan_moving_nothing_before_a_new_first_choice_that_moves_bytes():
     """The plan measured first moves bytes and ran 6% over its model: the bus is calibrated, and
     the model's first choice becomes another plan that moves bytes, not yet run. The fastest plan
