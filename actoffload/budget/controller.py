@@ -1042,8 +1042,9 @@ class BudgetController:
             ahead: tuple[MemoryPlan, ...] = (first,)
         else:
             ahead = (first, still) if first.key in self._runs else (still, first)
+        excess = self._bus_excess() if best is not None and not moves_bytes(profile, best.groups) else 0.0
         for p in itertools.chain(ahead, by_model):
-            if self._timed(p) or (p is not still and best is not None and not self._promises(p, best)):
+            if self._timed(p) or (p is not still and best is not None and not self._promises(p, best, excess)):
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond its first choice, but the one that moves
             # nothing: its bus was modelled from another workload's (on an H200 a 1536-token
@@ -1054,7 +1055,7 @@ class BudgetController:
             break
         return best if best is not None else first
 
-    def _promises(self, plan: MemoryPlan, best: MemoryPlan) -> bool:
+    def _promises(self, plan: MemoryPlan, best: MemoryPlan, excess: float | None = None) -> bool:
         """Whether the model rates ``plan`` faster than ``best``, the fastest measured: than its
         measured time where ``best`` ran off the model as it stands (a cost the model missed,
         which a plan may escape; a calibration makes it agree), or where ``best`` moves bytes and
@@ -1063,11 +1064,12 @@ class BudgetController:
         noise, and a plan the model rates alike to it is no faster (on an H200 a d4096 plan
         modelled at 376 ms ran 385, and two plans modelled alike to it were tried for six steps,
         to run 384 and 385). A plan moving bytes, against a ``best`` moving none, is rated with
-        what the workload's plans moving bytes took beyond their model (:meth:`_bus_excess`)."""
+        what the workload's plans moving bytes took beyond their model (``excess``, else
+        :meth:`_bus_excess`)."""
         assert self._profile is not None
         measured, step = self._time_of(best), plan.step_s
         if self._moved(plan) and not self._moved(best):
-            step *= 1 + self._bus_excess()
+            step *= 1 + (self._bus_excess() if excess is None else excess)
         if off_model(measured, best.step_s) or self._moved(plan) < self._moved(best):
             return step < measured
         return not alike(step, best.step_s) and step < measured
@@ -1078,8 +1080,9 @@ class BudgetController:
         it, as the calibration's slack leaves up to 5% of it unmodelled (on an H200 the decoder
         at 9.33 GiB ran its first plan moving bytes 3.8% over its model, then tried another
         modelled 2.0% faster than the measured plan moving none; it ran 1.7% slower)."""
+        timed = {k for k, times in self._times.items() if len(times) >= TIMINGS}
         excess = [self._time_of(p) / p.step_s - 1 for p in self._plans
-                  if self._timed(p) and self._moved(p) and p.step_s > 0]
+                  if p.key in timed and p.step_s > 0 and self._moved(p)]
         return max([0.0, *excess])
 
     def _moved(self, plan: MemoryPlan) -> int:
