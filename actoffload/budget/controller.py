@@ -1042,7 +1042,7 @@ class BudgetController:
             ahead: tuple[MemoryPlan, ...] = (first,)
         else:
             ahead = (first, still) if first.key in self._runs else (still, first)
-        excess = self._bus_excess() if best is not None and not moves_bytes(profile, best.groups) else 0.0
+        excess = self._bus_excess() if best is not None and not self._moved(best) else 0.0  # (as _promises asks)
         for p in itertools.chain(ahead, by_model):
             if self._timed(p) or (p is not still and best is not None and not self._promises(p, best, excess)):
                 continue  # measured, or the model promises nothing faster than what was
