@@ -14,7 +14,7 @@ from actoffload import compat, policy
 from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
-from actoffload.budget.costmodel import GroupProfile, Profile, host_bytes, moves_bytes
+from actoffload.budget.costmodel import GroupProfile, Profile, Whole, host_bytes, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
 
@@ -667,6 +667,21 @@ def test_controller_a_forced_plan_has_one_decision_per_group():
     c = _controller(1 << 40)
     with pytest.raises(ValueError, match="one decision per group"):
         c.force((GroupDecision(Action.RECOMPUTE),) * 3)
+
+
+def test_controller_a_forced_plan_recomputes_modules_whole_only_as_their_parts_allow():
+    """A module recomputed whole is forced at its first part, its other parts ``inside``; else
+    the step would run one thing and the model count another: ValueError, naming the groups."""
+    profile = replace(_profile(), wholes=(Whole(0, 2, 8 * MiB),))
+    whole, inside, keep = (GroupDecision(a) for a in (Action.RECOMPUTE_WHOLE, Action.INSIDE, Action.KEEP))
+    c = _controller(1 << 40, profile=profile)
+    c.force((whole, inside, keep, keep))  # as the parts allow
+    for bad, message in (((whole, GroupDecision(Action.OFFLOAD), keep, keep), "other parts"),
+                         ((keep, inside, keep, keep), "without their module"),
+                         ((keep, keep, whole, keep), "not the first part")):
+        c = _controller(1 << 40, profile=profile)
+        with pytest.raises(ValueError, match=message):
+            c.force(bad)
 
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():

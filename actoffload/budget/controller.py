@@ -995,6 +995,7 @@ class BudgetController:
         if len(groups) != len(self._profile.groups):
             raise ValueError(f"a forced plan has one decision per group: {len(groups)} given, "
                              f"{len(self._profile.groups)} groups profiled")
+        _check_wholes(self._profile, groups)
         for p in self._plans:
             if p.key == (groups, max_inflight, prefetch):
                 return p
@@ -1188,6 +1189,30 @@ class BudgetController:
                    measured_reserved_peak_bytes=self.measured_reserved_peak if cuda else None,
                    measured_step_s=self.last_step_s if cuda else None)
         return out
+
+
+def _check_wholes(profile: Profile, groups: Sequence[GroupDecision]) -> None:
+    """Raise ValueError where ``groups`` recompute a module whole other than as its parts allow:
+    a whole action only at a module's first part, followed by ``inside`` for its other parts,
+    and ``inside`` nowhere else (what the step runs, and what the model and the host bytes
+    count, would differ)."""
+    inside: set[int] = set()
+    for i, d in enumerate(groups):
+        if not d.action.whole:
+            continue
+        whole = profile.whole_at.get(i)
+        if whole is None:
+            raise ValueError(f"group {i} ({d.action.value}) is not the first part of a module that may be "
+                             f"recomputed whole; recompute it on its own, or force the module's first part")
+        later = range(i + 1, i + whole.parts)
+        if any(groups[j].action is not Action.INSIDE for j in later):
+            raise ValueError(f"group {i} recomputes its module whole: its other parts (groups "
+                             f"{i + 1}..{i + whole.parts - 1}) take {Action.INSIDE.value!r}")
+        inside.update(later)
+    stray = [i for i, d in enumerate(groups) if d.action is Action.INSIDE and i not in inside]
+    if stray:
+        raise ValueError(f"groups {stray} are {Action.INSIDE.value!r} without their module recomputed whole "
+                         f"at its first part")
 
 
 def _worker_for(probe: Any) -> planning.PlanWorker | None:
