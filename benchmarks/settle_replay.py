@@ -104,6 +104,45 @@ def profile_of(stats: dict[str, Any]) -> Profile:
                    stats["outside_extra"], tuple(Whole(**w) for w in stats["wholes"]))
 
 
+def replaying(cell: dict[str, Any]) -> tuple[BudgetController, ReplayProbe]:
+    """A controller under one budget cell's budget that adopted the profile the cell ended with,
+    its reserve the allocator's share the cell's first step showed, and the probe its steps
+    run on. Raises KeyError or TypeError where the cell has no profile (an older sweep's), and
+    BudgetTooSmall where no plan fits.
+
+    Example::
+
+        controller, probe = replaying(cell)
+        step(controller, probe)   # one step of the plan it chose, as modelled
+    """
+    profile = profile_of(cell["plan"]["profile"])
+    first = cell["early_steps"][0]
+    share = first["reserved_peak_bytes"] - first["peak_bytes"]
+    probe = ReplayProbe(profile.base, share, profile.d2h_bps)
+    controller = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
+    controller.reserve.bytes = share  # as the profiling steps measured it, before the plan is chosen
+    controller.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
+    return controller, probe
+
+
+def step(controller: BudgetController, probe: ReplayProbe, factor: float = 1.0, sleep: bool = False,
+         pinning: set[Any] | None = None) -> None:
+    """One step of the plan ``controller`` runs: its modelled time times ``factor`` (also on the
+    host's clock with ``sleep``), its modelled peak, the cache kept as grown. ``pinning``: the
+    plans whose first step pinned host memory so far (a plan not among them pins, and joins)."""
+    controller.step_begins()
+    if pinning is not None and controller.plan.key not in pinning:
+        pinning.add(controller.plan.key)
+        probe.pinned += 1
+    seconds = controller.plan.step_s * factor
+    probe.peak_bytes = controller.plan.peak
+    if sleep:
+        time.sleep(seconds)
+    probe.advance(seconds)
+    controller.backward_ends()
+    probe.cache = probe.peak_reserved()
+
+
 def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, pin: bool = False,
            most: int = 30) -> int | str:
     """Steps until the plan of one budget cell (a ``fast_budget`` entry of a sweep) settled,
@@ -115,31 +154,14 @@ def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, pin: 
         replay(cell, sleep=False)   # 8, say
     """
     try:
-        profile = profile_of(cell["plan"]["profile"])
-        first = cell["early_steps"][0]
+        controller, probe = replaying(cell)
+        pinning: set[Any] | None = set() if pin else None
+        for n in range(most):
+            step(controller, probe, factor, sleep, pinning)
+            if controller.settled:
+                return PROFILE_STEPS + n + 1
     except (KeyError, TypeError) as e:
         return f"not replayable: no {e} in this sweep's cell"
-    share = first["reserved_peak_bytes"] - first["peak_bytes"]
-    probe = ReplayProbe(profile.base, share, profile.d2h_bps)
-    controller = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
-    controller.reserve.bytes = share  # as the profiling steps measured it, before the plan is chosen
-    ran: set[Any] = set()
-    try:
-        controller.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
-        for step in range(most):
-            controller.step_begins()
-            if pin and controller.plan.key not in ran:
-                ran.add(controller.plan.key)
-                probe.pinned += 1
-            seconds = controller.plan.step_s * factor
-            probe.peak_bytes = controller.plan.peak
-            if sleep:
-                time.sleep(seconds)
-            probe.advance(seconds)
-            controller.backward_ends()
-            probe.cache = probe.peak_reserved()
-            if controller.settled:
-                return PROFILE_STEPS + step + 1
     except BudgetTooSmall:
         return "BudgetTooSmall"
     return f"not settled in {most}"

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -51,23 +50,13 @@ def test_at_a_budget_near_the_least_memory_the_gpt_moe_runs_its_fastest_plan_imp
     recomputed every group with its inputs moved out (236 ms modelled, 1.31x checkpointing on
     the H200); improved group by group it keeps a third of them (under 190 ms)."""
     from actoffload.budget import search
-    from actoffload.budget.controller import BudgetController
 
     sweep = json.loads((ROOT / "benchmarks/results/NVIDIA-H200-2026-11-29-6f3d25a-budget-sweep.json").read_text())
     moe = next(w for w in sweep["workloads"] if w["workload"] == "gpt_moe")
     cell = next(b for b in moe["budgets"] if b.get("under_checkpoint_all"))
     monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)
-    profile = settle_replay.profile_of(cell["plan"]["profile"])
-    first = cell["early_steps"][0]
-    probe = settle_replay.ReplayProbe(profile.base, first["reserved_peak_bytes"] - first["peak_bytes"], profile.d2h_bps)
-    c = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
-    c.reserve.bytes = probe.share
-    c.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
-    unimproved = min(p.step_s for p in search.candidates(profile) if p.peak <= c._limits()[0])
+    c, probe = settle_replay.replaying(cell)
+    unimproved = min(p.step_s for p in search.candidates(c.profile) if p.peak <= c._limits()[0])
     for _ in range(6):
-        c.step_begins()
-        probe.peak_bytes = c.plan.peak
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.cache = probe.peak_reserved()
+        settle_replay.step(c, probe)
     assert c.settled and c.plan.step_s < 0.8 * unimproved and c.plan.peak <= c._limits()[0]

@@ -1081,9 +1081,8 @@ class BudgetController:
         it, as the calibration's slack leaves up to 5% of it unmodelled (on an H200 the decoder
         at 9.33 GiB ran its first plan moving bytes 3.8% over its model, then tried another
         modelled 2.0% faster than the measured plan moving none; it ran 1.7% slower)."""
-        timed = {k for k, times in self._times.items() if len(times) >= TIMINGS}
         excess = [self._time_of(p) / p.step_s - 1 for p in self._plans
-                  if p.key in timed and p.step_s > 0 and self._moved(p)]
+                  if self._timed(p) and p.step_s > 0 and self._moved(p)]
         return max([0.0, *excess])
 
     def _moved(self, plan: MemoryPlan) -> int:
