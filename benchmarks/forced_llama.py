@@ -5,7 +5,7 @@ controller is made to run one action on every layer (``BudgetController.force``)
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -57,11 +57,12 @@ class ForcedLlama:
             q.grad = None
         return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
-    def forced(self, action: Action) -> Any:
-        """The layers wrapped again, the controller made to run ``action`` everywhere (two
-        steps in); the wrap's handle."""
+    def forced(self, action: Action | Sequence[Action], max_inflight: int = 0, prefetch: int = 0) -> Any:
+        """The layers wrapped again, the controller made to run ``action`` everywhere (or each
+        layer its own of a sequence) with this copy window (two steps in); the wrap's handle."""
+        actions = [action] * len(self.workload.blocks) if isinstance(action, Action) else list(action)
         handle = ao.wrap(self.workload.blocks, self.offloader)
-        self._controller.force([GroupDecision(action)] * len(self.workload.blocks))
+        self._controller.force([GroupDecision(a) for a in actions], max_inflight, prefetch)
         self.step(plain, 0)
         self.step(plain, 1)
         return handle

@@ -20,15 +20,43 @@ shows 0.3-0.7 ms a layer (it varies with the machine's load).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
+from typing import Any
 
 import torch
 from forced_llama import ForcedLlama
 from torch.profiler import ProfilerActivity, profile
 
+import actoffload as ao
 from actoffload.budget.actions import Action
 from actoffload.tools.sweep_models import plain
+
+
+CODES = {"K": Action.KEEP, "R": Action.RECOMPUTE, "Q": Action.RECOMPUTE_OFFLOAD, "O": Action.OFFLOAD}
+DEFAULT_PLANS = ("fast_recompute=R/0/0", "fast_keep=K/0/0")
+
+
+def plan_of(spec: str, layers: int) -> tuple[str, list[Action], int, int]:
+    """``NAME=CODES/MAX_INFLIGHT/PREFETCH``: one code a layer (``K`` keep, ``R`` recompute,
+    ``Q`` recompute with the inputs moved out, ``O`` offload), or one for every layer."""
+    name, _, rest = spec.partition("=")
+    codes, w, pf = rest.split("/")
+    codes = codes * layers if len(codes) == 1 else codes
+    if len(codes) != layers or set(codes) - set(CODES):
+        raise SystemExit(f"recompute_host_probe: plan {spec!r} needs one of {''.join(CODES)} for each of {layers} layers")
+    return name, [CODES[c] for c in codes], int(w), int(pf)
+
+
+def _reserved_peak(rig: ForcedLlama, call: Any) -> int:
+    """The reserved peak of a few steps of ``call`` on a cache given back first (CUDA)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(3):
+        rig.step(call, i)
+    return torch.cuda.max_memory_reserved()
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +64,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the tiny model)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8, help="steps of each method per round")
+    p.add_argument("--plan", action="append", default=None, metavar="NAME=CODES/W/PF",
+                   help="a forced plan to time (repeatable): one code a layer, K keep, R recompute, Q recompute "
+                        "with its inputs moved out, O offload (or one code for all), then max_inflight and "
+                        f"prefetch; default: {' '.join(DEFAULT_PLANS)}")
+    p.add_argument("--budget", action="store_true",
+                   help="also time a fast offloader left to choose, its memory_budget checkpointing's reserved peak (CUDA)")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("recompute_host_probe: no CUDA here; pass --device cpu", file=sys.stderr)
@@ -43,17 +78,42 @@ def main(argv: list[str]) -> int:
     device = torch.device(args.device)
     rig = ForcedLlama(device)
     step, forced, checkpointed = rig.step, rig.forced, rig.checkpointed
+    plans = [plan_of(s, len(rig.workload.blocks)) for s in (args.plan or DEFAULT_PLANS)]
 
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("none", "checkpoint", "fast_recompute", "fast_keep")}
+    budget = None
+    if args.budget and device.type == "cuda":
+        limit = _reserved_peak(rig, checkpointed)
+        budget = ao.Offloader(memory_budget=limit, device=device)
+        handle = ao.wrap(rig.workload.blocks, budget)
+        for i in range(30):  # profiling, exploring, settled
+            step(plain, i)
+        handle.remove()
+        print(f"budget at checkpointing's reserved peak: {limit / 2**30:.3f} GiB")
+
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in ["none", "checkpoint"] + [n for n, *_ in plans]}
+    if budget is not None:
+        times["budget"] = []
     for _ in range(args.rounds):
         times["none"] += [step(plain, i) for i in range(args.steps)]
         times["checkpoint"] += [step(checkpointed, i) for i in range(args.steps)]
-        for name, action in (("fast_recompute", Action.RECOMPUTE), ("fast_keep", Action.KEEP)):
-            h = forced(action)
+        for name, actions, w, pf in plans:
+            h = forced(actions, w, pf)
             times[name] += [step(plain, i) for i in range(args.steps)]
+            h.remove()
+        if budget is not None:
+            h = ao.wrap(rig.workload.blocks, budget)
+            times["budget"] += [step(plain, i) for i in range(args.steps)]
             h.remove()
     for name, v in times.items():
         print(f"{name:15s} step ms {statistics.median(s for _, s in v):7.2f}  host ms {statistics.median(h for h, _ in v):7.2f}")
+    if budget is not None:
+        plan = budget.stats()["plan"]
+        print("budget's plan:", plan.get("actions"), "max_inflight", plan.get("max_inflight"), "prefetch",
+              plan.get("prefetch"), "reserve GiB", round(plan.get("allocator_reserve_bytes", 0) / 2**30, 3),
+              "trims", plan.get("cache_trims"), "tried", [(t.get("actions"), t.get("max_inflight"), t.get("prefetch"),
+                                                             t.get("measured_step_s")) for t in plan.get("tried", [])])
+    if args.no_profile:
+        return 0
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, call, action in (("checkpoint", checkpointed, None), ("fast_recompute", plain, Action.RECOMPUTE)):
         h = forced(action) if action is not None else None
