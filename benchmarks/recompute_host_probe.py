@@ -20,7 +20,10 @@ shows 0.3-0.7 ms a layer (it varies with the machine's load).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
 from typing import Any
@@ -59,6 +62,26 @@ def _reserved_peak(rig: ForcedLlama, call: Any) -> int:
     return torch.cuda.max_memory_reserved()
 
 
+def _host_profile(rig: ForcedLlama, name: str, plans: list[tuple[str, list[Action], int, int]], steps: int) -> None:
+    """``steps`` steps of plan ``name`` (or of checkpointing) under cProfile: the functions by own
+    time, then by cumulative time."""
+    forced = {n: (a, w, pf) for n, a, w, pf in plans}
+    h = rig.forced(*forced[name]) if name != "checkpoint" else None
+    call = rig.checkpointed if h is None else plain
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        rig.step(call, i)
+    prof.disable()
+    if h is not None:
+        h.remove()
+    print(f"== cProfile {name}, {steps} steps")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(32)
+        print(text.getvalue())
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the tiny model)")
@@ -71,6 +94,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--budget", action="store_true",
                    help="also time a fast offloader left to choose, its memory_budget checkpointing's reserved peak (CUDA)")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
+    p.add_argument("--cprofile", action="append", default=[], metavar="NAME",
+                   help="also run --steps steps of this plan (or 'checkpoint') under cProfile: where its host time goes")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("recompute_host_probe: no CUDA here; pass --device cpu", file=sys.stderr)
@@ -112,6 +137,8 @@ def main(argv: list[str]) -> int:
               plan.get("prefetch"), "reserve GiB", round(plan.get("allocator_reserve_bytes", 0) / 2**30, 3),
               "trims", plan.get("cache_trims"), "tried", [(t.get("actions"), t.get("max_inflight"), t.get("prefetch"),
                                                              t.get("measured_step_s")) for t in plan.get("tried", [])])
+    for name in args.cprofile:
+        _host_profile(rig, name, plans, args.steps)
     if args.no_profile:
         return 0
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
