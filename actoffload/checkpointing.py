@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -39,10 +40,17 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
     version is checked before each recomputation (not after: the recomputation may itself
     write what it saves again).
     """
-    seen: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
+    seen: list[tuple[torch.Tensor, int, torch.Size]] = []
+    guarding: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor guarded, while it lives
 
     def saw(t: torch.Tensor) -> None:
         see(t)
+        # A tensor saved again (a layer's input, by each projection) needs no second guard: its
+        # first save's version is the earliest, and versions only grow, so that check is the strictest
+        ref = guarding.get(id(t))
+        if ref is not None and ref() is t:
+            return
+        guarding[id(t)] = weakref.ref(t)
         seen.append(guarded(group, t))
 
     modes = []
@@ -77,7 +85,7 @@ def _outside_modes(f: Callable[..., Any]) -> Callable[..., Any]:
     return outside
 
 
-def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Size]:
     if t.is_nested:
         raise RuntimeError(
             f"group {group.name!r} is being recomputed (fast's warm-up, or a memory_budget's plan), but "
@@ -88,7 +96,7 @@ def _guarded(group: Group, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[in
         guard = compat.version_guard(t)
     except RuntimeError:  # a kind whose data cannot be swapped out (sparse): hold it whole
         guard = t.detach()
-    return guard, t._version, tuple(t.shape)
+    return guard, t._version, t.shape
 
 
 class WouldSave:

@@ -224,6 +224,36 @@ def test_warmup_recomputing_detects_a_write_through_any_view_of_a_save_R6():
                 handle.remove()
 
 
+def test_warmup_recomputing_checks_a_tensor_saved_twice_by_its_first_save_R6():
+    """A tensor saved twice is guarded once, at its first save: a write between the two saves
+    raises as autograd raises (the first save's version is stale), and so does one after both."""
+
+    class SavesTwice(torch.nn.Module):
+        def __init__(self, write_between: bool):
+            super().__init__()
+            self.write_between = write_between
+
+        def forward(self, x):
+            e = x * 2
+            a = e.sin()  # saves e
+            if self.write_between:
+                e.mul_(3)
+            return a + e.cos(), e  # cos saves e again; e is handed back
+
+    for write_between in (True, False):
+        for off in (None, _warming()):
+            module = SavesTwice(write_between)
+            handle = ao.wrap(module, off) if off is not None else None
+            y, e = module(torch.randn(8, D, requires_grad=True) * 1)
+            if not write_between:
+                e.add_(1)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
+                y.sum().backward()
+            if handle is not None:
+                assert off.stats()["groups"]["0"].get("recomputed")
+                handle.remove()
+
+
 def test_warmup_checks_R6_before_recomputing_not_after():
     """A forward that writes a buffer and saves it writes it again when recomputed: only a
     write between the forward and the recomputation is the user's (none here)."""
