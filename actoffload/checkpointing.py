@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import weakref
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -25,12 +24,12 @@ def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeErr
     )
 
 
-def contexts(group: Group, see: Callable[[torch.Tensor], None],
+def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
              recomputation: Callable[[], ContextManager[None]], meter: OpMeter | None = None,
              store: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None) -> tuple[Any, Any]:
     """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
-    on to checkpoint's hooks, shown to ``see`` on the way; each recomputation in backward
-    runs inside ``recomputation()``, after the version check. A ``group.selective`` keeps its
+    on to checkpoint's hooks, shown to ``see`` on the way (``None``: nothing watches); each
+    recomputation in backward runs inside ``recomputation()``, after the version check. A ``group.selective`` keeps its
     costly ops' outputs and recomputes the rest (:func:`actoffload.selective.contexts`), each
     one stored by ``store``'s pack and unpack (the group's own: it moves them as it moves its
     saves); a ``meter`` measures those ops (profiling).
@@ -41,18 +40,6 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
     write what it saves again).
     """
     seen: list[tuple[torch.Tensor, int, torch.Size]] = []
-    guarding: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor guarded, while it lives
-
-    def saw(t: torch.Tensor) -> None:
-        see(t)
-        # A tensor saved again (a layer's input, by each projection) needs no second guard: its
-        # first save's version is the earliest, and versions only grow, so that check is the strictest
-        ref = guarding.get(id(t))
-        if ref is not None and ref() is t:
-            return
-        guarding[id(t)] = weakref.ref(t)
-        seen.append(guarded(group, t))
-
     modes = []
     if group.selective:
         modes.append(selective.contexts(calls=group.selective_calls) if store is None else
@@ -61,6 +48,14 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None],
         modes.append((meter.forward(), meter.recomputation()))
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes
     guarded = _outside_modes(_guarded) if modes else _guarded
+
+    if see is None:
+        def saw(t: torch.Tensor) -> None:
+            seen.append(guarded(group, t))
+    else:
+        def saw(t: torch.Tensor) -> None:
+            see(t)
+            seen.append(guarded(group, t))
 
     recomputing = [r for _, r in modes]
 

@@ -280,7 +280,7 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
         """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
-        return checkpointing.contexts(group, partial(self.plan.saved_under_checkpoint, group),
+        return checkpointing.contexts(group, self.plan.checkpoint_saves_observer(group),
                                       partial(self.plan.recomputation, group), self.plan.op_meter(group),
                                       (partial(self._pack, group), self._unpack))
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
@@ -143,8 +143,11 @@ class Plan:
         """Bytes ``group`` may move at its commit, largest spans first (``None``: no limit)."""
         return None
 
-    def saved_under_checkpoint(self, group: Group, t: torch.Tensor) -> None:
-        """A tensor the checkpointed forward of recomputed ``group`` saved (checkpoint drops it)."""
+    def checkpoint_saves_observer(self, group: Group) -> Callable[[torch.Tensor], None] | None:
+        """What is shown each tensor the checkpointed forward of recomputed ``group`` saves
+        (checkpoint drops them), or ``None``: nothing watches (asked once per forward, so
+        that the saves of a plan that does not watch cost no call)."""
+        return None
 
     def recomputation(self, group: Group) -> ContextManager[Any]:
         """Entered around each recomputation of ``group``'s forward in backward."""

@@ -12,7 +12,7 @@ blocks it reserves are the ones those commits will take.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,9 +68,8 @@ class WarmUp(Plan):
         """Whether this step's recomputed groups size the host blocks (the first warm-up step's)."""
         return self.warming and self._sizing_step in (None, self.steps)
 
-    def saved_under_checkpoint(self, group: Group, t: torch.Tensor) -> None:
-        if isinstance(group.plan_state, WouldSave):
-            group.plan_state.see(t)
+    def checkpoint_saves_observer(self, group: Group) -> Callable[[torch.Tensor], None] | None:
+        return group.plan_state.see if isinstance(group.plan_state, WouldSave) else None
 
     def committed(self, group: Group, saves: policy.SavePlan) -> None:
         would = group.plan_state

@@ -369,10 +369,13 @@ _PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
 def _immutable(value: Any) -> bool:
-    """``None``, a bool, int, float or str (or a subclass), or a tuple of such."""
-    if type(value) in _PLAIN_TYPES or value is None or isinstance(value, (bool, int, float, str)):
+    """``None``, a bool, int, float or str (or a subclass), or a tuple of such. Asked of the
+    value's own type: ``isinstance`` would also read ``__class__`` through the object, which
+    some classes make costly (transformers' configs) or make lie."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES or issubclass(kind, (bool, int, float, str)):
         return True
-    return isinstance(value, tuple) and all(_immutable(v) for v in value)
+    return issubclass(kind, tuple) and all(_immutable(v) for v in value)
 
 
 def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:

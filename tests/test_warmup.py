@@ -224,9 +224,9 @@ def test_warmup_recomputing_detects_a_write_through_any_view_of_a_save_R6():
                 handle.remove()
 
 
-def test_warmup_recomputing_checks_a_tensor_saved_twice_by_its_first_save_R6():
-    """A tensor saved twice is guarded once, at its first save: a write between the two saves
-    raises as autograd raises (the first save's version is stale), and so does one after both."""
+def test_warmup_recomputing_checks_a_tensor_saved_twice_R6():
+    """A tensor saved twice: a write between the two saves raises as autograd raises (the
+    first save's version is stale), and so does one after both."""
 
     class SavesTwice(torch.nn.Module):
         def __init__(self, write_between: bool):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -169,9 +169,9 @@ class BudgetPlan(Plan):
     def inputs_written(self, group: Group) -> None:
         self._written.add(group.plan_state.position)
 
-    def saved_under_checkpoint(self, group: Group, t: torch.Tensor) -> None:
-        if group.plan_state.would_save is not None:
-            group.plan_state.would_save.see(t)
+    def checkpoint_saves_observer(self, group: Group) -> Callable[[torch.Tensor], None] | None:
+        would_save = group.plan_state.would_save
+        return would_save.see if would_save is not None else None
 
     @contextlib.contextmanager
     def recomputation(self, group: Group) -> Iterator[None]:
