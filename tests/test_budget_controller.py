@@ -744,6 +744,40 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
+def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
+    """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
+    it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of
+    its steps to the next; a step of the shorter, which can, begins by giving that cache back,
+    else it would reserve what the longer one did."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    small = Profile((GroupProfile("g", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=2e-3,
+                                  forward_extra=2 * MiB, backward_extra=2 * MiB),) * 4,
+                    base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=MiB)
+    long_least = min(p.peak for p in _controller(1 << 40).plans)
+    budget = long_least - 20 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    with pytest.raises(BudgetTooSmall):
+        long.adopt_profile(_profile())
+    short.adopt_profile(small)
+    assert long.too_small is not None and short.too_small is None
+
+    def step(c: BudgetController, allocated: int, cached: int) -> None:
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = allocated, cached
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = allocated + cached  # what the step leaves cached
+
+    step(long, long_least, 10 * MiB)  # over the budget, as it must
+    trims = probe.trims
+    step(long, long_least, 10 * MiB)
+    assert probe.trims == trims  # its own cache, kept: giving it back would change nothing
+    step(short, BASE + 40 * MiB, 5 * MiB)
+    assert probe.trims == trims + 1 and probe.peak_reserved() <= budget
+    step(short, BASE + 40 * MiB, 5 * MiB)
+    assert probe.trims == trims + 1  # within the budget: its cache stays
+
+
 def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:
     """Another workload's step, beginning with ``at`` bytes reserved, grows the cache by ``by``
     bytes beyond its allocated peak of ``at``."""
@@ -842,22 +876,30 @@ def test_controller_a_forced_plan_let_go_where_no_plan_fits_any_more_raises_and_
 def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
     """Over the budget with no plan reaching it, the same plan running on: the cache stays (no
     step pays its allocations again); over it as the plan changes, or beginning over it after
-    something between the steps grew it: given back. The CPU has no cache."""
+    something between the steps grew it: given back; and beginning over it where the workload
+    can reach the budget (another workload's step that cannot left it so). The CPU has no cache."""
     probe = FakeProbe()
     reserve = AllocatorReserve()
     budget = 1000 * MiB
-    reserve.step_begins(probe, budget)  # the first: 1 trim
+    reserve.step_begins(probe, budget, reachable=False)  # the first: 1 trim
     reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
     for _ in range(3):  # the least plan, over the budget, again and again
         probe.reserved_bytes = 1050 * MiB
-        reserve.step_begins(probe, budget)
+        reserve.step_begins(probe, budget, reachable=False)
         assert not reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
     assert probe.trims == 1
-    reserve.plan_changed(probe)  # over it, and another plan follows
+    reserve.step_begins(probe, budget)  # a workload that can reach it (a shorter length), on that cache
+    assert probe.trims == 2 and probe.reserved_bytes == BASE
+    reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=950 * MiB)
+    probe.reserved_bytes = 950 * MiB
+    reserve.step_begins(probe, budget)  # within the budget: its own cache stays
     assert probe.trims == 2
+    reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
+    reserve.plan_changed(probe)  # over it, and another plan follows
+    assert probe.trims == 3
     probe.reserved_bytes = 1100 * MiB  # an evaluation forward's cache, over the budget and the last peak
     reserve.step_begins(probe, budget)
-    assert probe.trims == 3
+    assert probe.trims == 4
     cpu = FakeProbe(cuda=False)
     AllocatorReserve().step_begins(cpu, budget=1)
     assert cpu.trims == 0

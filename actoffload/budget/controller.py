@@ -431,7 +431,7 @@ class BudgetController:
                 self._choose_before_step()
         if self._beginning:
             self._raise_found()  # found where raising would break the pass
-        self._reserve.step_begins(self._probe, self._budget)
+        self._reserve.step_begins(self._probe, self._budget, reachable=self.too_small is None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's

@@ -17,9 +17,12 @@ loop's: before the first step (a loader's blocks), and before a step that begins
 reserved than the last step's peak (beyond the base tolerance: something between the steps grew
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
-for it. A step over the budget whose plan does not change (no plan reaches the budget) leaves
-the cache alone: emptying it would cost every step its allocations and change nothing. Each
-workload's controller shares one reserve: they share one allocator.
+for it; and before a step of a workload that can reach the budget, where the cache is over it
+(another workload's step that cannot reach it left it so: else every later step, however small,
+would reserve what that one did). A step over the budget whose plan does not change (no plan
+reaches the budget) leaves the cache alone for the next step of its own: emptying it would cost
+every step its allocations and change nothing. Each workload's controller shares one reserve:
+they share one allocator.
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ class AllocatorReserve:
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
 
-    def step_begins(self, probe: Any, budget: int) -> None:
-        """A step begins: give back a cache that is not the loop's (see the module), and note
-        what is reserved now."""
+    def step_begins(self, probe: Any, budget: int, reachable: bool = True) -> None:
+        """A step begins: give back a cache that is not the loop's, or over the budget where the
+        step's workload can reach it (see the module), and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
-        if self.trims == 0 or now > self._last_peak + base_tolerance(budget):
+        if self.trims == 0 or now > self._last_peak + base_tolerance(budget) or (reachable and now > budget):
             self._give_back(probe)
         self._over = False
         self._start = probe.reserved()
