@@ -1,20 +1,25 @@
 """Where a plan that recomputes every layer loses to torch's checkpoint on transformers' SDPA
 Llama (a diagnostic, not a test): steps of no offloading, of ``torch.utils.checkpoint`` around
-each layer (as ``budget_sweep`` runs it), and of ``fast`` under a memory budget made to recompute
-every layer and to keep every layer (``BudgetController.force``), in three alternating rounds;
-for each, the median step time and the host's time to issue it (until ``backward()`` returns).
-Then one step each of checkpointing and of fast recomputing, under ``torch.profiler``.
+each layer (as ``budget_sweep`` runs it), and of ``fast`` under a memory budget made to run a
+plan (``BudgetController.force``: by default recomputing every layer, and keeping every layer;
+``--plan NAME=CODES/W/PF`` for others), and with ``--budget`` one left to choose at
+checkpointing's reserved peak, in alternating rounds; for each, the median step time and the
+host's time to issue it (until ``backward()`` returns). Then ``--cprofile NAME``: a plan's steps
+under cProfile; and one step each of checkpointing and of fast recomputing, under
+``torch.profiler``.
 
     PYTHONPATH=. python benchmarks/recompute_host_probe.py [--device cpu] > OUT-log.txt
+    PYTHONPATH=. python benchmarks/recompute_host_probe.py --plan R=R/0/0 --plan Q=Q/1/1 --budget --cprofile R
 
 On an H200 at e746ed5 (``benchmarks/results/*-e746ed5-recompute-host-probe-log.txt``): no
 offloading 61.8 ms (host 39.5), checkpointing 80.5 (host 72.4), fast recomputing 90.3 (host
 82.2), fast keeping 63.2 (host 45.6). The device's time is the same for checkpointing and fast
 recomputing (71.8 and 71.6 ms of kernels); the step waits on the host, about 1.2 ms more a
-layer. At d73a67d (``*-d73a67d-recompute-host-probe-log.txt``), after the work on the
-recomputed group's host costs: no offloading 62.6 ms (host 32.7), checkpointing 78.2 (host
-61.6), fast recomputing 79.8 (host 67.3), fast keeping 62.5 (host 33.3): 1.02x checkpointing. On the CPU machine (``--device cpu``, the tiny model, one thread) the same comparison
-shows 0.3-0.7 ms a layer (it varies with the machine's load).
+layer. At d73a67d, after the work on the recomputed group's host costs: checkpointing 78.2
+(host 61.6), fast recomputing 79.8 (host 67.3): 1.02x. At a16c714, b84b9de, 27aec91 and
+6a9b00c, 1.08-1.11x (the host 6-12 ms a step behind checkpointing's; see benchmarks/README.md).
+On the CPU machine (``--device cpu``, the tiny model, one thread) the same comparison shows
+0.3-0.7 ms a layer (it varies with the machine's load).
 """
 
 from __future__ import annotations
