@@ -57,20 +57,22 @@ def main() -> int:
         step = 1000
         for label, patched in (("alone", False), ("alternating", False), ("alternating, cache kept", True)):
             if patched:
-                def kept(self, probe, budget, _orig=give_back):
+                def kept(self, probe, budget, reachable=True, _orig=give_back):
                     if self.trims == 0:
-                        return _orig(self, probe, budget)
+                        return _orig(self, probe, budget, reachable)
                     self._over = False
                     self._start = probe.reserved()
                 reserve_module.AllocatorReserve.step_begins = kept
             print(f"-- {label}")
-            for _ in range(8):
-                if label != "alone":
-                    rival.step(step)
+            try:
+                for _ in range(8):
+                    if label != "alone":
+                        rival.step(step)
+                        step += 1
+                    print("  " + _line(run, step))
                     step += 1
-                print("  " + _line(run, step))
-                step += 1
-            reserve_module.AllocatorReserve.step_begins = give_back
+            finally:
+                reserve_module.AllocatorReserve.step_begins = give_back
         run = rival = None
         bs._empty_caches(device)
     return 0

@@ -772,10 +772,31 @@ def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_rea
     trims = probe.trims
     step(long, long_least, 10 * MiB)
     assert probe.trims == trims  # its own cache, kept: giving it back would change nothing
-    step(short, BASE + 40 * MiB, 5 * MiB)
-    assert probe.trims == trims + 1 and probe.peak_reserved() <= budget
+    short.step_begins()
+    assert probe.trims == trims + 1 and probe.reserved_bytes == BASE  # given back before its first group
+    probe.peak_bytes, probe.cached_bytes = BASE + 40 * MiB, 5 * MiB
+    probe.advance(short.plan.step_s)
+    short.backward_ends()
+    probe.reserved_bytes = BASE + 45 * MiB
     step(short, BASE + 40 * MiB, 5 * MiB)
     assert probe.trims == trims + 1  # within the budget: its cache stays
+
+
+def test_controller_a_plan_that_runs_over_the_budget_anyway_keeps_its_cache_from_step_to_step():
+    """Where the margins rule out every plan without the budget itself being out of reach (no
+    BudgetTooSmall), the least memory runs, over the budget: its cache is not given back at every
+    step (that would change nothing), only at the first."""
+    least = min(p.peak for p in _controller(1 << 40).plans)
+    probe = FakeProbe()
+    c = _controller(least + 2 * MiB, probe=probe, profiled_peak=least + MiB)
+    for _ in range(8):
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = c.plan.peak + MiB, 2 * MiB
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = probe.peak_bytes + probe.cached_bytes
+    assert c.too_small is None and probe.peak_reserved() > c.budget
+    assert probe.trims == 1
 
 
 def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:

@@ -431,7 +431,7 @@ class BudgetController:
                 self._choose_before_step()
         if self._beginning:
             self._raise_found()  # found where raising would break the pass
-        self._reserve.step_begins(self._probe, self._budget, reachable=self.too_small is None)
+        self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget())
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -442,6 +442,16 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
+
+    def _reaches_budget(self) -> bool:
+        """Whether this step's plan is judged within the budget (a step profiling: not known,
+        taken to): a cache over the budget is then given back as the step begins, being no
+        use to it. Not where no plan reaches it, nor where the plan runs over it anyway (the
+        least memory where the margins rule out every plan; a forced plan): there emptying it
+        at every step would change nothing."""
+        if self.too_small is not None or self._forced is not None:
+            return False
+        return self._plan is None or self._step is not None or self._fits_now(self._plan)
 
     def _raise_found(self) -> None:
         """Raise the :class:`BudgetTooSmall` found where raising was not safe, once."""

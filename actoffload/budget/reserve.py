@@ -17,12 +17,14 @@ loop's: before the first step (a loader's blocks), and before a step that begins
 reserved than the last step's peak (beyond the base tolerance: something between the steps grew
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
-for it; and before a step of a workload that can reach the budget, where the cache is over it
-(another workload's step that cannot reach it left it so: else every later step, however small,
-would reserve what that one did). A step over the budget whose plan does not change (no plan
-reaches the budget) leaves the cache alone for the next step of its own: emptying it would cost
-every step its allocations and change nothing. Each workload's controller shares one reserve:
-they share one allocator.
+for it; and before a step whose plan is judged within the budget (or is being profiled), where
+the cache is over it: another workload's step that cannot reach the budget left it so (else
+every later step, however small, would reserve what that one did), or a cache that served the
+plan's steps over the budget, which say nothing of its share (else it would go on fitting as
+judged and running over). A step over the budget whose plan runs over it anyway (no plan reaches
+the budget; the margins rule out every plan; a forced plan) leaves the cache alone for the next
+step of its own: emptying it would cost every step its allocations and change nothing. Each
+workload's controller shares one reserve: they share one allocator.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class AllocatorReserve:
 
     def step_begins(self, probe: Any, budget: int, reachable: bool = True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
-        step's workload can reach it (see the module), and note what is reserved now."""
+        step's plan is ``reachable`` within it (see the module), and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
