@@ -29,10 +29,10 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
              store: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None) -> tuple[Any, Any]:
     """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
     on to checkpoint's hooks, shown to ``see`` on the way (``None``: nothing watches); each
-    recomputation in backward runs inside ``recomputation()``, after the version check. A ``group.selective`` keeps its
-    costly ops' outputs and recomputes the rest (:func:`actoffload.selective.contexts`), each
-    one stored by ``store``'s pack and unpack (the group's own: it moves them as it moves its
-    saves); a ``meter`` measures those ops (profiling).
+    recomputation in backward runs inside ``recomputation()``, after the version check. A
+    ``group.selective`` keeps its costly ops' outputs and recomputes the rest
+    (:func:`actoffload.selective.contexts`), each one stored by ``store``'s pack and unpack (the
+    group's own: it moves them as it moves its saves); a ``meter`` measures those ops (profiling).
 
     Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
     saved tensor after its save would go unnoticed where autograd raises (R6): each save's
