@@ -3,8 +3,8 @@ results (a diagnostic, not a test): for each budget cell of ``budget_sweep`` JSO
 controller adopts the profile the cell ended with, under the cell's budget, with the allocator's
 share its profiling steps showed as its reserve, and runs steps that take each plan's modelled
 time (times ``--factor``) and allocate its modelled peak. Each step lasts that long on the host's
-clock too (unless ``--no-sleep``), and the planning process answers as it would beside a GPU's
-steps. A plan's first step pins no host memory, or with ``--pin`` every plan's first step does
+clock too, and the planning process answers as it would beside a GPU's steps (with
+``--no-sleep`` the steps take no host time, and the planning runs in this process). A plan's first step pins no host memory, or with ``--pin`` every plan's first step does
 (the sweep records no count: on a GPU a plan moving spans of sizes its pool has not held pins).
 It prints the steps until the plan settled (profiling's two counted, as the sweep counts them)
 beside what the GPU run took.
@@ -104,10 +104,11 @@ def profile_of(stats: dict[str, Any]) -> Profile:
                    stats["outside_extra"], tuple(Whole(**w) for w in stats["wholes"]))
 
 
-def replaying(cell: dict[str, Any]) -> tuple[BudgetController, ReplayProbe]:
+def replaying(cell: dict[str, Any], asynchronous: bool = True) -> tuple[BudgetController, ReplayProbe]:
     """A controller under one budget cell's budget that adopted the profile the cell ended with,
     its reserve the allocator's share the cell's first step showed, and the probe its steps
-    run on. Raises KeyError or TypeError where the cell has no profile (an older sweep's), and
+    run on (``asynchronous``: planning in a helper process, as beside a GPU; else in this
+    one). Raises KeyError or TypeError where the cell has no profile (an older sweep's), and
     BudgetTooSmall where no plan fits.
 
     Example::
@@ -119,6 +120,7 @@ def replaying(cell: dict[str, Any]) -> tuple[BudgetController, ReplayProbe]:
     first = cell["early_steps"][0]
     share = first["reserved_peak_bytes"] - first["peak_bytes"]
     probe = ReplayProbe(profile.base, share, profile.d2h_bps)
+    probe.asynchronous = asynchronous
     controller = BudgetController(cell["budget_bytes"], torch.device("cpu"), probe=probe)
     controller.reserve.bytes = share  # as the profiling steps measured it, before the plan is chosen
     controller.adopt_profile(profile, cell["plan"]["profiled_peak_bytes"])
@@ -147,6 +149,8 @@ def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, pin: 
            most: int = 30) -> int | str:
     """Steps until the plan of one budget cell (a ``fast_budget`` entry of a sweep) settled,
     profiling's counted; or why it did not. ``pin``: every plan's first step pins host memory.
+    Without ``sleep`` the steps take no host time, so a planning process would not answer
+    within them: the planning runs in this process instead.
 
     Example::
 
@@ -154,7 +158,7 @@ def replay(cell: dict[str, Any], factor: float = 1.02, sleep: bool = True, pin: 
         replay(cell, sleep=False)   # 8, say
     """
     try:
-        controller, probe = replaying(cell)
+        controller, probe = replaying(cell, asynchronous=sleep)
         pinning: set[Any] | None = set() if pin else None
         for n in range(most):
             step(controller, probe, factor, sleep, pinning)
@@ -172,7 +176,8 @@ def main() -> None:
     parser.add_argument("sweeps", nargs="+", type=Path, help="budget_sweep JSON files")
     parser.add_argument("--factor", type=float, default=1.02, help="steps take their modelled time times this")
     parser.add_argument("--no-sleep", dest="sleep", action="store_false",
-                        help="steps take no host time (the planning process then answers later, in steps)")
+                        help="steps take no host time (and the planning runs in this process: a helper "
+                             "process would not answer within steps that take none)")
     parser.add_argument("--pin", action="store_true", help="every plan's first step pins host memory")
     args = parser.parse_args()
     for path in args.sweeps:

@@ -26,14 +26,13 @@ def test_a_cells_profile_is_read_back_whole(cells):
     assert profile.groups[1].spans == tuple(stats["groups"][1]["spans"]) and profile.base == stats["base"]
 
 
-def test_a_cell_replayed_settles_and_counts_its_profiling_steps(cells, monkeypatch):
-    monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)  # planning in this process: no helper to start
+def test_a_cell_replayed_settles_and_counts_its_profiling_steps(cells):
+    # steps that take no host time plan in this process (a helper process would not answer within them)
     steps = settle_replay.replay(cells[1], sleep=False)
     assert isinstance(steps, int) and settle_replay.PROFILE_STEPS < steps <= 10
 
 
-def test_a_replay_whose_plans_pin_host_memory_in_their_first_step_still_settles(cells, monkeypatch):
-    monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)
+def test_a_replay_whose_plans_pin_host_memory_in_their_first_step_still_settles(cells):
     unpinned = settle_replay.replay(cells[1], sleep=False)
     pinned = settle_replay.replay(cells[1], sleep=False, pin=True)
     assert isinstance(pinned, int) and pinned >= unpinned  # a first step that pinned is not timed
@@ -44,7 +43,7 @@ def test_a_cell_of_an_older_sweep_says_why_it_cannot_be_replayed(cells):
     assert settle_replay.replay(cell, sleep=False).startswith("not replayable")
 
 
-def test_at_a_budget_near_the_least_memory_the_gpt_moe_runs_its_fastest_plan_improved(monkeypatch):
+def test_at_a_budget_near_the_least_memory_the_gpt_moe_runs_its_fastest_plan_improved():
     """The GPT-MoE of the sweep at 6f3d25a, its budget 1 MiB under checkpointing's reserved
     peak (within 1.5% of the least reachable): the search's fastest plan within the budget
     recomputed every group with its inputs moved out (236 ms modelled, 1.31x checkpointing on
@@ -54,8 +53,7 @@ def test_at_a_budget_near_the_least_memory_the_gpt_moe_runs_its_fastest_plan_imp
     sweep = json.loads((ROOT / "benchmarks/results/NVIDIA-H200-2026-11-29-6f3d25a-budget-sweep.json").read_text())
     moe = next(w for w in sweep["workloads"] if w["workload"] == "gpt_moe")
     cell = next(b for b in moe["budgets"] if b.get("under_checkpoint_all"))
-    monkeypatch.setattr(settle_replay.ReplayProbe, "asynchronous", False)
-    c, probe = settle_replay.replaying(cell)
+    c, probe = settle_replay.replaying(cell, asynchronous=False)  # planning in this process: no helper to start
     unimproved = min(p.step_s for p in search.candidates(c.profile) if p.peak <= c._limits()[0])
     for _ in range(6):
         settle_replay.step(c, probe)
