@@ -46,15 +46,19 @@ CODES = {"K": Action.KEEP, "R": Action.RECOMPUTE, "Q": Action.RECOMPUTE_OFFLOAD,
 DEFAULT_PLANS = ("fast_recompute=R/0/0", "fast_keep=K/0/0")
 
 
-def plan_of(spec: str, layers: int) -> tuple[str, list[Action], int, int]:
+def plan_of(spec: str, layers: int | None) -> tuple[str, list[Action], int, int]:
     """``NAME=CODES/MAX_INFLIGHT/PREFETCH``: one code a layer (``K`` keep, ``R`` recompute,
-    ``Q`` recompute with the inputs moved out, ``O`` offload), or one for every layer."""
+    ``Q`` recompute with the inputs moved out, ``O`` offload), or one for every layer
+    (``layers=None``: its form only, before the model is built)."""
     name, _, rest = spec.partition("=")
-    codes, w, pf = rest.split("/")
-    codes = codes * layers if len(codes) == 1 else codes
-    if len(codes) != layers or set(codes) - set(CODES):
-        raise SystemExit(f"recompute_host_probe: plan {spec!r} needs one of {''.join(CODES)} for each of {layers} layers")
-    return name, [CODES[c] for c in codes], int(w), int(pf)
+    parts = rest.split("/")
+    if not name or len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        raise SystemExit(f"recompute_host_probe: plan {spec!r} is not NAME=CODES/MAX_INFLIGHT/PREFETCH (R00=R/0/0, say)")
+    codes = parts[0] * (layers or 1) if len(parts[0]) == 1 else parts[0]
+    if (layers is not None and len(codes) != layers) or not codes or set(codes) - set(CODES):
+        each = f"each of {layers} layers" if layers is not None else "each layer (or one for all)"
+        raise SystemExit(f"recompute_host_probe: plan {spec!r} needs one of {''.join(CODES)} for {each}")
+    return name, [CODES[c] for c in codes], int(parts[1]), int(parts[2])
 
 
 def _reserved_peak(rig: ForcedLlama, call: Any) -> int:
@@ -105,10 +109,15 @@ def main(argv: list[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("recompute_host_probe: no CUDA here; pass --device cpu", file=sys.stderr)
         return 2
+    specs = args.plan or DEFAULT_PLANS
+    names = {plan_of(spec, None)[0] for spec in specs}  # bad input said before the model is built
+    unknown = [n for n in args.cprofile if n != "checkpoint" and n not in names]
+    if unknown:
+        raise SystemExit(f"recompute_host_probe: --cprofile {unknown[0]!r} names no --plan (nor 'checkpoint')")
     device = torch.device(args.device)
     rig = ForcedLlama(device)
     step, forced, checkpointed = rig.step, rig.forced, rig.checkpointed
-    plans = [plan_of(s, len(rig.workload.blocks)) for s in (args.plan or DEFAULT_PLANS)]
+    plans = [plan_of(spec, len(rig.workload.blocks)) for spec in specs]
 
     budget = None
     if args.budget and device.type == "cuda":
@@ -138,7 +147,7 @@ def main(argv: list[str]) -> int:
         print(f"{name:15s} step ms {statistics.median(s for _, s in v):7.2f}  host ms {statistics.median(h for h, _ in v):7.2f}")
     if budget is not None:
         plan = budget.stats()["plan"]
-        print("budget's plan:", plan.get("actions"), "max_inflight", plan.get("max_inflight"), "prefetch",
+        print("budget's plan:", [g["action"] for g in plan.get("groups", [])], "max_inflight", plan.get("max_inflight"), "prefetch",
               plan.get("prefetch"), "reserve GiB", round(plan.get("allocator_reserve_bytes", 0) / 2**30, 3),
               "trims", plan.get("cache_trims"), "tried", [(t.get("actions"), t.get("max_inflight"), t.get("prefetch"),
                                                              t.get("measured_step_s")) for t in plan.get("tried", [])])
