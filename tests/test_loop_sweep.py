@@ -47,6 +47,8 @@ def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
                         "steps_over_budget_allocated", "total_s", "vs_checkpoint_all", "bitwise", "plan_state",
                         "plan_settled", "steps_to_settle", "planning_s", "gc_s", "cache_trims",
                         "host_allocations"} <= set(cell)
+                if loop == "variable_length":
+                    assert cell["steps_over_budget_from_first_group"] is None  # no allocator
                 assert cell["max_step_reserved_bytes"] is None and cell["steps_over_budget"] is None  # no allocator
                 assert cell["total_s"] > 0 and cell["vs_checkpoint_all"] > 0 and cell["plan_state"]
                 assert cell["steps_to_settle"] and all(n is None or n >= 1 for n in cell["steps_to_settle"].values())
@@ -159,6 +161,15 @@ def test_each_method_reads_its_peaks_inside_the_peaks_context(monkeypatch):
         "reset_peak_memory_stats": staticmethod(lambda device=None: None)})())
     with loop.method(loop_sweep.Method("none")):
         loop.timed(lambda: None)
+
+
+def test_steps_over_the_budget_are_also_counted_in_the_offloaders_own_window():
+    """A step that begins on a cache over the budget and gives it back as its first group opens
+    is over in this sweep's window (from before its forward), within it in the offloader's."""
+    budget = 100
+    steps = [{"measured_reserved_peak_bytes": 120}, {"measured_reserved_peak_bytes": 90}, {}]
+    assert loop_sweep._over_from_first_group(steps, budget) == 1
+    assert loop_sweep._over_from_first_group([{"measured_reserved_peak_bytes": None}], budget) is None
 
 
 def test_steps_to_settle_counts_each_signatures_steps():

@@ -644,6 +644,14 @@ def _over(values: Sequence[int | None], budget: int) -> int | None:
     return sum(v > budget for v in known) if known else None
 
 
+def _over_from_first_group(plan_steps: Sequence[dict[str, Any]], budget: int) -> int | None:
+    """Steps whose reserved peak went over ``budget`` as the offloader reads it, from the step's
+    first group (``measured_reserved_peak_bytes``), where this sweep reads it from before the
+    step's forward: a cache over the budget that a step gives back as its first group opens
+    counts in this sweep's window, not in the offloader's (``None``: not measured, the CPU)."""
+    return _over([p.get("measured_reserved_peak_bytes") for p in plan_steps], budget)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -696,6 +704,7 @@ def _variable_verdicts(var: dict[str, Any]) -> dict[str, Any]:
             "max_step_reserved_bytes": b["max_reserved_bytes"], "max_step_allocated_bytes": b["max_allocated_bytes"],
             "steps_over_budget": _over(b["reserved_bytes"], budget),
             "steps_over_budget_allocated": _over(b["allocated_bytes"], budget),
+            "steps_over_budget_from_first_group": _over_from_first_group(b["plan_steps"], budget),
             "total_s": b["total_s"], "vs_checkpoint_all": _ratio(b["total_s"], ckpt_s),
             **compared(b["fingerprints"]), **_plan_figures(b)})
     return out
