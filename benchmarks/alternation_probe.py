@@ -57,7 +57,7 @@ def main() -> int:
         step = 1000
         for label, patched in (("alone", False), ("alternating", False), ("alternating, cache kept", True)):
             if patched:
-                def kept(self, probe, budget, reachable=True, _orig=give_back):
+                def kept(self, probe, budget, reachable=lambda: True, _orig=give_back):
                     if self.trims == 0:
                         return _orig(self, probe, budget, reachable)
                     self._over = False

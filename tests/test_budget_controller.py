@@ -902,11 +902,11 @@ def test_allocator_reserve_gives_the_cache_back_only_where_it_helps():
     probe = FakeProbe()
     reserve = AllocatorReserve()
     budget = 1000 * MiB
-    reserve.step_begins(probe, budget, reachable=False)  # the first: 1 trim
+    reserve.step_begins(probe, budget, reachable=lambda: False)  # the first: 1 trim
     reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
     for _ in range(3):  # the least plan, over the budget, again and again
         probe.reserved_bytes = 1050 * MiB
-        reserve.step_begins(probe, budget, reachable=False)
+        reserve.step_begins(probe, budget, reachable=lambda: False)
         assert not reserve.step_ended(probe, budget, allocated_peak=1020 * MiB, reserved_peak=1050 * MiB)
     assert probe.trims == 1
     reserve.step_begins(probe, budget)  # a workload that can reach it (a shorter length), on that cache

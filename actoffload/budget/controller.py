@@ -431,7 +431,7 @@ class BudgetController:
                 self._choose_before_step()
         if self._beginning:
             self._raise_found()  # found where raising would break the pass
-        self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget())
+        self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -917,8 +917,9 @@ class BudgetController:
 
     def _fits_now(self, plan: MemoryPlan) -> bool:
         """Whether ``plan`` fits the budget with the reserve as it is now, as :meth:`_fitting`
-        judges it (asked only when the reserve grew, so judging every candidate is no cost to
-        speak of; a plan no longer a candidate does not fit)."""
+        judges it (asked only when the reserve grew, or a step begins on a cache over the budget,
+        so judging every candidate is no cost to speak of; a plan no longer a candidate does not
+        fit)."""
         judged = self._judged_peaks(True)
         return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
 

@@ -29,7 +29,7 @@ workload's controller shares one reserve: they share one allocator.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .tolerances import base_tolerance
 
@@ -55,13 +55,14 @@ class AllocatorReserve:
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
 
-    def step_begins(self, probe: Any, budget: int, reachable: bool = True) -> None:
+    def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
-        step's plan is ``reachable`` within it (see the module), and note what is reserved now."""
+        step's plan is within it (``reachable()``, asked only then: see the module), and note what
+        is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
-        if self.trims == 0 or now > self._last_peak + base_tolerance(budget) or (reachable and now > budget):
+        if self.trims == 0 or now > self._last_peak + base_tolerance(budget) or (now > budget and reachable()):
             self._give_back(probe)
         self._over = False
         self._start = probe.reserved()
