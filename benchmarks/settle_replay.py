@@ -4,8 +4,9 @@ controller adopts the profile the cell ended with, under the cell's budget, with
 share its profiling steps showed as its reserve, and runs steps that take each plan's modelled
 time (times ``--factor``) and allocate its modelled peak. Each step lasts that long on the host's
 clock too, and the planning process answers as it would beside a GPU's steps (with
-``--no-sleep`` the steps take no host time, and the planning runs in this process). A plan's first step pins no host memory, or with ``--pin`` every plan's first step does
-(the sweep records no count: on a GPU a plan moving spans of sizes its pool has not held pins).
+``--no-sleep`` the steps take no host time, and the planning runs in this process). A plan's
+first step pins no host memory, or with ``--pin`` every plan's first step does (the sweep
+records no count: on a GPU a plan moving spans of sizes its pool has not held pins).
 It prints the steps until the plan settled (profiling's two counted, as the sweep counts them)
 beside what the GPU run took.
 

@@ -22,6 +22,17 @@ def _warming(**settings):
                            "warmup": "recompute", **settings})
 
 
+@contextlib.contextmanager
+def _recomputed_by(off, module):
+    """``module`` wrapped by ``off`` for the block (as it is where ``off`` is ``None``), which
+    must have recomputed it."""
+    handle = ao.wrap(module, off) if off is not None else None
+    yield
+    if handle is not None:
+        assert off.stats()["groups"]["0"].get("recomputed")
+        handle.remove()
+
+
 def _blocks(device="cpu", norm=False, d=D, h=H):
     torch.manual_seed(0)
     return torch.nn.ModuleList(
@@ -182,15 +193,12 @@ def test_warmup_recomputing_still_detects_a_saved_tensor_written_in_place_R6():
 
     for off in (None, _warming()):
         module = Exp()
-        handle = ao.wrap(module, off) if off is not None else None
-        x = torch.randn(8, D, requires_grad=True)
-        y = module(x * 1)
-        y.mul_(2)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place operation"):
-            y.sum().backward()
-        if handle is not None:
-            assert off.stats()["groups"]["0"].get("recomputed")
-            handle.remove()
+        with _recomputed_by(off, module):
+            x = torch.randn(8, D, requires_grad=True)
+            y = module(x * 1)
+            y.mul_(2)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place operation"):
+                y.sum().backward()
 
 
 def test_warmup_recomputing_detects_a_write_through_any_view_of_a_save_R6():
@@ -210,18 +218,15 @@ def test_warmup_recomputing_detects_a_write_through_any_view_of_a_save_R6():
     for make in (ExpThenView, SavesAView):
         for off in (None, _warming()):
             module = make()
-            handle = ao.wrap(module, off) if off is not None else None
-            x = torch.randn(8, D, requires_grad=True)
-            if make is SavesAView:
-                e, y = module(x * 1)
-                e[3:].mul_(2)  # through a view of the base of what sin saved
-                with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
-                    y.sum().backward()
-            else:
-                module(x * 1).sum().backward()  # its temporaries are gone: nothing to write through
-            if handle is not None:
-                assert off.stats()["groups"]["0"].get("recomputed")
-                handle.remove()
+            with _recomputed_by(off, module):
+                x = torch.randn(8, D, requires_grad=True)
+                if make is SavesAView:
+                    e, y = module(x * 1)
+                    e[3:].mul_(2)  # through a view of the base of what sin saved
+                    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
+                        y.sum().backward()
+                else:
+                    module(x * 1).sum().backward()  # its temporaries are gone: nothing to write through
 
 
 def test_warmup_recomputing_checks_a_tensor_saved_twice_R6():
@@ -243,15 +248,12 @@ def test_warmup_recomputing_checks_a_tensor_saved_twice_R6():
     for write_between in (True, False):
         for off in (None, _warming()):
             module = SavesTwice(write_between)
-            handle = ao.wrap(module, off) if off is not None else None
-            y, e = module(torch.randn(8, D, requires_grad=True) * 1)
-            if not write_between:
-                e.add_(1)
-            with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
-                y.sum().backward()
-            if handle is not None:
-                assert off.stats()["groups"]["0"].get("recomputed")
-                handle.remove()
+            with _recomputed_by(off, module):
+                y, e = module(torch.randn(8, D, requires_grad=True) * 1)
+                if not write_between:
+                    e.add_(1)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation|modified by an in-place"):
+                    y.sum().backward()
 
 
 def test_warmup_checks_R6_before_recomputing_not_after():
