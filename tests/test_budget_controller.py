@@ -744,29 +744,6 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
-def test_allocator_reserve_counts_a_step_begun_on_a_larger_cache_by_what_it_grew_it():
-    """Varying lengths: a short step that begins on the cache a long one left (larger than the
-    short step allocates) and grows it by 8 MiB adds those 8 MiB to the reserve, not its
-    reserved peak less its own small allocated peak (mostly the long step's cache); a step
-    that allocates more than it began with counts its whole share, as before."""
-    probe, reserve, budget = FakeProbe(), AllocatorReserve(), 8000 * MiB
-    reserve.step_begins(probe, budget)  # the first: on a clean cache
-    assert reserve.step_ended(probe, budget, allocated_peak=4000 * MiB, reserved_peak=5700 * MiB)
-    assert reserve.bytes == 1700 * MiB
-    probe.reserved_bytes = 5700 * MiB
-    reserve.step_begins(probe, budget)  # a short step on the long one's cache
-    assert reserve.step_ended(probe, budget, allocated_peak=3200 * MiB, reserved_peak=5708 * MiB)
-    assert reserve.bytes == 1708 * MiB  # not 2508
-    probe.reserved_bytes = 5708 * MiB
-    reserve.step_begins(probe, budget)  # one that allocates more than was cached as it began
-    assert reserve.step_ended(probe, budget, allocated_peak=5800 * MiB, reserved_peak=7800 * MiB)
-    assert reserve.bytes == 2000 * MiB
-    probe.reserved_bytes = 7800 * MiB
-    reserve.step_begins(probe, budget)  # on a larger cache, grown by more than the reserve and its growth say
-    assert not reserve.step_ended(probe, budget, allocated_peak=7000 * MiB, reserved_peak=7900 * MiB)
-    assert reserve.bytes == 2000 * MiB  # its whole share (900 MiB) is less than the reserve
-
-
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
     """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
     it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of

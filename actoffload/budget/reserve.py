@@ -8,11 +8,7 @@ step's requests could not reuse (freed blocks of other sizes, split blocks too s
 That difference is measured, not modelled: after a step whose reserved peak grew beyond what
 was reserved when it began (its cache did not serve it), its reserved peak less its allocated
 peak. The most seen is the **reserve**, added to every plan's peak before it is judged against
-the budget. A step its cache served says nothing new. A step that began on a cache larger than
-its allocated peak (a longer step's, in a loop of varying lengths) and grew it counts at most
-the reserve as it was plus what it grew: its reserved peak less its own allocated peak would be
-mostly the other step's cache, and would rule out, for every workload, plans that the cache
-and the budget leave room for. The cache a training loop builds over its
+the budget. A step its cache served says nothing new. The cache a training loop builds over its
 first steps serves the steps after (a cache warmed by every length serves them all), so it is
 kept: emptying it would make the next steps build it again, each growing it its own way.
 
@@ -78,14 +74,9 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
-        if reserved_peak <= self._start:
-            return False  # its cache served it
-        share = reserved_peak - allocated_peak
-        if self._start > allocated_peak:  # it began on a cache larger than it needed (see the module)
-            share = min(share, self.bytes + reserved_peak - self._start)
-        if share <= self.bytes:
-            return False  # it adds nothing
-        self.bytes = share
+        if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
+            return False  # its cache served it, or it adds nothing
+        self.bytes = reserved_peak - allocated_peak
         return True
 
     def plan_changed(self, probe: Any) -> None:
