@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint every block: {ckpt[0]:.1f} ms, allocated {_gib(ckpt[1])}, reserved {_gib(ckpt[2])}")
     off = ao.Offloader(impl="fast", device=device, memory_budget=int(a.budget_gib * (1 << 30)))
     handle = ao.wrap(w.blocks, off, parts=block_parts)
-    for i in range(PROFILE_STEPS + 1):
+    for i in range(PROFILE_STEPS + 12):  # profiled, then until the planning process's search answered
         try:
             w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
         except ao.BudgetTooSmall as e:
@@ -102,11 +102,23 @@ def main(argv: list[str] | None = None) -> int:
             w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
         for q in w.model.parameters():
             q.grad = None
-    c = off.plan.controller
+        c = off.plan.controller
+        if i >= PROFILE_STEPS and c.background_planning_s > 0:
+            break
     plans = list(c.plans)
     least = min(plans, key=lambda q: (q.peak, q.step_s))
-    print(f"{len(plans)} candidates; reserve {c.reserve.bytes / MiB:.0f} MiB; least modelled peak "
+    print(f"{len(plans)} candidates (the whole search's: {c.background_planning_s > 0}); reserve "
+          f"{c.reserve.bytes / MiB:.0f} MiB, margin {c.margin / MiB:.0f} MiB; least modelled peak "
           f"{least.peak / MiB:.0f} MiB at {least.step_s * 1e3:.1f} ms ({_summary(least)})")
+    # the least memory as the controller judges it where no plan fits: measured peaks for plans
+    # that ran, modelled ones with the margins for the others
+    print(f"  running: {_summary(c.plan) if c.plan is not None else None}; no plan reaches the budget: "
+          f"{c.too_small is not None}")
+    print("  least judged (bytes above the reserve, with the margins; m: measured):")
+    ran = {k for k in c._peaks}
+    for q in sorted(c._judged(True), key=lambda q: (q.peak, q.step_s))[:4]:
+        print(f"    {(q.peak - c.reserve.bytes) / MiB:.0f} MiB{' m' if q.key in ran else ''}, "
+              f"{q.step_s * 1e3:.1f} ms ({_summary(q)})")
     chosen: dict[str, Any] = {"least": least}
     for tol in TOLERANCES_MIB:
         near = [q for q in plans if q.peak <= least.peak + tol * MiB]
