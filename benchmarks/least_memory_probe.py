@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import actoffload as ao
+from actoffload.budget import BudgetTooSmall
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.tools import loop_sweep
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(PROFILE_STEPS + 12):  # profiled, then until the planning process's search answered
         try:
             w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
-        except ao.BudgetTooSmall as e:
+        except BudgetTooSmall as e:
             print(f"step {i}: {e}")
             w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
         for q in w.model.parameters():

@@ -799,6 +799,47 @@ def test_controller_a_plan_that_runs_over_the_budget_anyway_keeps_its_cache_from
     assert probe.trims == 1
 
 
+def _blocks_peaking_in_the_loss() -> Profile:
+    """Two modules of three parts, the step's peak in the head and loss: recomputing every
+    module whole with its inputs moved out peaks where recomputing every part so does, in a
+    third of the recomputations and moves."""
+    parts = [GroupProfile(str(i), spans=(16 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+             for i in range(6)]
+    return Profile(tuple(parts), base=BASE, outside_s=1e-3, d2h_bps=1e9, h2d_bps=1e9, outside_extra=512 * MiB,
+                   wholes=(Whole(0, 3, inputs=8 * MiB), Whole(3, 3, inputs=8 * MiB)))
+
+
+@pytest.mark.parametrize("measured_over_its_model", [0, MiB])
+def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_not_the_profiled_one(
+        measured_over_its_model):
+    """No plan reaches the budget: the least memory runs. The profiled plan (every part
+    recomputed, its inputs moved out) measured its modelled peak (or 1 MiB over it, which the
+    plans not yet run are then judged with); every module recomputed whole so models the same
+    peak, faster, and runs instead (the margins, which judge what fits, would have ranked it
+    behind the plan that ran)."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]  # the profiled plan comes last
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile, profiled.peak + measured_over_its_model)
+    c.step_begins()  # the least memory is chosen as the next step begins
+    assert c.plan.key != profiled.key and c.plan.step_s < profiled.step_s
+    assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
+    assert c.plan.peak == profiled.peak
+
+
+def test_controller_where_no_plan_fits_a_plan_measured_under_its_model_stays_the_least():
+    """The profiled plan measured 1 MiB under its model: it needs the least memory known, and
+    runs, though a plan not yet run is modelled faster at the profiled plan's modelled peak."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile, profiled.peak - MiB)
+    c.step_begins()
+    assert c.plan.key == profiled.key
+
+
 def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:
     """Another workload's step, beginning with ``at`` bytes reserved, grows the cache by ``by``
     bytes beyond its allocated peak of ``at``."""
