@@ -744,30 +744,6 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
 
 
-def test_allocator_reserve_gives_back_once_a_cache_a_step_grew_past_the_budget_without_building_it():
-    """No plan reaches the budget: a step that began on a cache earlier steps built (none given
-    back as it began) and grew it past the budget has it given back before the next step, once;
-    the step after, over the budget on the cache it built itself, keeps its cache, as do the
-    steps after it (emptying it would change nothing)."""
-    probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB
-    cannot = lambda: False  # noqa: E731 (no plan reaches the budget)
-    reserve.step_begins(probe, budget, reachable=cannot)  # the first: on a clean cache
-    reserve.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=980 * MiB)
-    probe.reserved_bytes = 980 * MiB
-    reserve.step_begins(probe, budget, reachable=cannot)  # within the budget: kept
-    assert probe.trims == 1
-    reserve.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=1100 * MiB)  # grew it past
-    probe.reserved_bytes = 1100 * MiB
-    reserve.step_begins(probe, budget, reachable=cannot)
-    assert probe.trims == 2 and probe.reserved_bytes == BASE
-    reserve.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=1050 * MiB)  # its own, over anyway
-    for _ in range(3):
-        probe.reserved_bytes = 1050 * MiB
-        reserve.step_begins(probe, budget, reachable=cannot)
-        reserve.step_ended(probe, budget, allocated_peak=900 * MiB, reserved_peak=1050 * MiB)
-    assert probe.trims == 2
-
-
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
     """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
     it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of

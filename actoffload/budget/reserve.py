@@ -23,12 +23,8 @@ every later step, however small, would reserve what that one did), or a cache th
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
 judged and running over). A step over the budget whose plan runs over it anyway (no plan reaches
 the budget; the margins rule out every plan; a forced plan) leaves the cache alone for the next
-step of its own: emptying it would cost every step its allocations and change nothing; but not
-where that step began on a cache not given back as it began and grew it past the budget: there
-the growth is the mixture's (on the loop sweep's decoder in accumulation, one micro-batch grew
-the cache from 7.62 to 9.57 GiB under an 8.13 GiB budget, where in another run the same plan's
-cache held 8.12), and it is given back once, before the next step. Each workload's controller
-shares one reserve: they share one allocator.
+step of its own: emptying it would cost every step its allocations and change nothing. Each
+workload's controller shares one reserve: they share one allocator.
 """
 
 from __future__ import annotations
@@ -58,21 +54,16 @@ class AllocatorReserve:
         self._last_peak = 0  # the latest step's reserved peak
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
-        self._began_on_own = False  # the latest step began on a cache given back as it began
 
     def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
-        step's plan is within it (``reachable()``, asked only then) or where the latest step grew
-        it past the budget without having built it (see the module), and note what is reserved now."""
+        step's plan is within it (``reachable()``, asked only then: see the module), and note what
+        is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
-        grown_past = self.cache_grew and not self._began_on_own  # the latest step grew a cache it did not build
-        trims = self.trims
-        if (self.trims == 0 or now > self._last_peak + base_tolerance(budget)
-                or (now > budget and (grown_past or reachable()))):
+        if self.trims == 0 or now > self._last_peak + base_tolerance(budget) or (now > budget and reachable()):
             self._give_back(probe)
-        self._began_on_own = self.trims > trims
         self._over = False
         self._start = probe.reserved()
 
