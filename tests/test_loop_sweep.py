@@ -193,6 +193,33 @@ def test_each_budget_step_says_what_the_host_did_meanwhile(run):
             assert all(set(r["gc"]) == {"passes", "oldest", "seconds"} for r in steps)
 
 
+def test_each_budget_records_every_signatures_controller_with_a_profile_that_rebuilds(run):
+    """Per budget run, every signature seen (not only the latest step's, which ``plan`` holds):
+    its steps, the plans it ran and the profile they were modelled on, which
+    ``benchmarks/settle_replay.py``'s reader makes into the same Profile, plans and all."""
+    import sys
+    from pathlib import Path
+
+    from actoffload.budget import search
+    from actoffload.budget.costmodel import Profile
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from settle_replay import profile_of
+
+    doc, _ = run
+    for w in doc["workloads"]:
+        var = w["variable_length"]
+        for b in var["budgets"] + w["accumulation"]["budgets"]:
+            seen = {r["signature"] for r in b["plan_steps"] if r["signature"]}
+            assert {r["signature"] for r in b["workloads"]} == seen
+            assert sum(r["steps"] for r in b["workloads"]) >= len(b["plan_steps"]) - 1
+            for r in b["workloads"]:
+                assert r["memory_budget"] == b["budget_bytes"] and r["state"] and r["actions"]
+                profile = profile_of(r["profile"])
+                assert isinstance(profile, Profile) and len(profile.groups) == len(r["actions"])
+                assert search.candidates(profile)  # a profile the search plans on, as the run's did
+        assert len(var["budgets"][0]["workloads"]) == len(set(var["lengths"]))  # one signature a length
+
+
 def test_the_warm_up_runs_fast_under_a_budget_before_any_method(monkeypatch):
     """What a process does once for a budget (compiling fast's kernels, measuring the bus) is
     done in the warm-up, so that the first budget measured does not pay it alone."""

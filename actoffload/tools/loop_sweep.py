@@ -351,6 +351,27 @@ def _plan_summary(off: ao.Offloader) -> dict[str, Any]:
     return out
 
 
+def workload_records(off: ao.Offloader) -> list[dict[str, Any]]:
+    """Each signature's controller as a run left it (its ``stats()``: the profile its plans are
+    modelled on, the plans it ran with their measured peaks and times, the plan, the budget, the
+    margin and the reserve), so that why a signature settled where it did can be looked into on
+    the CPU (``benchmarks/settle_replay.py`` reads a profile so). The latest step's signature
+    alone is in ``stats()["plan"]``.
+
+    Example::
+
+        records = workload_records(off)   # [{"signature": "[4, 2048, 2048] ...", "profile": {...}, ...}, ...]
+    """
+    out = []
+    for wl in off.plan.workloads.workloads:
+        stats = wl.controller.stats()
+        out.append({"signature": str(wl.signature), "tokens": wl.signature.tokens, "steps": wl.steps,
+                    "predicted_from": None if wl.predicted_from is None else str(wl.predicted_from),
+                    **{k: v for k, v in stats.items() if k != "groups"},
+                    "actions": [g["action"] for g in stats.get("groups", [])]})
+    return out
+
+
 def steps_to_settle(readings: list[dict[str, Any]]) -> dict[str, int | None]:
     """Per signature (as ``stats()["plan"]["workload"]`` names it), how many of its steps ran
     until the reading after one said its plan was settled (that step counted); ``None``: never.
@@ -406,6 +427,7 @@ def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
                          f"{sum(rec['steps_s']):.1f} s of steps, {time.perf_counter() - t_start:.1f} s")
         if off is not None:
             rec["plan"] = _plan_summary(off)
+            rec["workloads"] = workload_records(off)
     rec["total_s"] = sum(rec["steps_s"])
     rec["max_reserved_bytes"] = _max(rec["reserved_bytes"])
     rec["max_allocated_bytes"] = _max(rec["allocated_bytes"])
@@ -477,6 +499,7 @@ def run_accumulation(loop: _Loop, m: Method, opt_steps: int) -> dict[str, Any]:
         rec["param_fingerprint"] = loop.fingerprint(loop.params)
         if off is not None:
             rec["plan"] = _plan_summary(off)
+            rec["workloads"] = workload_records(off)
     rec["total_s"] = sum(r["s"] for r in rec["records"])
     rec["max_reserved_bytes"] = _max([r["reserved_bytes"] for r in rec["records"]])
     rec["max_allocated_bytes"] = _max([r["allocated_bytes"] for r in rec["records"]])
