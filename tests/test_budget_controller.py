@@ -809,19 +809,16 @@ def _blocks_peaking_in_the_loss() -> Profile:
                    wholes=(Whole(0, 3, inputs=8 * MiB), Whole(3, 3, inputs=8 * MiB)))
 
 
-@pytest.mark.parametrize("measured_over_its_model", [0, MiB])
-def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_not_the_profiled_one(
-        measured_over_its_model):
+def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_not_the_profiled_one():
     """No plan reaches the budget: the least memory runs. The profiled plan (every part
-    recomputed, its inputs moved out) measured its modelled peak (or 1 MiB over it, which the
-    plans not yet run are then judged with); every module recomputed whole so models the same
-    peak, faster, and runs instead (the margins, which judge what fits, would have ranked it
-    behind the plan that ran)."""
+    recomputed, its inputs moved out) measured its modelled peak; every module recomputed whole
+    so models the same peak, faster, and runs instead (the margins, which judge what fits, would
+    have ranked it behind the plan that ran)."""
     profile = _blocks_peaking_in_the_loss()
     profiled = _controller(1 << 40, profile=profile).plans[-1]  # the profiled plan comes last
     c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
     with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak + measured_over_its_model)
+        c.adopt_profile(profile, profiled.peak)
     c.step_begins()  # the least memory is chosen as the next step begins
     assert c.plan.key != profiled.key and c.plan.step_s < profiled.step_s
     assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
@@ -838,6 +835,45 @@ def test_controller_where_no_plan_fits_a_plan_measured_under_its_model_stays_the
         c.adopt_profile(profile, profiled.peak - MiB)
     c.step_begins()
     assert c.plan.key == profiled.key
+
+
+def test_controller_where_no_plan_fits_a_plan_measured_over_its_model_is_left_and_the_rest_judged_so():
+    """No plan reaches the budget. The fastest plan at the least modelled peak runs, and its step
+    measures 50 MiB over its model: the profiled plan, measured at its model, needs less, and
+    runs from the next step on; the plans not yet run at that peak (the same blocks, other copy
+    windows) are judged 50 MiB over their models too, so none of them is tried after it."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]
+    probe = FakeProbe()
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=probe)
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile, profiled.peak)
+    ran = []
+    for _ in range(8):
+        try:
+            c.step_begins()
+        except BudgetTooSmall:
+            c.step_begins()  # as the engine begins the step again
+        ran.append(c.plan.key)
+        probe.peak_bytes = c.plan.peak + (0 if c.plan.key == profiled.key else 50 * MiB)
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+    assert ran[0] != profiled.key and all(key == profiled.key for key in ran[1:])
+
+
+def test_controller_where_no_plan_fits_the_least_memory_stays_within_the_host_budget():
+    """No plan reaches the device budget, and the host may hold nothing: the least memory is
+    the least of the plans that move nothing to host memory, not the least of all (a profile
+    given, no plan run: one that ran had its host memory)."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
+    c.host_cap = 0
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile)
+    c.step_begins()
+    assert not moves_bytes(profile, c.plan.groups)
+    assert c.plan.peak > profiled.peak  # recomputing in place keeps the inputs: more than moving them
 
 
 def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:

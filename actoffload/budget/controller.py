@@ -49,7 +49,7 @@ import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -708,7 +708,11 @@ class BudgetController:
             # already runs what the measurement chooses, not one more of this plan
             self._time_steps(wait=True)
         if self.too_small is not None:
-            return  # no plan reaches the budget (nor will: margins only grow): choosing again changes nothing
+            # no plan reaches the budget (nor will: margins only grow), but which needs the least
+            # memory may change with what this step measured (:meth:`_least_memory`)
+            if self._peaks[key] != before:
+                self._choose()
+            return
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
             self._margin += overshoot_margin(self._budget, self.measured_peak)
             self._choose()
@@ -915,21 +919,32 @@ class BudgetController:
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
-        """The plan that runs where none fits: the least peak, and the fastest of the plans at it;
-        within the host budget where a plan is. A plan that ran is judged by its measured peak,
-        one not yet run by its model and the most any plan that ran measured over its own model
-        (not by the margins: they judge what fits, and would rank every plan not yet run behind
-        one that ran at the same peak). On the loop sweep's decoder on an H200 the profiled plan
-        (every part recomputed with its inputs moved out) measured the peak the model gives every
-        block recomputed whole so (the peak is the loss's), which runs 123 ms a step where the
-        profiled plan ran 155, with the same 5.62 GiB reserved."""
-        assert self._profile is not None
-        base = self._profile.base
-        ran = [(p, self._peaks[p.key] + base) for p in self._plans if p.key in self._peaks]
-        under = max((measured - p.peak for p, measured in ran), default=0)  # the model's error, as measured
-        judged = [q if p.key in self._peaks else replace(q, peak=q.peak + max(under, 0))
-                  for p, q in zip(self._plans, self._judged(False))]
-        return min(self._within_host(judged) or judged, key=lambda p: (p.peak, p.step_s))
+        """The plan that runs where none fits: the least peak, and of the plans at it the one the
+        model rates fastest; within the host budget where a plan is. A plan that ran is judged by
+        its measured peak, one not yet run by its model and the most any plan that ran measured
+        over its own model (not by the margins: they judge what fits, and would rank every plan
+        not yet run behind one that ran at the same peak). On the loop sweep's decoder on an H200
+        the profiled plan (every part recomputed with its inputs moved out) measured the peak the
+        model gives every block recomputed whole so (the peak is the loss's), which runs 123 ms a
+        step where the profiled plan ran 155, with the same 5.62 GiB reserved. Peaks here are
+        allocated bytes: a plan tied with the least may still hold more in the allocator's cache
+        (one with copies in flight reserved 0.5 GiB more on that decoder), which only its steps show."""
+        peaks = self._judged_peaks(False)  # (its index of plans by identity made, as for every choice)
+        assert self._index is not None and self._profile is not None
+        base, ran, under = self._profile.base, set(), 0
+        for key, peak in self._peaks.items():
+            for i in self._index.get(key, ()):
+                ran.add(i)
+                under = max(under, peak + base - self._plans[i].peak)  # the model's error, as measured
+        if under:
+            peaks = [q if i in ran else q + under for i, q in enumerate(peaks)]
+        allowed = self._within_host(self._plans)
+        places: Iterable[int] = range(len(peaks))
+        if allowed is not self._plans and allowed:  # the host budget rules some out
+            ids = {id(p) for p in allowed}
+            places = [i for i, p in enumerate(self._plans) if id(p) in ids]
+        best = min(places, key=lambda i: (peaks[i], self._plans[i].step_s))
+        return replace(self._plans[best], peak=peaks[best])
 
     def _fits_now(self, plan: MemoryPlan) -> bool:
         """Whether ``plan`` fits the budget with the reserve as it is now, as :meth:`_fitting`

@@ -351,8 +351,9 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     groups' inputs offloaded; recompute the first k selectively, every group selectively
     with the first k recomputed in full, and every group selectively moving half of what it
     keeps, the first k all of it; where groups are the parts of modules, the first two with
-    those modules recomputed whole (the first k with their inputs moved out also in step with
-    compute: the least memory, module by module); and offload the first j groups whole while recomputing
+    those modules recomputed whole (the first k with their inputs moved out also with no copy
+    out in flight: the least memory, module by module, which a search under one copy window
+    finds no other way); and offload the first j groups whole while recomputing
     the others with their inputs offloaded. A family's plans run the same groups, and are
     simulated at once; those recomputing modules whole differ one from the next in one
     module: each is simulated next to the one before."""
@@ -438,14 +439,15 @@ def _wholes(profile: Profile) -> list[MemoryPlan]:
     every_whole = list(keep_all)
     for m in profile.wholes:
         every_whole[m.first:m.first + m.parts] = (whole,) + _inside(profile, m.first, whole)
-    # the first k whole, in place ((0, 0)) or their inputs moved out ((1, 1), (2, 2); and (0, 0),
-    # in step with compute: all of them so is as little memory as recomputing every part with its
-    # inputs moved out, where the peak is not a module's recomputation, for a third of the
-    # recomputations and moves: on the loop sweep's decoder 128 ms a step against 155)
-    by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2), (0, 0)])
+    # the first k whole, in place ((0, 0)) or their inputs moved out ((1, 1), (2, 2); and with no
+    # copy out in flight, (0, 0) and (0, 1): all of them so is as little memory as recomputing
+    # every part with its inputs moved out, where the peak is not a module's recomputation, for a
+    # third of the recomputations and moves, and a search under one copy window (a predicted
+    # workload's) has no path to it: on the loop sweep's decoder 127 and 123 ms a step against 155)
+    by_hand = families(keep_all, [(0, 0), (1, 1), (2, 2), (0, 0), (0, 1)])
     all_whole = families(tuple(every_whole), [(1, 1), (2, 2)])
     for k, m in enumerate(profile.wholes):
-        by_hand = then(by_hand, m.first, (whole, whole_offload, whole_offload, whole_offload))
+        by_hand = then(by_hand, m.first, (whole,) + (whole_offload,) * 4)
         if k + 1 < len(profile.wholes):
             all_whole = then(all_whole, m.first, (whole_offload,) * 2)
     return out
