@@ -520,3 +520,43 @@ def test_a_predicted_profile_runs_the_whole_searchs_first_choice_when_it_answers
                 differing += 1
                 assert whole in {m.plan.key for m in c.measured_plans()}
     assert differing > 5
+
+
+def test_a_predicted_profile_whose_quick_plan_and_first_choice_move_bytes_still_tries_the_plan_moving_none(
+        monkeypatch):
+    """A predicted profile ran its quick plan until the planning process answered, then the
+    whole search's first choice, both moving bytes, and both ran slower than modelled (the bus
+    was modelled from another workload's): the fastest plan moving nothing is tried too, as it
+    would have been had the quick plan been the first choice (the quick plan is no try of the
+    whole search's model), and kept where it runs faster."""
+    from test_budget_search import PROFILES
+    from actoffload.budget.costmodel import moves_bytes
+    from actoffload.budget.tolerances import least_margin
+
+    cases = 0
+    for profile in PROFILES[:16]:
+        peaks = sorted({p.peak for p in search.candidates(profile)})
+        for peak in peaks[1::max(1, len(peaks) // 6)]:
+            w = _Worker(after=2)
+            monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
+            probe = FakeProbe(allocated=profile.base)
+            probe.asynchronous = True
+            c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
+            if not c.adopt_prediction(profile, (1, 1)):
+                continue
+            ran = []
+            for _ in range(8 * TIMINGS):
+                c.step_begins()
+                ran.append(c.plan.key)
+                moving = moves_bytes(profile, c.plan.groups)
+                c.probe.advance(c.plan.step_s * (3.0 if moving else 1.0))  # the bus slower than modelled
+                c.backward_ends()
+            tried = list(dict.fromkeys(ran))
+            if len(tried) < 2 or not all(moves_bytes(profile, g) for g, _, _ in tried[:2]):
+                continue  # not the case: the quick plan was the first choice, or one moved nothing
+            if not any(not moves_bytes(profile, p.groups) for p in c._fitting()):
+                continue  # no plan moving nothing fits
+            cases += 1
+            assert any(not moves_bytes(profile, g) for g, _, _ in tried[2:]), tried
+            assert not moves_bytes(profile, c.plan.groups) and c.settled
+    assert cases >= 3

@@ -855,14 +855,15 @@ class BudgetController:
         if fresh:
             # the quick search's plans that ran meanwhile are not held until timed, and are no
             # tries of the whole search's model: its first choice (one of them or not), and
-            # EXPLORE more, may still run (a predicted profile's first choice runs alone, as it
-            # would have)
+            # EXPLORE more, may still run (a predicted profile's first choice, and the plan moving
+            # nothing after it, as they would have: counted as tries, the quick plans had left a
+            # predicted profile on two plans moving bytes, the bus modelled from another
+            # workload's, never trying one that moves none)
             fitting = self._fitting()
             first = self._first_choice(fitting).key if fitting else None
             quick = set(self._runs) - {first}
             self._unheld |= quick
-            if not self.predicted:
-                self._explore += len(quick)
+            self._explore += len(quick)
         if self._state is State.SETTLED:
             self._state = State.EXPLORING
         self._choose()
