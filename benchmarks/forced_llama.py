@@ -68,10 +68,18 @@ class ForcedLlama:
         return handle
 
 
-def force_every_workload(off: ao.Offloader, action: Action) -> None:
+def force_every_workload(off: ao.Offloader, action: Action, max_inflight: int = 0, prefetch: int = 0) -> None:
     """Every workload's controller of ``off``'s memory budget that has a profile runs
-    ``action`` on every group (``BudgetController.force``)."""
+    ``action`` on every group (``BudgetController.force``), with this copy window; an action on
+    a whole module (``Action.RECOMPUTE_WHOLE``, ``..._OFFLOAD``) on every module whose parts the
+    groups are, its other parts inside it."""
     for wl in off.plan.workloads.workloads:
         c = wl.controller
-        if c.profile is not None:
-            c.force([GroupDecision(action)] * len(c.profile.groups))
+        if c.profile is None:
+            continue
+        if action.whole:
+            firsts = {m.first for m in c.profile.wholes}
+            groups = [GroupDecision(action if i in firsts else Action.INSIDE) for i in range(len(c.profile.groups))]
+        else:
+            groups = [GroupDecision(action)] * len(c.profile.groups)
+        c.force(groups, max_inflight, prefetch)

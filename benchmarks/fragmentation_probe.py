@@ -2,15 +2,17 @@
 decoder (a diagnostic, not a test): the loop sweep's accumulation (4 micro-batches of 4 x 2048
 tokens, gradients accumulating, then AdamW), run by checkpointing every block and by ``fast``
 under a memory budget forced to recompute every part with its inputs moved out (the
-least-memory plan) and to recompute every part with its inputs kept. For each: every
+least-memory plan), to recompute every part with its inputs kept, and to recompute every
+block whole with its inputs moved out, with no copy out in flight (windows 0/0 and 0/1: the
+least memory where no plan fits since e4bd470). For each: every
 micro-batch's reserved and allocated peaks (the plan forced, and the cache given back, after
 each optimizer step but the last two, so that those run on the cache the forced plan built), and
-for the second micro-batch of the last optimizer step
-(recorded with ``torch.cuda.memory._record_memory_history``, Python stacks) each allocation that
+for the second micro-batch of the last optimizer step of checkpointing (and of fast's plans with
+``--record-fast``), recorded with ``torch.cuda.memory._record_memory_history`` (Python stacks), each allocation that
 made the allocator take a new segment from the device (its size and where the program asked for it), and the cache at the
 end: segments by size, what of them is allocated, and what lies free inside segments in use.
 
-    PYTHONPATH=. python benchmarks/fragmentation_probe.py [--steps 5] > OUT-log.txt
+    PYTHONPATH=.:benchmarks python benchmarks/fragmentation_probe.py [--steps 5] [--record-fast] > OUT-log.txt
 
 Why: the loop sweep's accumulation at checkpointing's peak goes over the budget in most
 micro-batches, the least-memory plan reserving 9.1-9.6 GiB for 6.76 allocated where
@@ -89,6 +91,8 @@ def _cache(snapshot: dict[str, Any]) -> list[str]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per method; the last is recorded")
+    p.add_argument("--record-fast", action="store_true",
+                   help="record fast's micro-batch too (on torch 2.11 its recomputation raised SystemError so)")
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error("--steps: at least 3 (a plan is forced after the first, and the last two run it on its own cache)")
@@ -97,13 +101,16 @@ def main(argv: list[str]) -> int:
     w = loop_sweep.llama(device, small=not cuda)
     loop = loop_sweep._Loop(w, log=print)
     print(f"decoder on {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
-    for name, action in (("checkpoint_all", None), ("fast recompute_offload", Action.RECOMPUTE_OFFLOAD),
-                         ("fast recompute", Action.RECOMPUTE)):
+    for name, action, window in (
+            ("checkpoint_all", None, (0, 0)), ("fast recompute_offload", Action.RECOMPUTE_OFFLOAD, (0, 0)),
+            ("fast recompute", Action.RECOMPUTE, (0, 0)),
+            ("fast whole recompute_offload 0/0", Action.RECOMPUTE_WHOLE_OFFLOAD, (0, 0)),
+            ("fast whole recompute_offload 0/1", Action.RECOMPUTE_WHOLE_OFFLOAD, (0, 1))):
         m = loop_sweep.Method(name, checkpoint=action is None, budget=None if action is None else 1 << 50,
                               level="probe")
         print(f"== {name}")
         try:
-            _run(loop, w, m, action, args.steps, cuda)
+            _run(loop, w, m, action, window, args.steps, cuda, cuda and (action is None or args.record_fast))
         except Exception as e:  # noqa: BLE001  a diagnostic: report it and go on to the next method
             if cuda:
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -111,14 +118,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: bool) -> None:
+def _run(loop: Any, w: Any, m: Any, action: Action | None, window: tuple[int, int], steps: int, cuda: bool,
+         record: bool) -> None:
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     with loop.method(m) as off:
         opt = torch.optim.AdamW(loop.params, lr=1e-4)
         for k in range(steps):
             peaks = []
             for j in range(MICRO):
-                recording = cuda and k == steps - 1 and j == 1  # a micro-batch with gradients there
+                recording = record and k == steps - 1 and j == 1  # a micro-batch with gradients there
                 if recording:
                     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
                 tokens = w.tokens(100_000 + MICRO * k + j, w.seq_len)
@@ -134,10 +142,10 @@ def _run(loop: Any, w: Any, m: Any, action: Action | None, steps: int, cuda: boo
                 g["action"] for g in off.stats()["plan"].get("groups", []))))
             print(f"  step {k}: reserved/allocated GiB per micro-batch {', '.join(peaks)} {ran}")
             if off is not None and action is not None and k < steps - 2:
-                force_every_workload(off, action)
+                force_every_workload(off, action, *window)
                 if cuda:  # the cache the plans before it built (keeping everything, say) is not its own
                     torch.cuda.empty_cache()
-            if cuda and k == steps - 1:
+            if record and k == steps - 1:
                 print("  new segments in the recorded micro-batch (the second of the last step):")
                 print("\n".join(_growth(snapshot)) or "    none")
                 print("  the cache after it:")
