@@ -528,7 +528,7 @@ def test_a_predicted_profile_whose_quick_plan_and_first_choice_move_bytes_still_
     whole search's first choice, both moving bytes, and both ran slower than modelled (the bus
     was modelled from another workload's): the fastest plan moving nothing is tried too, as it
     would have been had the quick plan been the first choice (the quick plan is no try of the
-    whole search's model), and kept where it runs faster."""
+    whole search's model), and kept where it runs faster; no other plan is tried."""
     from test_budget_search import PROFILES
     from actoffload.budget.costmodel import moves_bytes
     from actoffload.budget.tolerances import least_margin
@@ -557,6 +557,45 @@ def test_a_predicted_profile_whose_quick_plan_and_first_choice_move_bytes_still_
             if not any(not moves_bytes(profile, p.groups) for p in c._fitting()):
                 continue  # no plan moving nothing fits
             cases += 1
-            assert any(not moves_bytes(profile, g) for g, _, _ in tried[2:]), tried
+            assert len(tried) == 3 and not moves_bytes(profile, tried[2][0]), tried
             assert not moves_bytes(profile, c.plan.groups) and c.settled
+    assert cases >= 3
+
+
+def test_a_predicted_profile_whose_quick_plan_was_timed_before_the_answer_still_runs_its_first_choice(monkeypatch):
+    """The planning process answered late: the predicted profile's quick plan (moving bytes)
+    was timed already, so the plan moving nothing ran next; the whole search's first choice,
+    rated faster than both as they ran, runs then too (else the workload settled on the quick
+    plan, its first choice never tried), and no other plan does."""
+    from test_budget_search import PROFILES
+    from actoffload.budget.costmodel import moves_bytes
+    from actoffload.budget.tolerances import least_margin
+
+    cases = 0
+    for profile in PROFILES[:16]:
+        peaks = sorted({p.peak for p in search.candidates(profile)})
+        for peak in peaks[1::max(1, len(peaks) // 6)]:
+            w = _Worker(after=8)
+            monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
+            probe = FakeProbe(allocated=profile.base)
+            probe.asynchronous = True
+            c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
+            if not c.adopt_prediction(profile, (1, 1)):
+                continue
+            quick, first, ran = c.plan.key, None, []
+            for _ in range(10 * TIMINGS):
+                c.step_begins()
+                if first is None and c._pending is None:
+                    first = c._first_choice(c._fitting()).key
+                ran.append(c.plan.key)
+                slow = 1.0 if moves_bytes(profile, c.plan.groups) else 1.3  # the recomputation slower than modelled
+                c.probe.advance(c.plan.step_s * slow)
+                c.backward_ends()
+            tried = list(dict.fromkeys(ran))
+            if first is None or first == quick or not moves_bytes(profile, quick[0]):
+                continue
+            if len(tried) < 2 or moves_bytes(profile, tried[1][0]):
+                continue  # not the case: the plan moving nothing did not run second
+            cases += 1
+            assert first in tried and len(tried) == 3, (tried, first)
     assert cases >= 3

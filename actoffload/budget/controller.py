@@ -1092,8 +1092,10 @@ class BudgetController:
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond its first choice, but the one that moves
             # nothing: its bus was modelled from another workload's (on an H200 a 1536-token
-            # plan predicted from 2048-token steps ran 96-145 ms where checkpointing ran 84-94)
-            tries = self._explore + (self.predicted and p is still)
+            # plan predicted from 2048-token steps ran 96-145 ms where checkpointing ran 84-94);
+            # its first choice runs even where a quick plan, timed before the whole search
+            # answered, and then the plan moving nothing ran first
+            tries = self._explore + (self.predicted and (p is still or p is first))
             if p.key in self._runs or len(self._runs) <= tries:  # running, or one more may
                 return p
             break
@@ -1181,7 +1183,7 @@ class BudgetController:
         # corrected model would change no choice, and making every plan again costs host time
         # (and, while the planning process makes them, a step before the plan is settled)
         answer_pending = self._pending is not None and self._pending[2]  # its answer may add tries (_collect)
-        if (self._calibrated >= CALIBRATIONS or not self._explore
+        if (self.predicted or self._calibrated >= CALIBRATIONS or not self._explore
                 or (len(self._runs) > self._explore and not answer_pending)):
             return
         profile = costmodel.calibrated(self._profile, plan, seconds)
