@@ -12,6 +12,7 @@ import torch
 import actoffload as ao
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.budget.costmodel import Profile
 from actoffload.tools.budget_sweep import _checkpointed
 from actoffload.tools.sweep_models import hf_llama, plain
 
@@ -68,18 +69,20 @@ class ForcedLlama:
         return handle
 
 
+def every_group(profile: Profile, action: Action) -> list[GroupDecision]:
+    """``action`` on every group of ``profile``; an action on a whole module
+    (``Action.RECOMPUTE_WHOLE``, ``..._OFFLOAD``) on every module whose parts the groups are,
+    its other parts inside it."""
+    if not action.whole:
+        return [GroupDecision(action)] * len(profile.groups)
+    firsts = {m.first for m in profile.wholes}
+    return [GroupDecision(action if i in firsts else Action.INSIDE) for i in range(len(profile.groups))]
+
+
 def force_every_workload(off: ao.Offloader, action: Action, max_inflight: int = 0, prefetch: int = 0) -> None:
     """Every workload's controller of ``off``'s memory budget that has a profile runs
-    ``action`` on every group (``BudgetController.force``), with this copy window; an action on
-    a whole module (``Action.RECOMPUTE_WHOLE``, ``..._OFFLOAD``) on every module whose parts the
-    groups are, its other parts inside it."""
+    ``action`` on every group (:func:`every_group`, ``BudgetController.force``), with this copy window."""
     for wl in off.plan.workloads.workloads:
         c = wl.controller
-        if c.profile is None:
-            continue
-        if action.whole:
-            firsts = {m.first for m in c.profile.wholes}
-            groups = [GroupDecision(action if i in firsts else Action.INSIDE) for i in range(len(c.profile.groups))]
-        else:
-            groups = [GroupDecision(action)] * len(c.profile.groups)
-        c.force(groups, max_inflight, prefetch)
+        if c.profile is not None:
+            c.force(every_group(c.profile, action), max_inflight, prefetch)

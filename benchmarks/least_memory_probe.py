@@ -35,10 +35,11 @@ import torch
 
 import actoffload as ao
 from actoffload.budget import BudgetTooSmall
-from actoffload.budget.actions import Action, GroupDecision
+from actoffload.budget.actions import Action
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.tools import loop_sweep
 from actoffload.tools.models import block_parts
+from forced_llama import every_group
 
 MiB = 1 << 20
 TOLERANCES_MIB = (0, 8, 32, 64, 128, 256, 512)
@@ -133,13 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         _report(name, w, a.steps, ckpt[0], plan)
     # the same recomputation by part and by whole block, inputs kept or moved, in step with
     # compute (0/0) or one group's copy in flight (1/1): what makes the least memory slow
-    firsts = {wh.first for wh in c.profile.wholes}
-    for name, per_part, whole, window in (
-            ("parts R 0/0", Action.RECOMPUTE, None, (0, 0)), ("parts Q 1/1", Action.RECOMPUTE_OFFLOAD, None, (1, 1)),
-            ("whole R 0/0", None, Action.RECOMPUTE_WHOLE, (0, 0)),
-            ("whole Q 0/0", None, Action.RECOMPUTE_WHOLE_OFFLOAD, (0, 0))):
-        groups = [GroupDecision(per_part) if whole is None else
-                  GroupDecision(whole if i in firsts else Action.INSIDE) for i in range(len(c.profile.groups))]
+    for name, action, window in (
+            ("parts R 0/0", Action.RECOMPUTE, (0, 0)), ("parts Q 1/1", Action.RECOMPUTE_OFFLOAD, (1, 1)),
+            ("whole R 0/0", Action.RECOMPUTE_WHOLE, (0, 0)), ("whole Q 0/0", Action.RECOMPUTE_WHOLE_OFFLOAD, (0, 0))):
+        groups = every_group(c.profile, action)
         c.force(groups, *window)
         assert c.plan is not None and c.plan.key == (tuple(groups), *window), "the forced plan does not run"
         _report(name, w, a.steps, ckpt[0], c.plan)

@@ -491,34 +491,42 @@ def test_a_plan_measured_while_the_whole_search_is_still_to_answer_corrects_the_
     assert min(true_s(m.plan) for m in c.measured_plans()) == true_s(c.plan)
 
 
-def test_a_predicted_profile_runs_the_whole_searchs_first_choice_when_it_answers(monkeypatch):
-    """A predicted profile's quick plan runs until the planning process answers; where the whole
-    search's first choice is another plan, that plan runs then (the quick one is not held until
-    it is timed)."""
+def _predicted_controllers(monkeypatch, profiles: int, budgets: int, after: int):
+    """For the first ``profiles`` of the search's test profiles, at about ``budgets`` of their
+    candidates' peaks: ``(profile, controller)``, the controller having adopted the profile as a
+    prediction (under window (1, 1)) where one fits, its planning process answering at the
+    ``after``-th look."""
     from test_budget_search import PROFILES
     from actoffload.budget.tolerances import least_margin
 
-    differing = 0
-    for profile in PROFILES[:12]:
+    for profile in PROFILES[:profiles]:
         peaks = sorted({p.peak for p in search.candidates(profile)})
-        for peak in peaks[1::max(1, len(peaks) // 4)]:
-            w = _Worker(after=2)
+        for peak in peaks[1::max(1, len(peaks) // budgets)]:
+            w = _Worker(after=after)
             monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
             probe = FakeProbe(allocated=profile.base)
             probe.asynchronous = True
             c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
-            if not c.adopt_prediction(profile, (1, 1)):
-                continue
-            quick, whole = c.plan.key, None
-            for _ in range(6 * TIMINGS):
-                c.step_begins()
-                if whole is None and c._pending is None:
-                    whole = c._first_choice(c._fitting()).key
-                c.probe.advance(c.plan.step_s)
-                c.backward_ends()
-            if whole is not None and whole != quick:
-                differing += 1
-                assert whole in {m.plan.key for m in c.measured_plans()}
+            if c.adopt_prediction(profile, (1, 1)):
+                yield profile, c
+
+
+def test_a_predicted_profile_runs_the_whole_searchs_first_choice_when_it_answers(monkeypatch):
+    """A predicted profile's quick plan runs until the planning process answers; where the whole
+    search's first choice is another plan, that plan runs then (the quick one is not held until
+    it is timed)."""
+    differing = 0
+    for _, c in _predicted_controllers(monkeypatch, 12, 4, after=2):
+        quick, whole = c.plan.key, None
+        for _ in range(6 * TIMINGS):
+            c.step_begins()
+            if whole is None and c._pending is None:
+                whole = c._first_choice(c._fitting()).key
+            c.probe.advance(c.plan.step_s)
+            c.backward_ends()
+        if whole is not None and whole != quick:
+            differing += 1
+            assert whole in {m.plan.key for m in c.measured_plans()}
     assert differing > 5
 
 
@@ -529,36 +537,25 @@ def test_a_predicted_profile_whose_quick_plan_and_first_choice_move_bytes_still_
     was modelled from another workload's): the fastest plan moving nothing is tried too, as it
     would have been had the quick plan been the first choice (the quick plan is no try of the
     whole search's model), and kept where it runs faster; no other plan is tried."""
-    from test_budget_search import PROFILES
     from actoffload.budget.costmodel import moves_bytes
-    from actoffload.budget.tolerances import least_margin
 
     cases = 0
-    for profile in PROFILES[:16]:
-        peaks = sorted({p.peak for p in search.candidates(profile)})
-        for peak in peaks[1::max(1, len(peaks) // 6)]:
-            w = _Worker(after=2)
-            monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
-            probe = FakeProbe(allocated=profile.base)
-            probe.asynchronous = True
-            c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
-            if not c.adopt_prediction(profile, (1, 1)):
-                continue
-            ran = []
-            for _ in range(8 * TIMINGS):
-                c.step_begins()
-                ran.append(c.plan.key)
-                moving = moves_bytes(profile, c.plan.groups)
-                c.probe.advance(c.plan.step_s * (3.0 if moving else 1.0))  # the bus slower than modelled
-                c.backward_ends()
-            tried = list(dict.fromkeys(ran))
-            if len(tried) < 2 or not all(moves_bytes(profile, g) for g, _, _ in tried[:2]):
-                continue  # not the case: the quick plan was the first choice, or one moved nothing
-            if not any(not moves_bytes(profile, p.groups) for p in c._fitting()):
-                continue  # no plan moving nothing fits
-            cases += 1
-            assert len(tried) == 3 and not moves_bytes(profile, tried[2][0]), tried
-            assert not moves_bytes(profile, c.plan.groups) and c.settled
+    for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=2):
+        ran = []
+        for _ in range(8 * TIMINGS):
+            c.step_begins()
+            ran.append(c.plan.key)
+            moving = moves_bytes(profile, c.plan.groups)
+            c.probe.advance(c.plan.step_s * (3.0 if moving else 1.0))  # the bus slower than modelled
+            c.backward_ends()
+        tried = list(dict.fromkeys(ran))
+        if len(tried) < 2 or not all(moves_bytes(profile, g) for g, _, _ in tried[:2]):
+            continue  # not the case: the quick plan was the first choice, or one moved nothing
+        if not any(not moves_bytes(profile, p.groups) for p in c._fitting()):
+            continue  # no plan moving nothing fits
+        cases += 1
+        assert len(tried) == 3 and not moves_bytes(profile, tried[2][0]), tried
+        assert not moves_bytes(profile, c.plan.groups) and c.settled
     assert cases >= 3
 
 
@@ -567,35 +564,24 @@ def test_a_predicted_profile_whose_quick_plan_was_timed_before_the_answer_still_
     was timed already, so the plan moving nothing ran next; the whole search's first choice,
     rated faster than both as they ran, runs then too (else the workload settled on the quick
     plan, its first choice never tried), and no other plan does."""
-    from test_budget_search import PROFILES
     from actoffload.budget.costmodel import moves_bytes
-    from actoffload.budget.tolerances import least_margin
 
     cases = 0
-    for profile in PROFILES[:16]:
-        peaks = sorted({p.peak for p in search.candidates(profile)})
-        for peak in peaks[1::max(1, len(peaks) // 6)]:
-            w = _Worker(after=8)
-            monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
-            probe = FakeProbe(allocated=profile.base)
-            probe.asynchronous = True
-            c = BudgetController(peak + least_margin(peak) + 1, CPU, probe=probe)
-            if not c.adopt_prediction(profile, (1, 1)):
-                continue
-            quick, first, ran = c.plan.key, None, []
-            for _ in range(10 * TIMINGS):
-                c.step_begins()
-                if first is None and c._pending is None:
-                    first = c._first_choice(c._fitting()).key
-                ran.append(c.plan.key)
-                slow = 1.0 if moves_bytes(profile, c.plan.groups) else 1.3  # the recomputation slower than modelled
-                c.probe.advance(c.plan.step_s * slow)
-                c.backward_ends()
-            tried = list(dict.fromkeys(ran))
-            if first is None or first == quick or not moves_bytes(profile, quick[0]):
-                continue
-            if len(tried) < 2 or moves_bytes(profile, tried[1][0]):
-                continue  # not the case: the plan moving nothing did not run second
-            cases += 1
-            assert first in tried and len(tried) == 3, (tried, first)
+    for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=8):
+        quick, first, ran = c.plan.key, None, []
+        for _ in range(10 * TIMINGS):
+            c.step_begins()
+            if first is None and c._pending is None:
+                first = c._first_choice(c._fitting()).key
+            ran.append(c.plan.key)
+            slow = 1.0 if moves_bytes(profile, c.plan.groups) else 1.3  # the recomputation slower than modelled
+            c.probe.advance(c.plan.step_s * slow)
+            c.backward_ends()
+        tried = list(dict.fromkeys(ran))
+        if first is None or first == quick or not moves_bytes(profile, quick[0]):
+            continue
+        if len(tried) < 2 or moves_bytes(profile, tried[1][0]):
+            continue  # not the case: the plan moving nothing did not run second
+        cases += 1
+        assert first in tried and len(tried) == 3, (tried, first)
     assert cases >= 3
