@@ -1,6 +1,7 @@
 """The memory budget's search, a pure function from a profile to a plan, over the cost model:
 its promises hold on many random profiles (CPU only; neither touches a device)."""
 
+import copy
 import pickle
 import random
 import subprocess
@@ -370,15 +371,15 @@ def test_search_families_simulated_at_once_are_each_simulated_afresh():
                 assert (peak, step) == simulate(profile, [decisions[d] for d in row], w, pf)
 
 
-def test_a_group_decision_hashes_once_and_afresh_in_each_process():
-    """A plan's identity (a tuple of decisions) is looked up thousands of times per choice, so a
-    decision hashes once; what the planning process sends back is hashed again where it lands
-    (an enum's hash is its name's, which differs between processes), and equal decisions, made
-    or unpickled, hash alike."""
+def test_a_group_decision_is_one_object_per_action_and_fraction_in_each_process():
+    """A plan's identity (a tuple of decisions) is looked up thousands of times per choice, so
+    equal decisions are one object, however made (called, replaced, copied, unpickled), and hash
+    and compare as objects; what the planning process sends back becomes this process's object
+    (an enum's hash is its name's, which differs between processes)."""
     d = GroupDecision(Action.OFFLOAD, 0.5)
-    assert hash(d) == hash(GroupDecision("offload", 0.5)) == hash(pickle.loads(pickle.dumps(d)))
-    assert d == pickle.loads(pickle.dumps(d)) and d != GroupDecision(Action.OFFLOAD, 0.25)
-    assert "_hash" not in pickle.dumps(d).decode("latin-1")
+    assert d is GroupDecision("offload", 0.5) is pickle.loads(pickle.dumps(d)) is copy.deepcopy(d)
+    assert replace(d, fraction=0.25) is GroupDecision(Action.OFFLOAD, 0.25) is not d
+    assert GroupDecision() is GroupDecision(Action.KEEP, 1.0) and d != GroupDecision(Action.OFFLOAD, 0.25)
     theirs = subprocess.run([sys.executable, "-c", "import pickle, sys; from actoffload.budget.actions import "
                              "Action, GroupDecision; sys.stdout.buffer.write(pickle.dumps("
                              "{GroupDecision(Action.RECOMPUTE): 1}))"], capture_output=True, check=True,

@@ -101,6 +101,9 @@ def test_an_unseen_length_runs_a_plan_predicted_from_the_profiled_ones_and_is_no
     # fitted from the two (bytes linear in the rows here): 112 rows' bytes, a little above
     assert first["workload"]["predicted_from"] == f"[128, {D}] torch.float32 cpu"
     assert first["state"] == "settled" and first["predicted_peak_bytes"] <= budget
+    # the prediction's time counted apart, and in the workloads' total
+    assert first["planning_by"]["predicting"] > 0
+    assert first["workload"]["planning_by_all"]["predicting"] >= first["planning_by"]["predicting"]
     predicted = [sum(g["spans"]) + g["kept"] for g in first["profile"]["groups"]]
     assert all(_bytes(112) <= n <= _bytes(112) * (1 + predict.FIT_SLACK) + 8 for n in predicted), predicted
     # seen again: the same predicted plan (its peak and time are measured as it runs, on a GPU)

@@ -62,7 +62,8 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import alike, base_tolerance, least_margin, new_workload, off_model, overshoot_margin
+from .tolerances import (alike, alike_in_memory, base_tolerance, least_margin, new_workload, off_model,
+                         overshoot_margin)
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -211,6 +212,7 @@ class BudgetController:
         self.predicted = False  # the profile was predicted from another workload's, not measured
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
         self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
+        self.planning_by: collections.defaultdict[str, float] = collections.defaultdict(float)  # ... by what
         # the whole search runs in a helper process where one serves (CUDA: the step's device
         # work goes on while the host plans); until it answers, a quick one's plans (:meth:`_plan_all`)
         self._worker = _worker_for(self._probe)
@@ -334,7 +336,7 @@ class BudgetController:
         # process serves, that path alone here, and the hand-written families from the process
         # (but the whole search says whether none fits, and searches here should it not answer)
         quick = self._worker is not None
-        with self._planning():
+        with self.planning_time("prediction's search"):
             plans = (search.quick_candidates(profile, window) if quick
                      else search.candidates(profile, windows, limits=self._limits()))
             if quick and not fits(plans):
@@ -785,9 +787,9 @@ class BudgetController:
         if plans is None and self._ask(fresh=fresh):
             if not fresh:
                 return
-            with self._planning():
+            with self.planning_time("quick search"):
                 plans = search.quick_candidates(self._profile)
-        with self._planning():
+        with self.planning_time("search" if plans is None else "candidates"):
             self._plans = search.candidates(self._profile, limits=self._limits()) if plans is None else list(plans)
             self._index = None
             # a plan that ran stays a candidate, should the search no longer propose it (the
@@ -812,7 +814,7 @@ class BudgetController:
         self._drop_pending()
         assert self._profile is not None
         try:
-            with self._planning():
+            with self.planning_time("asking"):
                 ticket = self._worker.submit(self._profile, windows, self._limits())
         except planning.WorkerFailed as e:
             self._lose_worker(e)
@@ -835,7 +837,7 @@ class BudgetController:
             return
         ticket, profile, fresh = self._pending
         try:
-            with self._planning():
+            with self.planning_time("answer"):
                 answer = self._worker.result(ticket, wait)
         except planning.WorkerFailed as e:  # searched here instead
             self._lose_worker(e)
@@ -875,17 +877,27 @@ class BudgetController:
         self._worker = None
 
     @contextlib.contextmanager
-    def _planning(self) -> Iterator[None]:
-        """Counts the host time of making or choosing plans in :attr:`planning_s`."""
+    def planning_time(self, what: str) -> Iterator[None]:
+        """Counts the host time of making or choosing plans in :attr:`planning_s`, and by ``what``
+        it was spent on in :attr:`planning_by` (``stats()["plan"]["planning_by"]``: what slows the
+        steps that choose).
+
+        Example::
+
+            with controller.planning_time("predicting"):
+                profile = predict.predicted(...)
+        """
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.planning_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.planning_s += seconds
+            self.planning_by[what] += seconds
 
     def _choose(self) -> None:
         before = self._plan.key if self._plan is not None else None
-        with self._planning():
+        with self.planning_time("choosing"):
             self._choose_plan()
         if self._plan is not None and self._plan.key != before:
             self._reserve.plan_changed(self._probe)
@@ -920,14 +932,17 @@ class BudgetController:
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
-        """The plan that runs where none fits: the least peak, and of the plans at it the one the
-        model rates fastest; within the host budget where a plan is. A plan that ran is judged by
+        """The plan that runs where none fits: of the plans at the least peak (alike to it within
+        the model's error, :func:`~.tolerances.alike_in_memory`) the one the model rates fastest;
+        within the host budget where a plan is. A plan that ran is judged by
         its measured peak, one not yet run by its model and the most any plan that ran measured
         over its own model (not by the margins: they judge what fits, and would rank every plan
         not yet run behind one that ran at the same peak). On the loop sweep's decoder on an H200
         the profiled plan (every part recomputed with its inputs moved out) measured the peak the
         model gives every block recomputed whole so (the peak is the loss's), which runs 123 ms a
-        step where the profiled plan ran 155, with the same 5.62 GiB reserved. Peaks here are
+        step where the profiled plan ran 155, with the same 5.62 GiB reserved (at be473a6 the
+        model put whole blocks 6 MiB above it, and the profiled plan ran, 188 ms a step where
+        whole blocks ran 125: peaks within the model's error are alike). Peaks here are
         allocated bytes: a plan tied with the least may still hold more in the allocator's cache
         (one with copies in flight reserved 0.5 GiB more on that decoder), which only its steps show."""
         peaks = self._judged_peaks(False)  # (its index of plans by identity made, as for every choice)
@@ -940,11 +955,15 @@ class BudgetController:
         if under:
             peaks = [q if i in ran else q + under for i, q in enumerate(peaks)]
         allowed = self._within_host(self._plans)
-        places: Iterable[int] = range(len(peaks))
+        places = list(range(len(peaks)))
         if allowed is not self._plans and allowed:  # the host budget rules some out
             ids = {id(p) for p in allowed}
             places = [i for i, p in enumerate(self._plans) if id(p) in ids]
-        best = min(places, key=lambda i: (peaks[i], self._plans[i].step_s))
+        # alike to the least within the model's error, but not over a budget the least is within
+        least = min(peaks[i] for i in places)
+        cap = self._budget if least <= self._budget else None
+        alike_least = [i for i in places if alike_in_memory(least, peaks[i]) and (cap is None or peaks[i] <= cap)]
+        best = min(alike_least, key=lambda i: (self._plans[i].step_s, peaks[i]))
         return replace(self._plans[best], peak=peaks[best])
 
     def _fits_now(self, plan: MemoryPlan) -> bool:
@@ -1209,6 +1228,7 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "planning_s": self.planning_s,
+                               "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,
                                "planning_in_background": self._pending is not None,
                                "state": self._state.value, "settled": self.settled}

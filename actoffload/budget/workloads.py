@@ -113,6 +113,7 @@ class Workloads:
         self._open = False  # the current workload's step began and was not closed
         self._state_before = State.PROFILING
         self._planning_dropped = 0.0  # planning seconds of workloads no longer kept
+        self._planning_by_dropped: collections.defaultdict[str, float] = collections.defaultdict(float)  # ... by what
         self._background_dropped = 0.0  # and their planning process's seconds
 
     @property
@@ -214,7 +215,8 @@ class Workloads:
     def _new(self, signature: Signature, base: int) -> Workload:
         entry = Workload(signature, self._controller(), None, base)
         self._entries.append(entry)
-        guess = self._prediction(signature, base)
+        with entry.controller.planning_time("predicting"):
+            guess = self._prediction(signature, base)
         if guess is not None:
             profile, source, window = guess
             if entry.controller.adopt_prediction(profile, window):
@@ -253,12 +255,23 @@ class Workloads:
             old = next(e for e in self._entries if e is not keep)
             self._entries.remove(old)
             self._planning_dropped += old.controller.planning_s
+            for what, seconds in old.controller.planning_by.items():
+                self._planning_by_dropped[what] += seconds
             self._background_dropped += old.controller.background_planning_s
 
     @property
     def planning_s(self) -> float:
         """Host seconds spent making and choosing plans, every workload's, all told."""
         return self._planning_dropped + sum(e.controller.planning_s for e in self._entries)
+
+    @property
+    def planning_by(self) -> dict[str, float]:
+        """:attr:`planning_s` by what it was spent on (the controllers' ``planning_by``)."""
+        total = collections.defaultdict(float, self._planning_by_dropped)
+        for e in self._entries:
+            for what, seconds in e.controller.planning_by.items():
+                total[what] += seconds
+        return dict(total)
 
     @property
     def background_planning_s(self) -> float:
@@ -270,8 +283,9 @@ class Workloads:
         e = self.current
         if e is None:
             return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries),
-                    "planning_s_all": self.planning_s, "background_planning_s_all": self.background_planning_s}
+                    "planning_s_all": self.planning_s, "planning_by_all": self.planning_by,
+                    "background_planning_s_all": self.background_planning_s}
         return {"signature": str(e.signature), "tokens": e.signature.tokens, "groups": e.groups,
                 "predicted_from": None if e.predicted_from is None else str(e.predicted_from),
-                "kept": len(self._entries), "planning_s_all": self.planning_s,
+                "kept": len(self._entries), "planning_s_all": self.planning_s, "planning_by_all": self.planning_by,
                 "background_planning_s_all": self.background_planning_s}
