@@ -1,0 +1,109 @@
+"""Where a budget's first steps spend their time (a diagnostic, not a test), on the loop sweep's
+decoder at its full length, its blocks cut into parts as the sweep wraps them. In the loop sweep
+at be473a6 (H200) every budget's first step took 270-400 ms and its second 170-210, where
+checkpointing took 125: those two profiling steps alone cost 5-10% of a 48-step loop.
+
+After the loop sweep's warm-up, a fresh offloader under ``--budget-gib`` runs ``--steps`` steps;
+for each it prints the wall time, the controller's state, the host allocations made and the
+seconds spent in them, and (``--cprofile N``) the N functions of the most own time in the
+first two steps. Checkpointing's steps, on the same warmed process, are timed first.
+
+    PYTHONPATH=. python benchmarks/first_steps_probe.py [--device cpu] > OUT-log.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import time
+
+import torch
+
+import actoffload as ao
+from actoffload.tools import loop_sweep
+from actoffload.tools.models import block_parts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _TimedAllocations:
+    """Counts the host allocations of one offloader's pool, and the seconds they take."""
+
+    def __init__(self, off: ao.Offloader) -> None:
+        pool = off._pool  # type: ignore[attr-defined]
+        self.count, self.seconds, self._allocate = 0, 0.0, pool._allocate
+
+        def timed(nbytes: int) -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                return self._allocate(nbytes)
+            finally:
+                self.count += 1
+                self.seconds += time.perf_counter() - t0
+
+        pool._allocate = timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the tiny decoder)")
+    p.add_argument("--budget-gib", type=float, default=9.92, help="the budget (default: the loop sweep's halfway)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--cprofile", type=int, default=25, help="functions listed per profiled step (0: none)")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("first_steps_probe: no CUDA device; --device cpu runs the tiny decoder")
+    w = loop_sweep.llama(device, small=device.type == "cpu")
+    loop = loop_sweep._Loop(w, print)
+    loop_sweep._warm_up(loop, [w.seq_len])
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    times = []
+    for i in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        w.loss(loop_sweep._checkpointed, w.tokens(i, w.seq_len)).backward()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        for q in w.model.parameters():
+            q.grad = None
+    print("checkpointing, ms per step:", " ".join(f"{t:.0f}" for t in times))
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    off = ao.Offloader(impl="fast", device=device, memory_budget=int(a.budget_gib * (1 << 30)))
+    allocations = _TimedAllocations(off)
+    handle = ao.wrap(w.blocks, off, parts=block_parts)
+    for i in range(a.steps):
+        profiler = cProfile.Profile() if a.cprofile and i < 2 else None
+        n0, s0 = allocations.count, allocations.seconds
+        _sync(device)
+        t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
+        _sync(device)
+        if profiler is not None:
+            profiler.disable()
+        ms = (time.perf_counter() - t0) * 1e3
+        for q in w.model.parameters():
+            q.grad = None
+        c = off.plan.controller
+        print(f"step {i}: {ms:.0f} ms, state after it {c.state.value}, host allocations "
+              f"{allocations.count - n0} in {(allocations.seconds - s0) * 1e3:.0f} ms")
+        if profiler is not None:
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(a.cprofile)
+            print(out.getvalue())
+    handle.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
