@@ -828,21 +828,16 @@ def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_n
     assert c.plan.peak == profiled.peak
 
 
-@pytest.mark.parametrize("under_mib, profiled_runs", [(16, True), (2, False)])
-def test_controller_where_no_plan_fits_a_plan_measured_under_its_model_stays_the_least(under_mib, profiled_runs):
-    """The profiled plan measured under its model, which gives every module recomputed whole (not
-    yet run, modelled faster) its modelled peak. 16 MiB under (2.6% of it), it needs the least
-    memory known, and runs; 2 MiB under (0.3%), the two are alike within the model's error
-    (:func:`~actoffload.budget.tolerances.alike_in_memory`), and the faster runs."""
+def test_controller_where_no_plan_fits_a_plan_measured_under_its_model_stays_the_least():
+    """The profiled plan measured 1 MiB under its model: it needs the least memory known, and
+    runs, though a plan not yet run is modelled faster at the profiled plan's modelled peak."""
     profile = _blocks_peaking_in_the_loss()
     profiled = _controller(1 << 40, profile=profile).plans[-1]
     c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
     with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak - under_mib * MiB)
+        c.adopt_profile(profile, profiled.peak - MiB)
     c.step_begins()
-    assert (c.plan.key == profiled.key) == profiled_runs
-    if not profiled_runs:
-        assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
+    assert c.plan.key == profiled.key
 
 
 def test_controller_where_no_plan_fits_a_plan_measured_over_its_model_is_left_and_the_rest_judged_so():

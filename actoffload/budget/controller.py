@@ -62,8 +62,7 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import (alike, alike_in_memory, base_tolerance, least_margin, new_workload, off_model,
-                         overshoot_margin)
+from .tolerances import alike, base_tolerance, least_margin, new_workload, off_model, overshoot_margin
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -932,17 +931,14 @@ class BudgetController:
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
-        """The plan that runs where none fits: of the plans at the least peak (alike to it within
-        the model's error, :func:`~.tolerances.alike_in_memory`) the one the model rates fastest;
-        within the host budget where a plan is. A plan that ran is judged by
+        """The plan that runs where none fits: the least peak, and of the plans at it the one the
+        model rates fastest; within the host budget where a plan is. A plan that ran is judged by
         its measured peak, one not yet run by its model and the most any plan that ran measured
         over its own model (not by the margins: they judge what fits, and would rank every plan
         not yet run behind one that ran at the same peak). On the loop sweep's decoder on an H200
         the profiled plan (every part recomputed with its inputs moved out) measured the peak the
         model gives every block recomputed whole so (the peak is the loss's), which runs 123 ms a
-        step where the profiled plan ran 155, with the same 5.62 GiB reserved (at be473a6 the
-        model put whole blocks 6 MiB above it, and the profiled plan ran, 188 ms a step where
-        whole blocks ran 125: peaks within the model's error are alike). Peaks here are
+        step where the profiled plan ran 155, with the same 5.62 GiB reserved. Peaks here are
         allocated bytes: a plan tied with the least may still hold more in the allocator's cache
         (one with copies in flight reserved 0.5 GiB more on that decoder), which only its steps show."""
         peaks = self._judged_peaks(False)  # (its index of plans by identity made, as for every choice)
@@ -959,11 +955,7 @@ class BudgetController:
         if allowed is not self._plans and allowed:  # the host budget rules some out
             ids = {id(p) for p in allowed}
             places = [i for i, p in enumerate(self._plans) if id(p) in ids]
-        # alike to the least within the model's error, but not over a budget the least is within
-        least = min(peaks[i] for i in places)
-        cap = self._budget if least <= self._budget else None
-        alike_least = [i for i in places if alike_in_memory(least, peaks[i]) and (cap is None or peaks[i] <= cap)]
-        best = min(alike_least, key=lambda i: (self._plans[i].step_s, peaks[i]))
+        best = min(places, key=lambda i: (peaks[i], self._plans[i].step_s))
         return replace(self._plans[best], peak=peaks[best])
 
     def _fits_now(self, plan: MemoryPlan) -> bool:

@@ -18,7 +18,6 @@ BASE_TOLERANCE_DIVISOR = 100  # ... up to a hundredth of the budget; more is kep
 WORKLOAD_CHANGE = 0.10  # a group saving this share more or less than profiled is another workload (batch noise is less)
 TIE = 0.01  # modelled step times this close are alike: the model cannot tell them apart, so the plan doing less it cannot see goes first
 CALIBRATION_SLACK = 0.05  # a measured step this close to the model is noise, not an error of the model to correct
-MEMORY_TIE = 0.004  # peaks this close are alike where no plan fits: the model's error, not a copy in flight's bytes
 HOST_PACED = 0.9  # a forward whose host time is at least this share of its device time ran at the host's pace
 
 
@@ -46,15 +45,6 @@ def alike(fastest_s: float, step_s: float) -> bool:
     """Whether a plan modelled at ``step_s`` is alike to the fastest, at ``fastest_s``: the one
     tie rule of the search (:func:`~.search.fastest`) and of the controller's order of trying."""
     return step_s <= fastest_s * (1 + TIE)
-
-
-def alike_in_memory(least: int, peak: int) -> bool:
-    """Whether a plan that needs ``peak`` bytes is alike in memory to the least, ``least``:
-    where no plan fits, the fastest of those runs. Within ``MEMORY_TIE`` of it: on an
-    H200 decoder every block recomputed whole was modelled 6 MiB over the profiled plan (every
-    part recomputed) and measured the same, while a copy in flight adds 32 MiB (0.8%) and
-    reserved 0.5 GiB more."""
-    return peak <= least + int(least * MEMORY_TIE)
 
 
 def off_model(measured_s: float, modelled_s: float) -> int:
