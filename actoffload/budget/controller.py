@@ -951,7 +951,7 @@ class BudgetController:
         if under:
             peaks = [q if i in ran else q + under for i, q in enumerate(peaks)]
         allowed = self._within_host(self._plans)
-        places = list(range(len(peaks)))
+        places: Iterable[int] = range(len(peaks))
         if allowed is not self._plans and allowed:  # the host budget rules some out
             ids = {id(p) for p in allowed}
             places = [i for i, p in enumerate(self._plans) if id(p) in ids]
