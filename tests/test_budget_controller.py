@@ -270,6 +270,40 @@ def test_controller_rates_a_plan_moving_bytes_against_one_moving_none_with_the_b
     assert under and all(c._promises(p, still) == (excess == 0.02) for p in under)
 
 
+@pytest.mark.parametrize("pace", [0.9, 0.96, 1.0, 1.04])
+def test_controller_a_choice_reads_the_model_s_order_only_as_far_as_a_plan_may_promise(monkeypatch, pace):
+    """Plans ran at ``pace`` times their model (0.96 and 1.04: within the calibration's slack,
+    so the model stands). Choosing again reads the candidates in the model's order only while
+    one may still be rated faster than the fastest measured: a plan rated beyond its measured
+    time (by more than the tie) ends the reading, for none after it can be rated under it, but
+    the plan moving nothing, which is not in that order, is still read. The choice is the one
+    reading every candidate makes, from a few of them where nothing promises (on the CPU,
+    reading all of 600 took 50-210 ms)."""
+    from actoffload.budget import controller as controller_module
+
+    profile = _big_profile(12)
+    plans = _controller(1 << 40, profile=profile).plans
+    least, most = min(p.peak for p in plans), max(p.peak for p in plans)
+    c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
+    unmodelled_work = search.unmodelled_work
+    read: list = []
+    monkeypatch.setattr(search, "unmodelled_work", lambda profile, groups: read.append(groups) or
+                        unmodelled_work(profile, groups))
+    # the first choice measured (it moves bytes: the plan moving nothing is read next); then others
+    for steps in (TIMINGS + 1, 2 * TIMINGS + 1):
+        _run(c, steps, lambda p: pace * p.step_s)
+        fitting = c._fitting()
+        assert any(c._timed(p) for p in fitting) and len(fitting) > 100
+        read[:] = []
+        chosen = c._fastest(fitting)
+        read_now, read[:] = len(read), []
+        with monkeypatch.context() as m:
+            m.setattr(controller_module, "TIE", float("inf"))  # no plan ends the reading
+            assert c._fastest(fitting).key == chosen.key
+        if pace < 1 and steps > TIMINGS + 1:  # every plan measured faster than its model: none promises
+            assert read_now < len(read) // 10
+
+
 def test_controller_tries_the_plan_moving_nothing_before_a_new_first_choice_that_moves_bytes():
     """The plan measured first moves bytes and ran 6% over its model: the bus is calibrated, and
     the model's first choice becomes another plan that moves bytes, not yet run. The fastest plan
