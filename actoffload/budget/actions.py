@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -99,12 +100,15 @@ class GroupDecision:
     def __new__(cls, action: Action | str = Action.KEEP, fraction: float = 1.0) -> GroupDecision:
         action = action if isinstance(action, Action) else Action(action)
         key = (action, fraction)
-        made = _DECISIONS.get(key)
-        if made is None:
-            made = super().__new__(cls)
-            object.__setattr__(made, "action", action)
-            object.__setattr__(made, "fraction", fraction)
-            made = _DECISIONS.setdefault(key, made)  # (another thread's, should it have made one meanwhile)
+        # under a lock: the planning process's answers are unpickled on a thread of their own while
+        # the step's thread makes decisions, and two objects for one decision are two plans
+        with _MAKING:
+            made = _DECISIONS.get(key)
+            if made is None:
+                made = super().__new__(cls)
+                object.__setattr__(made, "action", action)
+                object.__setattr__(made, "fraction", fraction)
+                _DECISIONS[key] = made
         return made
 
     def __reduce__(self) -> tuple:  # unpickled (sent back by the planning process): this process's object
@@ -113,3 +117,4 @@ class GroupDecision:
 
 # the decisions made, by action and fraction: held while a plan holds them
 _DECISIONS: weakref.WeakValueDictionary[tuple[Action, float], GroupDecision] = weakref.WeakValueDictionary()
+_MAKING = threading.RLock()  # (a finalizer that made a decision while one is made on its thread would not block)
