@@ -860,8 +860,9 @@ class BudgetController:
             # nothing after it, as they would have: counted as tries, the quick plans had left a
             # predicted profile on two plans moving bytes, the bus modelled from another
             # workload's, never trying one that moves none)
-            fitting = self._fitting()
-            first = self._first_choice(fitting).key if fitting else None
+            with self.planning_time("choosing"):
+                fitting = self._fitting()
+                first = self._first_choice(fitting).key if fitting else None
             quick = set(self._runs) - {first}
             self._unheld |= quick
             self._explore += len(quick)
@@ -963,8 +964,9 @@ class BudgetController:
         judges it (asked only when the reserve grew, or a step begins on a cache over the budget,
         so judging every candidate is no cost to speak of; a plan no longer a candidate does not
         fit)."""
-        judged = self._judged_peaks(True)
-        return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
+        with self.planning_time("choosing"):
+            judged = self._judged_peaks(True)
+            return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
 
     def _limits(self) -> tuple[int]:
         """The modelled peak a plan not yet run may reach, as :meth:`_fitting` judges it now: the
