@@ -25,6 +25,7 @@ import torch
 import actoffload as ao
 from actoffload.tools import loop_sweep
 from actoffload.tools.models import block_parts
+from forced_llama import loop_decoder
 
 
 def _sync(device: torch.device) -> None:
@@ -57,13 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cprofile", type=int, default=25, help="functions listed per profiled step (0: none)")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("first_steps_probe: no CUDA device; --device cpu runs the tiny decoder")
-    w = loop_sweep.llama(device, small=device.type == "cpu")
+    w = loop_decoder(a.device, "first_steps_probe")
+    device = w.device
     loop = loop_sweep._Loop(w, print)
     loop_sweep._warm_up(loop, [w.seq_len])
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
     times = []
     for i in range(4):
         _sync(device)

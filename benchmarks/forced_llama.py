@@ -1,6 +1,7 @@
 """The probes' shared rig: transformers' SDPA Llama of the sweep (``hf_llama_sdpa``, tiny on
 the CPU), its steps timed on the host and in full, and ``fast`` under a memory budget whose
-controller is made to run one action on every layer (``BudgetController.force``)."""
+controller is made to run one action on every layer (``BudgetController.force``); and the loop
+sweep's decoder (:func:`loop_decoder`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import actoffload as ao
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.budget.costmodel import Profile
+from actoffload.tools import loop_sweep
 from actoffload.tools.budget_sweep import _checkpointed
 from actoffload.tools.sweep_models import hf_llama, plain
 
@@ -67,6 +69,22 @@ class ForcedLlama:
         self.step(plain, 0)
         self.step(plain, 1)
         return handle
+
+
+def loop_decoder(device_name: str, probe: str) -> loop_sweep.LoopWorkload:
+    """The loop sweep's decoder on ``device_name`` (tiny on the CPU), having printed the card
+    and torch it runs on; a ``probe`` asked for CUDA where there is none stops, saying so.
+
+    Example::
+
+        w = loop_decoder("cuda", "least_memory_probe")   # w.device, w.blocks, w.loss(...)
+    """
+    device = torch.device(device_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{probe}: no CUDA device; --device cpu runs the tiny decoder")
+    w = loop_sweep.llama(device, small=device.type == "cpu")
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    return w
 
 
 def every_group(profile: Profile, action: Action) -> list[GroupDecision]:

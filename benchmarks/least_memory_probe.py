@@ -39,7 +39,7 @@ from actoffload.budget.actions import Action
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.tools import loop_sweep
 from actoffload.tools.models import block_parts
-from forced_llama import every_group
+from forced_llama import every_group, loop_decoder
 
 MiB = 1 << 20
 TOLERANCES_MIB = (0, 8, 32, 64, 128, 256, 512)
@@ -87,11 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-gib", type=float, default=6.16, help="the budget the decoder is profiled under")
     p.add_argument("--steps", type=int, default=6, help="timed steps of each method")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("least_memory_probe: no CUDA device; --device cpu runs the tiny decoder")
-    w = loop_sweep.llama(device, small=device.type == "cpu")
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    w = loop_decoder(a.device, "least_memory_probe")
+    device = w.device
     ckpt = _steps(w, loop_sweep._checkpointed, a.steps)
     print(f"checkpoint every block: {ckpt[0]:.1f} ms, allocated {_gib(ckpt[1])}, reserved {_gib(ckpt[2])}")
     off = ao.Offloader(impl="fast", device=device, memory_budget=int(a.budget_gib * (1 << 30)))
