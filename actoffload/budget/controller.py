@@ -1111,7 +1111,7 @@ class BudgetController:
         still_seen = still is None
         for p in itertools.chain(ahead, by_model):
             still_seen = still_seen or p is still
-            if self._timed(p) or (p is not still and best is not None and not self._promises(p, best, excess)):
+            if p.key in measured or (p is not still and best is not None and not self._promises(p, best, excess)):
                 if still_seen and p is not still and beyond is not None and p.step_s >= beyond:
                     break
                 continue  # measured, or the model promises nothing faster than what was
