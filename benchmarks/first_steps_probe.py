@@ -18,6 +18,7 @@ import cProfile
 import gc
 import io
 import pstats
+import threading
 import time
 
 import torch
@@ -34,19 +35,27 @@ def _sync(device: torch.device) -> None:
 
 
 class _TimedAllocations:
-    """Counts the host allocations of one offloader's pool, and the seconds they take."""
+    """Counts the host allocations of one offloader's pool, and the seconds they take, those
+    the step's own thread waited for apart from those pinned ahead on the pool's worker."""
 
     def __init__(self, off: ao.Offloader) -> None:
         pool = off._pool  # type: ignore[attr-defined]
         self.count, self.seconds, self._allocate = 0, 0.0, pool._allocate
+        self.ahead, self.ahead_seconds = 0, 0.0
+        self._lock = threading.Lock()
 
         def timed(nbytes: int) -> torch.Tensor:
             t0 = time.perf_counter()
             try:
                 return self._allocate(nbytes)
             finally:
-                self.count += 1
-                self.seconds += time.perf_counter() - t0
+                with self._lock:
+                    if threading.current_thread() is threading.main_thread():
+                        self.count += 1
+                        self.seconds += time.perf_counter() - t0
+                    else:
+                        self.ahead += 1
+                        self.ahead_seconds += time.perf_counter() - t0
 
         pool._allocate = timed
 
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     handle = ao.wrap(w.blocks, off, parts=block_parts)
     for i in range(a.steps):
         profiler = cProfile.Profile() if a.cprofile and i < 2 else None
-        n0, s0 = allocations.count, allocations.seconds
+        n0, s0, a0, b0 = allocations.count, allocations.seconds, allocations.ahead, allocations.ahead_seconds
         _sync(device)
         t0 = time.perf_counter()
         if profiler is not None:
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             q.grad = None
         c = off.plan.controller
         print(f"step {i}: {ms:.0f} ms, state after it {c.state.value}, host allocations "
-              f"{allocations.count - n0} in {(allocations.seconds - s0) * 1e3:.0f} ms")
+              f"{allocations.count - n0} in {(allocations.seconds - s0) * 1e3:.0f} ms, pinned ahead "
+              f"{allocations.ahead - a0} in {(allocations.ahead_seconds - b0) * 1e3:.0f} ms")
         if profiler is not None:
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(a.cprofile)
