@@ -124,10 +124,6 @@ class Engine(Generic[GroupT, MovedT]):
         """A group is about to open (or would, were it not kept whole): implementations may
         finish earlier work here."""
 
-    def _step_beginning(self) -> None:
-        """A step begins (before its plan is asked anything): implementations may reset what
-        they keep per step here."""
-
     def _backward_reaches(self, group: GroupT) -> None:
         """Backward unpacked something ``group`` saved for the first time: reloads may start."""
 
@@ -261,7 +257,6 @@ class Engine(Generic[GroupT, MovedT]):
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
         if new_step:
             marks.new_step()
-            self._step_beginning()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
             self._asks = self.plan.acts_at()
             with self._lock:

@@ -59,10 +59,6 @@ from .streams import CopyStreams
 # tensor only when backward unpacks it); half keeps most of the overlap.
 PREFETCH_SHARE = 0.5
 
-# Blocks of a size class a step that pins as it goes keeps pinned ahead of its requests (a
-# group's commit takes one or two of a class; the model's next groups take the same).
-READ_AHEAD = 2
-
 
 class _Copied:
     """One commit's copy out: the pool blocks it filled and the event of its last copy.
@@ -200,9 +196,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         self._streams = CopyStreams(self.device)
-        # pinning costs about what copying does: where blocks are pinned, a step that must pin
-        # them pins the next commits' blocks while the device computes
-        self._pool = PinnedPool(self._host.allocate, read_ahead=READ_AHEAD if self._host.pinned else 0)
+        self._pool = PinnedPool(self._host.allocate)
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = OwnedLock()  # _group_freed, a finalizer, may run inside a section holding it
@@ -233,9 +227,6 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     def _prefetch_depth(self) -> int:
         return self._copy_window()[1]
-
-    def _step_beginning(self) -> None:
-        self._pool.end_read_ahead()
 
     def _group_opening(self) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next

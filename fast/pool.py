@@ -26,14 +26,6 @@ size classes the longer step's blocks cannot serve, fits the budget the longer o
 free piece of an allocation another piece of which is in use cannot be let go: with blocks
 cut from larger ones (from 1 MiB), a shorter step may still find the budget short.
 
-A step that pins as it goes (its first, or the first at a length whose blocks the pool cannot
-cut) reads ahead: a request the pool had to allocate for starts a run of that size class, in
-which ``read_ahead`` more blocks of it are pinned on the background thread, one more each time
-the run's class is taken, so that the next commits (a model's groups are alike) find their
-blocks pinned while the device computes; a request of a class being pinned waits for it rather
-than pinning another. Runs end where a step begins (:meth:`PinnedPool.end_read_ahead`): at
-most ``read_ahead`` blocks per class are pinned beyond what the step used, and reused later.
-
 Blocks go back from finalizers (a copy record's), which may run inside one of the pool's
 own sections on the same thread (a garbage-collection pass begun at an allocation there):
 such a block is handed to the section, which puts it back as it ends
@@ -120,15 +112,10 @@ class PinnedPool:
         ...
         pool.put(block)                # reused by the next get() of the same class (or cut, from 1 MiB)
         pool.reserve([1 << 30])        # allocated meanwhile; pool.reserving says how much is left
-        pool = PinnedPool(allocate, read_ahead=2)   # pinning after a miss runs ahead of the requests
     """
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor], read_ahead: int = 0):
+    def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self.read_ahead = read_ahead  # blocks a run keeps pinned ahead of the requests (0: none)
-        self._runs: set[int] = set()  # size classes read ahead since the step began
-        self._listed = threading.Condition(threading.Lock())  # told whenever the worker stops or lists a block
-        self._served = 0  # how often it was told (under _listed)
         self._free: dict[int, list[HostBlock]] = {}  # free blocks by size
         self._sizes: list[int] = []  # the sizes of free blocks, ascending (best fit)
         self._starts: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset)
@@ -148,41 +135,17 @@ class PinnedPool:
 
     def get(self, nbytes: int) -> HostBlock:
         size = size_class(nbytes)
-        while True:
-            with self._lock:
-                block = self._take(size)
-                if block is not None:
-                    self.in_use += block.size
-                    if size in self._runs:
-                        self._queue_ahead(size, 1)  # one taken: one more pinned behind it
-                    return block
-                pinning = size in self._queue
-                served = self._served
-            if not pinning:
-                break
-            with self._listed:  # the worker is pinning this class: wait for it rather than pin another
-                self._listed.wait_for(lambda: self._served != served, timeout=1.0)
+        with self._lock:
+            block = self._take(size)
+            if block is not None:
+                self.in_use += block.size
+                return block
         block = HostBlock(self._new_allocation(size))
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
             self.in_use += size
-            if self.read_ahead and size not in self._runs:
-                self._runs.add(size)
-                self._queue_ahead(size, self.read_ahead)
         return block
-
-    def end_read_ahead(self) -> None:
-        """A step begins: what was read ahead is left for it, and no class is read ahead until a
-        request misses again."""
-        with self._lock:
-            self._runs.clear()
-
-    def _queue_ahead(self, size: int, count: int) -> None:
-        """Pin ``count`` blocks of ``size`` on the background thread (the caller holds the lock)."""
-        self._queue.extend([size] * count)
-        self.reserving += size * count
-        self._wake_worker()
 
     def _new_allocation(self, size: int) -> torch.Tensor:
         """``size`` bytes of new host memory; over the host budget, where what the free blocks
@@ -290,7 +253,6 @@ class PinnedPool:
                     self._owned[size] += 1
                     self.reserving -= size
                     self._list(block)
-                self._tell_listed()
         except Exception as e:  # noqa: BLE001  any failure stops reserving; get() then allocates, and says why
             with self._lock:
                 self.reserve_error = e
@@ -300,12 +262,6 @@ class PinnedPool:
             with self._lock:
                 self._worker = None
                 self._wake_worker()  # reserved after the last look at the queue: serve it too
-            self._tell_listed()
-
-    def _tell_listed(self) -> None:
-        with self._listed:
-            self._served += 1
-            self._listed.notify_all()
 
     def wait_reserved(self) -> None:
         """Wait until every reserved block is allocated (or reserving failed)."""

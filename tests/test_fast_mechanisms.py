@@ -2,7 +2,6 @@
 
 import gc
 import threading
-import time
 
 import pytest
 import torch
@@ -430,88 +429,6 @@ def test_pool_expects_blocks_in_use_together_and_reserves_only_what_it_lacks():
     pool.expect([5000, 5000])
     pool.wait_reserved()
     assert pool.allocations == 2
-
-
-def _threads_allocating(pause: float = 0.0):
-    """An allocator that records on which thread it ran (``True``: the caller's), pausing as
-    pinning would."""
-    calls = []
-
-    def allocate(n):
-        calls.append(threading.current_thread() is threading.main_thread())
-        time.sleep(pause)
-        return torch.empty(n, dtype=torch.uint8)
-
-    return calls, allocate
-
-
-def test_pool_a_step_that_pins_as_it_goes_reads_ahead_and_the_next_step_pins_nothing():
-    """Pinning costs about what the copy does: after the first miss of a class, the blocks the
-    next requests take are pinned on the worker, a request never pinning one the worker is
-    already pinning; at most ``read_ahead`` are left over, and the next step takes what it
-    needs from the pool."""
-    calls, allocate = _threads_allocating(pause=0.005)
-    pool = PinnedPool(allocate, read_ahead=2)
-    blocks = [pool.get(32 * MIB) for _ in range(8)]
-    pool.wait_reserved()
-    assert calls[0] and not any(calls[1:])  # one pinned by the request that missed, the rest ahead of it
-    assert pool.allocations == 8 + 2 and pool.pooled == 2 * 32 * MIB
-    pool.put_all(blocks)
-    pool.end_read_ahead()  # the next step
-    blocks = [pool.get(32 * MIB) for _ in range(10)]
-    pool.wait_reserved()
-    assert pool.allocations == 10 and pool.pooled == 0  # served from the pool, nothing read ahead
-    pool.put_all(blocks)
-
-
-def test_pool_reads_ahead_only_where_asked_and_per_size_class():
-    calls, allocate = _threads_allocating()
-    plain = PinnedPool(allocate)
-    plain.get(MIB)
-    plain.get(MIB)
-    assert calls == [True, True] and plain.reserving == 0  # read_ahead=0: every miss pinned by its request
-    calls.clear()
-    pool = PinnedPool(allocate, read_ahead=1)
-    pool.get(MIB)
-    pool.get(5000)  # another class starts a run of its own
-    pool.wait_reserved()
-    assert calls == [True, True, False, False] or sorted(calls) == [False, False, True, True]
-    assert pool.pooled == MIB + size_class(5000)
-
-
-def test_pool_a_request_waiting_on_a_read_ahead_that_fails_pins_its_own_block():
-    """The worker's failure (over the host budget, say) must neither hang a request waiting for
-    the class it was pinning nor lose the request: it pins its own, and says why if it cannot."""
-    calls = []
-
-    def allocate(n):
-        on_worker = threading.current_thread() is not threading.main_thread()
-        calls.append(on_worker)
-        if on_worker:
-            time.sleep(0.01)
-            raise MemoryError("host budget reached")
-        return torch.empty(n, dtype=torch.uint8)
-
-    pool = PinnedPool(allocate, read_ahead=2)
-    first = pool.get(MIB)
-    second = pool.get(MIB)  # waits for the worker, which fails: then pinned here
-    pool.wait_reserved()
-    assert calls == [False, True, False]  # the request, the worker (failing), the request again
-    assert second.size == first.size == MIB and "host budget" in str(pool.reserve_error)
-
-
-def test_fast_ends_read_ahead_where_a_step_begins():
-    """The engine tells the pool where each step begins: the second step of a model whose first
-    step read ahead allocates nothing and leaves no more pooled than the first."""
-    model = mlp_stack(4, 64, "cpu")
-    off = ao.Offloader(impl="fast", device="cpu", warmup="offload", min_offload_bytes=0, keep_last=1, pack_below=0)
-    off._pool.read_ahead = 2  # as where blocks are pinned (CUDA)
-    stats = train_steps(off, model, 3, "cpu", batch=64)
-    allocs = [s["host_allocations"] for s in stats]
-    pooled = [s["host_bytes_in_use"] + s["host_bytes_pooled"] for s in stats]
-    assert allocs[0] > 0 and allocs[2] == allocs[1] == off._pool.allocations
-    assert pooled[2] == pooled[1]
-    assert not off._pool._runs
 
 
 def test_fast_reloads_ahead_only_what_backward_needs_first_and_the_rest_on_arrival():
