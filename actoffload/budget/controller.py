@@ -179,6 +179,7 @@ class BudgetController:
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
+        self._over_on_own_cache: set[PlanKey] = set()  # plans whose step went over on a cache given back before it
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
@@ -445,14 +446,17 @@ class BudgetController:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
 
     def _reaches_budget(self) -> bool:
-        """Whether this step's plan is judged within the budget (a step profiling: not known,
-        taken to): a cache over the budget is then given back as the step begins, being no
-        use to it. Not where no plan reaches it, nor where the plan runs over it anyway (the
-        least memory where the margins rule out every plan; a forced plan): there emptying it
-        at every step would change nothing."""
-        if self.too_small is not None or self._forced is not None:
-            return False
-        return self._plan is None or self._step is not None or self._fits_now(self._plan)
+        """Whether this step's plan may stay within the budget on a cache of its own: a cache
+        over the budget is then given back as the step begins, being no use to it. So where
+        the plan is judged within it (a step profiling: not known, taken to), and where it runs
+        over it by the model (no plan reaches it; the least memory where the margins rule out
+        every plan; a forced plan) until it has gone over on a cache given back just before it:
+        from then on emptying the cache at every step would change nothing."""
+        if self._plan is None or self._step is not None:
+            return True
+        if self.too_small is None and self._forced is None and self._fits_now(self._plan):
+            return True
+        return self._plan.key not in self._over_on_own_cache
 
     def _raise_found(self) -> None:
         """Raise the :class:`BudgetTooSmall` found where raising was not safe, once."""
@@ -680,6 +684,8 @@ class BudgetController:
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
         grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
+        if self._reserve.fresh and self.measured_reserved_peak > self._budget and self._step_key is not None:
+            self._over_on_own_cache.add(self._step_key)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
