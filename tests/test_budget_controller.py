@@ -100,6 +100,13 @@ def _profile() -> Profile:
     return Profile((g,) * 4, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
 
 
+def _small_profile() -> Profile:
+    """A workload far smaller than :func:`_profile`'s (a shorter length): plans that fit where its do not."""
+    g = GroupProfile("g", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=2e-3,
+                     forward_extra=2 * MiB, backward_extra=2 * MiB)
+    return Profile((g,) * 4, base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=MiB)
+
+
 def _big_profile(n: int) -> Profile:
     """``n`` groups of unequal spans and forward times: many candidate plans."""
     groups = tuple(GroupProfile(f"layers.{i}", spans=tuple((64 + i + k) * MiB for k in range(4)), kept=0,
@@ -787,9 +794,7 @@ def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_rea
     its steps to the next; a step of the shorter, which can, begins by giving that cache back,
     else it would reserve what the longer one did."""
     probe, reserve = FakeProbe(), AllocatorReserve()
-    small = Profile((GroupProfile("g", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=2e-3,
-                                  forward_extra=2 * MiB, backward_extra=2 * MiB),) * 4,
-                    base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=MiB)
+    small = _small_profile()
     long_least = min(p.peak for p in _controller(1 << 40).plans)
     budget = long_least - 20 * MiB
     long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
@@ -826,9 +831,7 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
     8.93 on one steps of other lengths had grown); once the plan went over on a cache given back
     just before it, its cache is kept (giving it back would change nothing)."""
     probe, reserve = FakeProbe(), AllocatorReserve()
-    small = Profile((GroupProfile("g", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=2e-3,
-                                  forward_extra=2 * MiB, backward_extra=2 * MiB),) * 4,
-                    base=BASE, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=MiB)
+    small = _small_profile()
     long_least = min(p.peak for p in _controller(1 << 40).plans)
     budget = long_least - 20 * MiB
     long, short, other = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(3))
