@@ -998,8 +998,8 @@ def test_controller_judges_its_plan_again_when_another_workloads_step_grew_the_s
 
 def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one_with_the_margins():
     """Judged again after another workload grew the shared reserve: a plan that ran by what its
-    step measured (above its model here), one that never ran to its end by its model and the
-    margins; one that still fits stays."""
+    step measured (above its model here) on a cache given back since, one that never ran to its
+    end by its model and the margins; one that still fits stays."""
     probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
     probe.peak_bytes = keep_all.peak + 20 * MiB  # it runs above its model, within the budget
     _run(c, TIMINGS + 2, lambda p: p.step_s)
@@ -1009,7 +1009,9 @@ def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one
     assert c.plan.key == keep_all.key  # 20 + 5 MiB over its model: still within the budget
     probe.advance(keep_all.step_s)
     c.backward_ends()
-    _grow_shared_reserve(probe, reserve, c.budget, 15 * MiB, keep_all.peak)
+    # beginning on more than the last step left: the cache is given back first, so the one
+    # keep_all ran on is gone (on it, it would be judged by what it reserved there)
+    _grow_shared_reserve(probe, reserve, c.budget, 15 * MiB, keep_all.peak + 30 * MiB)
     c.step_begins()
     assert c.plan.key != keep_all.key  # its model and the reserve would fit; its step does not
 
@@ -1020,6 +1022,58 @@ def test_controller_judges_a_plan_again_by_its_measured_peak_or_its_modelled_one
     _grow_shared_reserve(probe, reserve, c.budget, 30 * MiB + MiB // 2, keep_all.peak)
     c.step_begins()
     assert c.plan.key != keep_all.key  # fits without the margin, not with it
+
+
+def test_controller_judges_a_plan_that_ran_on_the_cache_as_it_stands_by_what_it_reserved_there():
+    """A plan within the budget on the cache it ran on stays chosen while that cache is kept,
+    though another workload's step, growing the cache a little with far less allocated, made the
+    reserve so large that no plan fits by it (on the loop sweep's decoder every 2048-token plan
+    stayed at 5.67 GiB reserved under a 6.16 GiB budget that a 512-token step's reserve ruled
+    out). Once its step goes over the budget there, it is judged by the reserve again, from then on."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+
+    def step() -> None:
+        c.step_begins()
+        probe.advance(keep_all.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = probe.peak_reserved()
+
+    step()
+    reserve.step_begins(probe, c.budget)  # another workload's step, on that cache
+    assert reserve.step_ended(probe, c.budget, allocated_peak=keep_all.peak // 2, reserved_peak=keep_all.peak + MiB)
+    probe.reserved_bytes = keep_all.peak + MiB
+    assert keep_all.peak + reserve.bytes > c.budget  # by the reserve, it no longer fits
+    trims = probe.trims
+    step()
+    assert c.plan.key == keep_all.key and probe.trims == trims  # kept, and so is its cache
+    assert c.stats()["tried"][0]["cache_served_bytes"] == keep_all.peak
+    probe.reserved_bytes = c.budget + MiB  # had others grown the cache over the budget, it would not fit
+    assert not c._fits_now(keep_all)
+    probe.reserved_bytes = keep_all.peak + MiB
+    probe.cached_bytes = 40 * MiB  # its cache did not serve it this time: over the budget
+    step()
+    assert c.plan.key != keep_all.key
+    probe.cached_bytes = 0
+    probe.peak_bytes = c.plan.peak
+    step()  # the cache given back as the plan changed; the plan chosen runs within the budget
+    assert not c._fits_now(keep_all) and c.plan.key != keep_all.key
+
+
+def test_controller_a_plan_judged_on_a_cache_given_back_as_its_step_begins_is_judged_again():
+    """A plan judged by what it reserved on the cache as it stood is judged again where that
+    cache is given back as its step begins (something between the steps grew it: an evaluation
+    forward), before the step runs: on a cache of its own, the reserve judges it."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    c.step_begins()
+    probe.advance(keep_all.step_s)
+    c.backward_ends()
+    reserve.step_begins(probe, c.budget)  # another workload's step grows the reserve, not the cache much
+    reserve.step_ended(probe, c.budget, allocated_peak=keep_all.peak // 2, reserved_peak=keep_all.peak + MiB)
+    probe.reserved_bytes = keep_all.peak + 20 * MiB  # an evaluation forward's blocks, after that step
+    c.step_begins()
+    assert c.reserve.fresh and c.plan.key != keep_all.key
 
 
 def test_controller_a_reserve_grown_past_every_plan_raises_at_the_step_begin_then_runs_the_least_memory():

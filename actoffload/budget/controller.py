@@ -180,6 +180,9 @@ class BudgetController:
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
         self._over_on_own_cache: set[PlanKey] = set()  # plans whose step went over on a cache given back before it
+        # plan -> (the cache it ran on: the shared reserve's trims then, the most it reserved there),
+        # where that was within the budget (:meth:`_served_now`)
+        self._served: dict[PlanKey, tuple[int, int]] = {}
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
@@ -359,6 +362,7 @@ class BudgetController:
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
         self._kept_first, self._host_of, self._host_bound = {}, {}, None
+        self._served = {}
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
@@ -434,6 +438,10 @@ class BudgetController:
         if self._beginning:
             self._raise_found()  # found where raising would break the pass
         self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget)
+        if (self._reserve.fresh and self._step is None and self._plan is not None and self._forced is None
+                and self.too_small is None and self._plan.key in self._served and not self._fits_now(self._plan)):
+            # it was judged on the cache just given back: judged again as on a cache of its own
+            self._choose_before_step()
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -684,8 +692,7 @@ class BudgetController:
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
         grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
-        if self._reserve.fresh and self.measured_reserved_peak > self._budget and self._step_key is not None:
-            self._over_on_own_cache.add(self._step_key)
+        misjudged = self._step_key is not None and self._note_cache(self._step_key, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -725,6 +732,8 @@ class BudgetController:
             self._choose()
         elif (grew or self._peaks[key] != before) and self.measured_peak + self._reserve.bytes > self._budget:
             self._choose()  # with what the allocator adds, it no longer fits (it did when chosen)
+        elif misjudged:
+            self._choose()  # its cache did not serve it again: judged by the reserve from now on
 
     # ------------------------------------------------------------------ planning
     def _finish_profiling(self, end: Any) -> None:
@@ -993,10 +1002,45 @@ class BudgetController:
             self._index = {}
             for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
                 self._index.setdefault(p.key, []).append(i)
+        served = self._served_now()
         for key, peak in self._peaks.items():
+            judged = peak + base + reserve
+            if key in served:
+                judged = min(judged, served[key])
             for i in self._index.get(key, ()):
-                out[i] = peak + base + reserve
+                out[i] = judged
         return out
+
+    def _note_cache(self, key: PlanKey, reserved_peak: int) -> bool:
+        """What a step of plan ``key`` reserved at most (bytes) on the cache it ran on: whether
+        it went over the budget where :meth:`_served_now` judged it within."""
+        over = reserved_peak > self._budget
+        if over and self._reserve.fresh:
+            self._over_on_own_cache.add(key)
+        if over:  # judged by the reserve again (which, never shrinking, will not choose it again)
+            misjudged = key in self._served_now()
+            self._served.pop(key, None)
+            return misjudged
+        trims = self._reserve.trims
+        before = self._served.get(key)
+        most = before[1] if before is not None and before[0] == trims else 0
+        self._served[key] = (trims, max(most, reserved_peak))
+        return False
+
+    def _served_now(self) -> dict[PlanKey, int]:
+        """What each plan that ran on the cache as it stands (none given back since) will reserve:
+        the most it reserved there, or what the cache holds now if more (with the base
+        tolerance for noise). That cache served it once and has only grown since, so it serves
+        it again; the reserve, measured on other steps' caches, would judge it by their spare
+        blocks (on the loop sweep's decoder every 2048-token plan stayed at 5.67 GiB reserved,
+        under a 6.16 GiB budget that the reserve, 2.47 GiB from a 512-token step, said none fit).
+        A plan that goes over is left out until it runs within the budget again."""
+        if not self._served or not self._probe.cuda:
+            return {}
+        trims, now = self._reserve.trims, self._probe.reserved()
+        slack = base_tolerance(self._budget)
+        return {key: max(most, now) + slack for key, (at, most) in self._served.items()
+                if at == trims}
 
     def _judged(self, with_margins: bool) -> list[MemoryPlan]:
         """The candidates with their peaks as :meth:`_judged_peaks` gives them."""
@@ -1262,6 +1306,9 @@ class BudgetController:
                                "max_inflight": m.plan.max_inflight, "prefetch": m.plan.prefetch,
                                "steps": m.steps, "predicted_peak_bytes": m.plan.peak,
                                "measured_peak_bytes": m.peak, "predicted_step_s": m.plan.step_s,
+                               # what it reserved at most on the cache as it stands, within the budget
+                               "cache_served_bytes": self._served[m.plan.key][1]
+                               if cuda and m.plan.key in self._served else None,
                                "measured_step_s": statistics.median(m.times) if m.times else None}
                               for m in self.measured_plans()],
                        profile=asdict(profile),
