@@ -1060,6 +1060,33 @@ def test_controller_judges_a_plan_that_ran_on_the_cache_as_it_stands_by_what_it_
     assert not c._fits_now(keep_all) and c.plan.key != keep_all.key
 
 
+def test_controller_a_slow_plan_fitting_only_on_its_cache_leaves_the_least_memory_where_that_is_faster():
+    """No plan reaches the budget by the model; the slow profiled plan ran a step within it on
+    the cache as it stands, and another workload's step made the reserve such that only that
+    cache says it fits. The least memory (each module recomputed whole: the same peak, faster)
+    runs instead, as it did before any plan ran (on the loop sweep's decoder a plan that ran
+    first so settled at 165 ms a step where the least memory ran 130)."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]
+    probe = FakeProbe()
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=probe)
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile, profiled.peak)
+    c.force(profiled.groups, profiled.max_inflight, profiled.prefetch)
+    c.step_begins()
+    probe.peak_bytes, probe.cached_bytes = c.budget - 100 * MiB, 10 * MiB  # within the budget on its cache
+    probe.advance(profiled.step_s)
+    c.backward_ends()
+    probe.reserved_bytes = probe.peak_reserved()
+    c.reserve.step_begins(probe, c.budget)  # another workload's step: little allocated, the cache a MiB larger
+    assert c.reserve.step_ended(probe, c.budget, allocated_peak=MiB, reserved_peak=probe.reserved_bytes + MiB)
+    probe.reserved_bytes += MiB
+    c.force(None)
+    assert c._fits_only_on_its_cache(profiled.key)
+    assert c.plan.key != profiled.key and c.plan.step_s < profiled.step_s
+    assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
+
+
 def test_controller_a_plan_judged_on_a_cache_given_back_as_its_step_begins_is_judged_again():
     """A plan judged by what it reserved on the cache as it stood is judged again where that
     cache is given back as its step begins (something between the steps grew it: an evaluation

@@ -942,6 +942,15 @@ class BudgetController:
             chosen = self._least_memory()
         else:
             chosen = self._fastest(fitting)
+            if all(self._fits_only_on_its_cache(p.key) for p in fitting):
+                # only plans judged by the cache they ran on fit: where the least memory (over the
+                # budget by the model, as it ran before any did) is faster, it runs, and is judged
+                # by its own steps from then on (else a slow plan that happened to run first would
+                # stay: the decoder's 2048 tokens ran 165 ms a step at its smallest reachable
+                # budget where the least memory ran 130)
+                least = self._least_memory()
+                if self._pace(least) < self._pace(chosen):
+                    chosen = least
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._reserve_judged = self._reserve.bytes
         self._settle()
@@ -957,7 +966,9 @@ class BudgetController:
         step where the profiled plan ran 155, with the same 5.62 GiB reserved. Peaks here are
         allocated bytes: a plan tied with the least may still hold more in the allocator's cache
         (one with copies in flight reserved 0.5 GiB more on that decoder), which only its steps show."""
-        peaks = self._judged_peaks(False)  # (its index of plans by identity made, as for every choice)
+        # (its index of plans by identity made, as for every choice); by allocated bytes, not
+        # by what a cache served: that ranks no plan's needs, and only plans that ran have it
+        peaks = self._judged_peaks(False, by_cache=False)
         assert self._index is not None and self._profile is not None
         base, ran, under = self._profile.base, set(), 0
         for key, peak in self._peaks.items():
@@ -990,10 +1001,11 @@ class BudgetController:
         of what fits, as any other."""
         return (self._budget - self._reserve.bytes - self._margin - least_margin(self._budget),)
 
-    def _judged_peaks(self, with_margins: bool) -> list[int]:
+    def _judged_peaks(self, with_margins: bool, by_cache: bool = True) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the
         candidates: the allocated bytes (measured where a plan ran, else modelled, ``with_margins``
-        raised by the margin) and the reserve."""
+        raised by the margin) and the reserve; or, ``by_cache``, what a plan that ran on the
+        cache as it stands reserved there (:meth:`_served_now`) where that is less."""
         assert self._profile is not None
         base, reserve = self._profile.base, self._reserve.bytes
         unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
@@ -1002,7 +1014,7 @@ class BudgetController:
             self._index = {}
             for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
                 self._index.setdefault(p.key, []).append(i)
-        served = self._served_now()
+        served = self._served_now() if by_cache else {}
         for key, peak in self._peaks.items():
             judged = peak + base + reserve
             if key in served:
@@ -1026,6 +1038,14 @@ class BudgetController:
         most = before[1] if before is not None and before[0] == trims else 0
         self._served[key] = (trims, max(most, reserved_peak))
         return False
+
+    def _fits_only_on_its_cache(self, key: PlanKey) -> bool:
+        """Whether a plan fits the budget by what it reserved on the cache as it stands
+        (:meth:`_served_now`) but not by its measured allocated peak and the reserve."""
+        assert self._profile is not None
+        judged = self._served_now().get(key)
+        return (judged is not None and judged <= self._budget and key in self._peaks
+                and self._peaks[key] + self._profile.base + self._reserve.bytes > self._budget)
 
     def _served_now(self) -> dict[PlanKey, int]:
         """What each plan that ran on the cache as it stands (none given back since) will reserve:
@@ -1221,6 +1241,10 @@ class BudgetController:
     def _measured_keys(self) -> set[PlanKey]:
         """The plans :meth:`_timed` says are measured (a few), to look candidates up in (hundreds)."""
         return {key for key, times in self._times.items() if len(times) >= TIMINGS}
+
+    def _pace(self, plan: MemoryPlan) -> float:
+        """A plan's step time: measured where it was, else modelled."""
+        return self._time_of(plan) if plan.key in self._measured_keys() else plan.step_s
 
     def _time_of(self, plan: MemoryPlan) -> float:
         """A plan's measured step time: the median of its timed steps (a plan that moves bytes
