@@ -14,7 +14,7 @@ from actoffload import compat, policy
 from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
-from actoffload.budget.costmodel import GroupProfile, Profile, Whole, host_bytes, moves_bytes
+from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Whole, host_bytes, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
 
@@ -890,16 +890,27 @@ def _blocks_peaking_in_the_loss() -> Profile:
                    wholes=(Whole(0, 3, inputs=8 * MiB), Whole(3, 3, inputs=8 * MiB)))
 
 
+def _out_of_reach(probe: FakeProbe, measured_off: int | None = 0,
+                  host_cap: int | None = None) -> tuple[MemoryPlan, BudgetController]:
+    """The profiled plan of :func:`_blocks_peaking_in_the_loss` (every part recomputed, inputs moved
+    out), and a controller of that profile whose budget, 64 MiB under that plan's peak, no plan
+    reaches (``BudgetTooSmall`` raised as it adopts the profile); the profiling step measured
+    ``measured_off`` bytes beyond the plan's modelled peak (``None``: nothing measured)."""
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]  # the profiled plan comes last
+    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=probe)
+    c.host_cap = host_cap
+    with pytest.raises(BudgetTooSmall):
+        c.adopt_profile(profile, None if measured_off is None else profiled.peak + measured_off)
+    return profiled, c
+
+
 def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_not_the_profiled_one():
     """No plan reaches the budget: the least memory runs. The profiled plan (every part
     recomputed, its inputs moved out) measured its modelled peak; every module recomputed whole
     so models the same peak, faster, and runs instead (the margins, which judge what fits, would
     have ranked it behind the plan that ran)."""
-    profile = _blocks_peaking_in_the_loss()
-    profiled = _controller(1 << 40, profile=profile).plans[-1]  # the profiled plan comes last
-    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak)
+    profiled, c = _out_of_reach(FakeProbe(cuda=False))
     c.step_begins()  # the least memory is chosen as the next step begins
     assert c.plan.key != profiled.key and c.plan.step_s < profiled.step_s
     assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
@@ -909,11 +920,7 @@ def test_controller_where_no_plan_fits_the_fastest_plan_at_the_least_peak_runs_n
 def test_controller_where_no_plan_fits_a_plan_measured_under_its_model_stays_the_least():
     """The profiled plan measured 1 MiB under its model: it needs the least memory known, and
     runs, though a plan not yet run is modelled faster at the profiled plan's modelled peak."""
-    profile = _blocks_peaking_in_the_loss()
-    profiled = _controller(1 << 40, profile=profile).plans[-1]
-    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak - MiB)
+    profiled, c = _out_of_reach(FakeProbe(cuda=False), measured_off=-MiB)
     c.step_begins()
     assert c.plan.key == profiled.key
 
@@ -923,12 +930,8 @@ def test_controller_where_no_plan_fits_a_plan_measured_over_its_model_is_left_an
     measures 50 MiB over its model: the profiled plan, measured at its model, needs less, and
     runs from the next step on; the plans not yet run at that peak (the same blocks, other copy
     windows) are judged 50 MiB over their models too, so none of them is tried after it."""
-    profile = _blocks_peaking_in_the_loss()
-    profiled = _controller(1 << 40, profile=profile).plans[-1]
     probe = FakeProbe()
-    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=probe)
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak)
+    profiled, c = _out_of_reach(probe)
     ran = []
     for _ in range(8):
         try:
@@ -946,14 +949,9 @@ def test_controller_where_no_plan_fits_the_least_memory_stays_within_the_host_bu
     """No plan reaches the device budget, and the host may hold nothing: the least memory is
     the least of the plans that move nothing to host memory, not the least of all (a profile
     given, no plan run: one that ran had its host memory)."""
-    profile = _blocks_peaking_in_the_loss()
-    profiled = _controller(1 << 40, profile=profile).plans[-1]
-    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=FakeProbe(cuda=False))
-    c.host_cap = 0
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile)
+    profiled, c = _out_of_reach(FakeProbe(cuda=False), measured_off=None, host_cap=0)
     c.step_begins()
-    assert not moves_bytes(profile, c.plan.groups)
+    assert not moves_bytes(c.profile, c.plan.groups)
     assert c.plan.peak > profiled.peak  # recomputing in place keeps the inputs: more than moving them
 
 
@@ -1066,12 +1064,8 @@ def test_controller_a_slow_plan_fitting_only_on_its_cache_leaves_the_least_memor
     cache says it fits. The least memory (each module recomputed whole: the same peak, faster)
     runs instead, as it did before any plan ran (on the loop sweep's decoder a plan that ran
     first so settled at 165 ms a step where the least memory ran 130)."""
-    profile = _blocks_peaking_in_the_loss()
-    profiled = _controller(1 << 40, profile=profile).plans[-1]
     probe = FakeProbe()
-    c = BudgetController(profiled.peak - 64 * MiB, CPU, probe=probe)
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(profile, profiled.peak)
+    profiled, c = _out_of_reach(probe)
     c.force(profiled.groups, profiled.max_inflight, profiled.prefetch)
     c.step_begins()
     probe.peak_bytes, probe.cached_bytes = c.budget - 100 * MiB, 10 * MiB  # within the budget on its cache

@@ -29,6 +29,11 @@ plan reserved 6.40 GiB on its own cache and 8.93 on one that steps of other leng
 grown), and once its own cache is over as well, emptying it at every step would cost each
 its allocations and change nothing. Each workload's controller shares one reserve: they
 share one allocator.
+
+The reserve judges plans not yet run on the cache as it stands. A plan that ran on it (no trim
+since: :attr:`trims` unchanged) is judged by what it reserved there, or what the cache holds now
+if more, where that is less (the controller's ``_served_now``): a cache only grows until it is
+given back, so one that served a plan serves it again.
 """
 
 from __future__ import annotations
