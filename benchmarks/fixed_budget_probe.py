@@ -25,9 +25,11 @@ GIB = 1 << 30
 
 def _report(rec: dict, budget: int, lengths_loop: bool) -> None:
     trims = [p.get("cache_trims") for p in rec["plan_steps"] if p]
+    why = [p.get("cache_trims_by") for p in rec["plan_steps"] if p]
     peaks = rec["reserved_bytes"] if lengths_loop else [r["reserved_bytes"] for r in rec["records"]]
     over = sum(r > budget for r in peaks)
-    print(f"  {rec['total_s']:.2f} s, {over} of {len(peaks)} over, cache trims {trims[-1] if trims else None}, "
+    print(f"  {rec['total_s']:.2f} s, {over} of {len(peaks)} over, cache trims {trims[-1] if trims else None} "
+          f"({why[-1] if why else None}), "
           f"most reserved {max(peaks) / GIB:.2f} GiB")
     if lengths_loop:
         print("  ", " ".join(f"{n}:{r / GIB:.2f}{'!' if r > budget else ''}" for n, r in zip(rec["lengths"], peaks)))

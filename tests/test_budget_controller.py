@@ -697,7 +697,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "planning_s", "planning_by", "background_planning_s", "planning_in_background"}
+                      "cache_trims_by", "planning_s", "planning_by", "background_planning_s", "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     # every planning second is counted by what it was spent on, choosing at least once
     assert s["planning_by"]["choosing"] > 0
@@ -762,6 +762,7 @@ def test_controller_budget_bounds_what_the_allocator_reserves():
     assert c.plan.key != keep_all.key
     assert c.plan.peak + c.margin + c.reserve.bytes <= budget
     assert probe.trims == 2 and c.stats()["cache_trims"] == 2
+    assert c.stats()["cache_trims_by"] == {"first": 1, "plan changed": 1}
     assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
 
 
@@ -786,6 +787,7 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert probe.trims == 2 and probe.reserved_bytes == BASE
     assert not reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=900 * MiB)
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
+    assert reserve.trims_by == {"first": 1, "grown between steps": 1}
 
 
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
@@ -853,6 +855,7 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
     trims = probe.trims
     long.step_begins()
     assert probe.trims == trims + 1 and probe.reserved_bytes == BASE  # given back: it fitted on its own
+    assert reserve.trims_by["over the budget"] == 1
     probe.peak_bytes, probe.cached_bytes = budget - 5 * MiB, 10 * MiB  # over the budget on its own cache now
     probe.advance(1e-3)
     long.backward_ends()

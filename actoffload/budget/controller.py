@@ -1312,6 +1312,7 @@ class BudgetController:
         out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
+                               "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,
                                "planning_s": self.planning_s,
                                "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,

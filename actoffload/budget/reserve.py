@@ -38,6 +38,7 @@ given back, so one that served a plan serves it again.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 from .tolerances import base_tolerance
@@ -58,6 +59,9 @@ class AllocatorReserve:
     def __init__(self) -> None:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back
+        # ... by why: "first" (before the first step), "grown between steps", "over the budget"
+        # (as a step began: see step_begins), "plan changed" (after a step over the budget)
+        self.trims_by: collections.Counter[str] = collections.Counter()
         self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
         self._start: int | None = None  # reserved when the latest step began
         self._last_peak = 0  # the latest step's reserved peak
@@ -72,9 +76,17 @@ class AllocatorReserve:
         if not probe.cuda:
             return
         now = probe.reserved()
-        self.fresh = self.trims == 0 or now > self._last_peak + base_tolerance(budget) or (now > budget and reachable())
-        if self.fresh:
-            self._give_back(probe)
+        if self.trims == 0:
+            why: str | None = "first"
+        elif now > self._last_peak + base_tolerance(budget):
+            why = "grown between steps"
+        elif now > budget and reachable():
+            why = "over the budget"
+        else:
+            why = None
+        self.fresh = why is not None
+        if why is not None:
+            self._give_back(probe, why)
         self._over = False
         self._start = probe.reserved()
 
@@ -94,9 +106,10 @@ class AllocatorReserve:
         """The controller chose another plan: after a step over the budget, give the cache back,
         so that the new plan's blocks are made for it."""
         if self._over and not self._trimmed:
-            self._give_back(probe)
+            self._give_back(probe, "plan changed")
 
-    def _give_back(self, probe: Any) -> None:
+    def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
         self.trims += 1
+        self.trims_by[why] += 1
         self._trimmed = True
