@@ -958,13 +958,25 @@ def test_controller_where_no_plan_fits_the_least_memory_stays_within_the_host_bu
     assert c.plan.peak > profiled.peak  # recomputing in place keeps the inputs: more than moving them
 
 
-def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int) -> None:
-    """Another workload's step, beginning with ``at`` bytes reserved, grows the cache by ``by``
-    bytes beyond its allocated peak of ``at``."""
+def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: int, by: int, at: int | None = None,
+                         allocated: int | None = None) -> None:
+    """Another workload's step, beginning with ``at`` bytes reserved (default: the cache as it
+    stands), grows the cache by ``by`` bytes beyond that, allocating ``allocated`` bytes at most
+    (default: ``at``)."""
+    at = probe.reserved_bytes if at is None else at
     probe.reserved_bytes = at
     reserve.step_begins(probe, budget)
-    assert reserve.step_ended(probe, budget, allocated_peak=at, reserved_peak=at + by)
+    assert reserve.step_ended(probe, budget, allocated_peak=at if allocated is None else allocated, reserved_peak=at + by)
     probe.reserved_bytes = at + by
+
+
+def _step_on_its_cache(c: BudgetController, probe: FakeProbe) -> None:
+    """One step of ``c``'s plan, the probe reading what the test set; the cache then holds at
+    least what the step reserved (it only grows until given back)."""
+    c.step_begins()
+    probe.advance(c.plan.step_s)
+    c.backward_ends()
+    probe.reserved_bytes = max(probe.reserved_bytes, probe.peak_reserved())
 
 
 def _keep_all_under(slack: int) -> tuple[FakeProbe, AllocatorReserve, BudgetController, Any]:
@@ -1034,31 +1046,68 @@ def test_controller_judges_a_plan_that_ran_on_the_cache_as_it_stands_by_what_it_
     probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
     probe.peak_bytes = keep_all.peak
 
-    def step() -> None:
-        c.step_begins()
-        probe.advance(keep_all.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = probe.peak_reserved()
-
-    step()
-    reserve.step_begins(probe, c.budget)  # another workload's step, on that cache
-    assert reserve.step_ended(probe, c.budget, allocated_peak=keep_all.peak // 2, reserved_peak=keep_all.peak + MiB)
-    probe.reserved_bytes = keep_all.peak + MiB
+    _step_on_its_cache(c, probe)
+    _grow_shared_reserve(probe, reserve, c.budget, MiB, allocated=keep_all.peak // 2)  # another workload's step
     assert keep_all.peak + reserve.bytes > c.budget  # by the reserve, it no longer fits
     trims = probe.trims
-    step()
+    _step_on_its_cache(c, probe)
     assert c.plan.key == keep_all.key and probe.trims == trims  # kept, and so is its cache
     assert c.stats()["tried"][0]["cache_served_bytes"] == keep_all.peak
+    c.force(None)  # chosen again: the least memory, slower, does not take its place
+    assert c.plan.key == keep_all.key
     probe.reserved_bytes = c.budget + MiB  # had others grown the cache over the budget, it would not fit
+    assert not c._fits_now(keep_all)
+    probe.reserved_bytes = BASE  # nor had the program given the cache back (torch.cuda.empty_cache())
     assert not c._fits_now(keep_all)
     probe.reserved_bytes = keep_all.peak + MiB
     probe.cached_bytes = 40 * MiB  # its cache did not serve it this time: over the budget
-    step()
+    _step_on_its_cache(c, probe)
     assert c.plan.key != keep_all.key
     probe.cached_bytes = 0
     probe.peak_bytes = c.plan.peak
-    step()  # the cache given back as the plan changed; the plan chosen runs within the budget
+    _step_on_its_cache(c, probe)  # the cache given back as the plan changed; the plan chosen runs within the budget
     assert not c._fits_now(keep_all) and c.plan.key != keep_all.key
+
+
+def test_controller_a_plan_judged_on_a_cache_another_workload_gave_back_is_judged_again():
+    """The cache a plan was judged on is given back in another workload's step (one allocator),
+    the reserve unchanged: as the plan's next step begins it is judged again, as on a cache of
+    its own, not run on what that cache once said."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+
+    for _ in range(TIMINGS + 2):
+        _step_on_its_cache(c, probe)
+    assert c.settled and c.plan.key == keep_all.key  # measured: nothing more to choose at a step begin
+    _grow_shared_reserve(probe, reserve, c.budget, MiB, allocated=keep_all.peak // 2)  # the reserve, not the cache
+    _step_on_its_cache(c, probe)
+    assert c.plan.key == keep_all.key  # judged by its cache
+    probe.reserved_bytes = c.budget + 10 * MiB  # the other's next step begins on a cache grown since: given back
+    reserve.step_begins(probe, c.budget, reachable=lambda: True)
+    assert not reserve.step_ended(probe, c.budget, allocated_peak=BASE, reserved_peak=BASE + MiB)
+    probe.reserved_bytes = BASE + MiB
+    assert reserve.trims == 2
+    c.step_begins()  # (on the cache that step left: nothing given back as it begins)
+    assert probe.trims == 2 and c.plan.key != keep_all.key
+
+
+def test_controller_where_only_a_plan_its_cache_judged_fits_a_slower_least_memory_leaves_it():
+    """Only the plan that ran fits, by what it reserved on its cache (another workload's step
+    made the reserve such that no plan fits by it): chosen again, it stays, the least memory
+    being slower."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    _step_on_its_cache(c, probe)
+    _grow_shared_reserve(probe, reserve, c.budget, MiB, allocated=MiB)
+    c.force(None)  # chosen again
+    assert c._fits_only_on_its_cache(keep_all.key) and c.plan.key == keep_all.key
+
+
+def test_controller_on_the_cpu_no_plan_is_judged_by_a_cache():
+    """On the CPU nothing is reserved to read: a plan is judged by its bytes alone."""
+    c = _controller(1 << 40)
+    _run(c, 3, lambda p: p.step_s)
+    assert c._served == {} and c._served_now() == {}
 
 
 def test_controller_a_slow_plan_fitting_only_on_its_cache_leaves_the_least_memory_where_that_is_faster():
@@ -1075,13 +1124,56 @@ def test_controller_a_slow_plan_fitting_only_on_its_cache_leaves_the_least_memor
     probe.advance(profiled.step_s)
     c.backward_ends()
     probe.reserved_bytes = probe.peak_reserved()
-    c.reserve.step_begins(probe, c.budget)  # another workload's step: little allocated, the cache a MiB larger
-    assert c.reserve.step_ended(probe, c.budget, allocated_peak=MiB, reserved_peak=probe.reserved_bytes + MiB)
-    probe.reserved_bytes += MiB
+    _grow_shared_reserve(probe, c.reserve, c.budget, MiB, allocated=MiB)  # another workload's step
     c.force(None)
     assert c._fits_only_on_its_cache(profiled.key)
     assert c.plan.key != profiled.key and c.plan.step_s < profiled.step_s
     assert [g.action for g in c.plan.groups] == [Action.RECOMPUTE_WHOLE_OFFLOAD, Action.INSIDE, Action.INSIDE] * 2
+
+
+def test_controller_where_no_plan_reaches_the_budget_a_least_memory_that_went_over_is_not_put_first_again():
+    """No plan reaches the budget by the model. The least memory, run instead of a slower plan
+    judged within the budget by its cache, goes over: the slower plan is chosen back (the least
+    memory is not put in its place again). The cache is given back as the plan changes, so as
+    the next step begins the slower plan is judged as on a cache of its own, where it does not
+    fit, and the least memory runs, as where no plan fits."""
+    probe = FakeProbe()
+    profiled, c = _out_of_reach(probe)
+    c.force(profiled.groups, profiled.max_inflight, profiled.prefetch)
+
+    def step(allocated: int, cached: int) -> None:
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = allocated, cached
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = max(probe.reserved_bytes, probe.peak_reserved())
+
+    step(c.budget - 100 * MiB, 10 * MiB)
+    _grow_shared_reserve(probe, c.reserve, c.budget, MiB, allocated=MiB)  # another workload's step
+    c.force(None)
+    least = c.plan
+    assert least.key != profiled.key
+    step(c.budget - 150 * MiB, 160 * MiB)  # the least memory goes over
+    assert c.plan.key == profiled.key
+    trims = probe.trims
+    c.step_begins()
+    assert probe.trims == trims + 1 and c.plan.key == least.key
+
+
+def test_controller_no_plan_fitting_once_the_cache_a_plan_was_judged_on_is_given_back_raises_there():
+    """A plan judged within the budget only by what it reserved on its cache: where that cache
+    is given back as a step begins and no plan fits by the reserve, BudgetTooSmall is raised as
+    that step begins (then the least memory runs), not one step later."""
+    probe, reserve, c, keep_all = _keep_all_under(30 * MiB)
+    probe.peak_bytes = keep_all.peak
+    _step_on_its_cache(c, probe)
+    _grow_shared_reserve(probe, reserve, c.budget, MiB, allocated=MiB)  # no plan fits by the reserve now
+    probe.reserved_bytes = keep_all.peak + 20 * MiB  # blocks of something between the steps
+    with pytest.raises(BudgetTooSmall):
+        c.step_begins()
+    assert c.reserve.fresh
+    c.step_begins()  # as the engine begins the step again
+    assert c.plan.key != keep_all.key
 
 
 def test_controller_a_plan_judged_on_a_cache_given_back_as_its_step_begins_is_judged_again():
@@ -1093,8 +1185,8 @@ def test_controller_a_plan_judged_on_a_cache_given_back_as_its_step_begins_is_ju
     c.step_begins()
     probe.advance(keep_all.step_s)
     c.backward_ends()
-    reserve.step_begins(probe, c.budget)  # another workload's step grows the reserve, not the cache much
-    reserve.step_ended(probe, c.budget, allocated_peak=keep_all.peak // 2, reserved_peak=keep_all.peak + MiB)
+    probe.reserved_bytes = keep_all.peak  # the cache that step left
+    _grow_shared_reserve(probe, reserve, c.budget, MiB, allocated=keep_all.peak // 2)  # the reserve, not the cache
     probe.reserved_bytes = keep_all.peak + 20 * MiB  # an evaluation forward's blocks, after that step
     c.step_begins()
     assert c.reserve.fresh and c.plan.key != keep_all.key

@@ -179,10 +179,12 @@ class BudgetController:
         self.profiled_peak: int | None = None  # the profiling step's peak (the least-memory plan)
         self._peaks: dict[PlanKey, int] = {}  # plan -> the most it allocated above the base, measured
         self._reserve_judged = 0  # the shared reserve when this workload's plan was last judged
+        self._trims_judged = 0  # ... and its trims (any workload's step may give the cache back)
         self._over_on_own_cache: set[PlanKey] = set()  # plans whose step went over on a cache given back before it
         # plan -> (the cache it ran on: the shared reserve's trims then, the most it reserved there),
         # where that was within the budget (:meth:`_served_now`)
         self._served: dict[PlanKey, tuple[int, int]] = {}
+        self._went_over: set[PlanKey] = set()  # plans a step of which reserved over the budget
         self._host_at_start: int | None = None  # the offloader's host allocations as the step began
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
@@ -362,7 +364,7 @@ class BudgetController:
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
         self._kept_first, self._host_of, self._host_bound = {}, {}, None
-        self._served = {}
+        self._served, self._went_over = {}, set()
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
@@ -438,10 +440,15 @@ class BudgetController:
         if self._beginning:
             self._raise_found()  # found where raising would break the pass
         self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget)
-        if (self._reserve.fresh and self._step is None and self._plan is not None and self._forced is None
-                and self.too_small is None and self._plan.key in self._served and not self._fits_now(self._plan)):
-            # it was judged on the cache just given back: judged again as on a cache of its own
-            self._choose_before_step()
+        if (self._reserve.trims != self._trims_judged and self._step is None and self._plan is not None
+                and self._forced is None and self._plan.key in self._served):
+            # it may have been judged on a cache given back since (as this step began, or in another
+            # workload's step): judged again as on a cache of its own
+            self._trims_judged = self._reserve.trims
+            if not self._fits_now(self._plan):
+                self._choose_before_step()
+                if self._beginning:
+                    self._raise_found()
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -724,7 +731,7 @@ class BudgetController:
         if self.too_small is not None:
             # no plan reaches the budget (nor will: margins only grow), but which needs the least
             # memory may change with what this step measured (:meth:`_least_memory`)
-            if self._peaks[key] != before:
+            if self._peaks[key] != before or misjudged:
                 self._choose()
             return
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
@@ -949,10 +956,10 @@ class BudgetController:
                 # stay: the decoder's 2048 tokens ran 165 ms a step at its smallest reachable
                 # budget where the least memory ran 130)
                 least = self._least_memory()
-                if self._pace(least) < self._pace(chosen):
+                if least.key not in self._went_over and self._pace(least) < self._pace(chosen):
                     chosen = least
         self._plan = next(p for p in self._plans if p.key == chosen.key)
-        self._reserve_judged = self._reserve.bytes
+        self._reserve_judged, self._trims_judged = self._reserve.bytes, self._reserve.trims
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
@@ -987,9 +994,9 @@ class BudgetController:
 
     def _fits_now(self, plan: MemoryPlan) -> bool:
         """Whether ``plan`` fits the budget with the reserve as it is now, as :meth:`_fitting`
-        judges it (asked only when the reserve grew, or a step begins on a cache over the budget,
-        so judging every candidate is no cost to speak of; a plan no longer a candidate does not
-        fit)."""
+        judges it (asked only when the reserve grew, the cache was given back, or a step begins on
+        a cache over the budget, so judging every candidate is no cost to speak of; a plan no
+        longer a candidate does not fit)."""
         with self.planning_time("choosing"):
             judged = self._judged_peaks(True)
             return any(q <= self._budget for p, q in zip(self._plans, judged) if p.key == plan.key)
@@ -1029,10 +1036,11 @@ class BudgetController:
         over = reserved_peak > self._budget
         if over and self._reserve.fresh:
             self._over_on_own_cache.add(key)
+        if not self._probe.cuda:  # nothing reserved to read
+            return False
         if over:  # judged by the reserve again (which, never shrinking, will not choose it again)
-            misjudged = key in self._served_now()
-            self._served.pop(key, None)
-            return misjudged
+            self._went_over.add(key)
+            return self._served.pop(key, None) is not None
         trims = self._reserve.trims
         before = self._served.get(key)
         most = before[1] if before is not None and before[0] == trims else 0
@@ -1054,13 +1062,15 @@ class BudgetController:
         it again; the reserve, measured on other steps' caches, would judge it by their spare
         blocks (on the loop sweep's decoder every 2048-token plan stayed at 5.67 GiB reserved,
         under a 6.16 GiB budget that the reserve, 2.47 GiB from a 512-token step, said none fit).
-        A plan that goes over is left out until it runs within the budget again."""
+        A plan that goes over is left out until it runs within the budget again, and so is every
+        plan where the cache holds less than it reserved (given back outside the offloader:
+        ``torch.cuda.empty_cache()`` in the program, or by the allocator itself)."""
         if not self._served or not self._probe.cuda:
             return {}
         trims, now = self._reserve.trims, self._probe.reserved()
         slack = base_tolerance(self._budget)
         return {key: max(most, now) + slack for key, (at, most) in self._served.items()
-                if at == trims}
+                if at == trims and now + slack >= most}
 
     def _judged(self, with_margins: bool) -> list[MemoryPlan]:
         """The candidates with their peaks as :meth:`_judged_peaks` gives them."""
