@@ -1032,7 +1032,8 @@ class BudgetController:
 
     def _note_cache(self, key: PlanKey, reserved_peak: int) -> bool:
         """What a step of plan ``key`` reserved at most (bytes) on the cache it ran on: whether
-        it went over the budget where :meth:`_served_now` judged it within."""
+        it went over the budget after a step of it had stayed within it on a cache (that cache
+        no longer says anything of it)."""
         over = reserved_peak > self._budget
         if over and self._reserve.fresh:
             self._over_on_own_cache.add(key)
