@@ -949,7 +949,8 @@ class BudgetController:
             chosen = self._least_memory()
         else:
             chosen = self._fastest(fitting)
-            if all(self._fits_only_on_its_cache(p.key) for p in fitting):
+            served = self._served_now()  # (a read of the allocator's counters: once, not per plan)
+            if all(self._fits_only_on_its_cache(p.key, served) for p in fitting):
                 # only plans judged by the cache they ran on fit: where the least memory (over the
                 # budget by the model, as it ran before any did) is faster, it runs, and is judged
                 # by its own steps from then on (else a slow plan that happened to run first would
@@ -1048,11 +1049,12 @@ class BudgetController:
         self._served[key] = (trims, max(most, reserved_peak))
         return False
 
-    def _fits_only_on_its_cache(self, key: PlanKey) -> bool:
+    def _fits_only_on_its_cache(self, key: PlanKey, served: dict[PlanKey, int] | None = None) -> bool:
         """Whether a plan fits the budget by what it reserved on the cache as it stands
-        (:meth:`_served_now`) but not by its measured allocated peak and the reserve."""
+        (``served``: :meth:`_served_now`, read here if not given) but not by its measured
+        allocated peak and the reserve."""
         assert self._profile is not None
-        judged = self._served_now().get(key)
+        judged = (self._served_now() if served is None else served).get(key)
         return (judged is not None and judged <= self._budget and key in self._peaks
                 and self._peaks[key] + self._profile.base + self._reserve.bytes > self._budget)
 
