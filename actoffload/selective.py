@@ -35,12 +35,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import compat
 
-# ops whose outputs a selective recomputation keeps: the matmuls and the fused attention
-# kernels (those this torch has); everything else is recomputed
-COSTLY_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+# the fused attention kernels (those this torch has): their outputs take what a layer's input
+# takes, and at long sequences their forward is a layer's costliest op
+ATTENTION_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-    "_efficient_attention_forward", "convolution") if hasattr(torch.ops.aten, name))
+    "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
+# ops whose outputs a selective recomputation keeps: the matmuls and the fused attention
+# kernels; everything else is recomputed
+COSTLY_OPS = ATTENTION_OPS | frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "convolution") if hasattr(torch.ops.aten, name))
 
 
 class _Op(NamedTuple):
@@ -105,6 +109,23 @@ def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts(sac_policy)``)."""
     policy = torch.utils.checkpoint.CheckpointPolicy
     return policy.MUST_SAVE if keeps(op, args, kwargs) else policy.PREFER_RECOMPUTE
+
+
+def attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """For torch's selective activation checkpointing: keep the fused attention's outputs only
+    (as :func:`keeps` judges them), recompute everything else, the matmuls too. The attention's
+    outputs take about what the layer's input does, and at long sequences its forward is the
+    layer's costliest op, so this costs checkpointing's memory plus a layer input's per layer.
+
+    Example::
+
+        import functools, torch.utils.checkpoint as cp
+        context = functools.partial(cp.create_selective_checkpoint_contexts, attention_policy)
+        y = cp.checkpoint(layer, x, use_reentrant=False, context_fn=context)
+    """
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    kept = getattr(op, "overloadpacket", op) in ATTENTION_OPS and keeps(op, args, kwargs)
+    return policy.MUST_SAVE if kept else policy.PREFER_RECOMPUTE
 
 
 # what an op's arguments hold besides tensors and their containers: nothing to walk into

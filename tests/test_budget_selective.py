@@ -3,6 +3,7 @@ keeps its costly ops' outputs (matmuls, attention) and runs only its other ops a
 stay bitwise (R1); profiling measures what the action keeps and skips; the model and the search
 cost it and choose it."""
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -393,6 +394,35 @@ def test_a_fused_attention_that_draws_random_numbers_is_not_kept():
     assert not selective.keeps(op, (q, q, q, None, True), {"dropout_p": 0.1})
     policy = torch.utils.checkpoint.CheckpointPolicy  # torch's selective checkpointing, as the benchmarks run it
     assert selective.sac_policy(None, op, q, q, q, None, True, 0.1) is policy.PREFER_RECOMPUTE
+
+
+def test_R1_keeping_only_the_attentions_outputs_recomputes_the_matmuls_not_the_attention():
+    """``attention_policy`` (torch's selective checkpointing, as the benchmarks run it): in backward
+    the layer's matmuls run again and its fused attention does not; bitwise (R1)."""
+    torch.manual_seed(0)
+    qkv, out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def layer(x):
+        q, k, v = qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out(a.transpose(1, 2).reshape(2, 16, 32))
+
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    context = functools.partial(cp.create_selective_checkpoint_contexts, selective.attention_policy)
+    grads, runs = [], []
+    for context_fn in (cp.noop_context_fn, context):
+        with _Ops() as seen:
+            cp.checkpoint(layer, x, use_reentrant=False, context_fn=context_fn).sum().backward()
+        grads.append([x.grad, qkv.weight.grad, out.weight.grad])
+        x.grad = qkv.weight.grad = out.weight.grad = None
+        runs.append({op: seen.ops.count(op) for op in set(seen.ops)})
+    assert_bitwise(grads[1], grads[0])
+    attention = [op for op in runs[0] if op in selective.ATTENTION_OPS]
+    assert attention and all(runs[0][op] == 2 and runs[1][op] == 1 for op in attention)  # forward, then not again
+    # the matmuls: both in the forward, the first again (the recomputation stops before the last)
+    assert runs[1][torch.ops.aten.addmm] == runs[0][torch.ops.aten.addmm] == 3
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    assert selective.attention_policy(None, torch.ops.aten.mm.default) is policy.PREFER_RECOMPUTE
 
 
 class _WritesItsMatmulInPlace(torch.nn.Module):

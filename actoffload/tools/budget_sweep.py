@@ -49,7 +49,7 @@ import torch.utils.checkpoint
 import actoffload as ao
 from actoffload import compat, hostmem
 from actoffload.budget.controller import PROFILE_STEPS
-from actoffload.selective import sac_policy
+from actoffload.selective import attention_policy, sac_policy
 from .peaks import Peaks
 from .plan_trace import PlanTrace
 from .sweep_models import (MODEL_SETS, Call, Scale, Workload, have_transformers, plain, workload_names,
@@ -72,15 +72,18 @@ SLOW_S = 6.0  # a method whose measured steps take this long stops after 3 (it i
 # checkpointing, keeping what a budget's selective recomputation keeps (the matmuls' and fused
 # attention's outputs), recomputing everything else
 _sac_context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, sac_policy)
+# the same keeping the fused attention's outputs only
+_attention_context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, attention_policy)
 
 
-CHECKPOINT_KINDS = ("plain", "selective", "offload")
+CHECKPOINT_KINDS = ("plain", "selective", "attention", "offload")
 
 
 def _checkpointed(first: int, kind: str = "plain", pin: bool = False) -> Call:
     """Call blocks ``0 .. first-1`` under activation checkpointing (non-reentrant), the others
     plainly. ``kind``: ``plain`` recomputes the whole block; ``selective`` keeps what
-    :func:`actoffload.selective.sac_policy` keeps; ``offload`` moves the checkpoint's saved inputs to host memory
+    :func:`actoffload.selective.sac_policy` keeps, ``attention`` what
+    :func:`actoffload.selective.attention_policy` keeps; ``offload`` moves the checkpoint's saved inputs to host memory
     (``save_on_cpu`` around the checkpoint: what it saves itself, the recomputation's
     inputs, moves; what the block saves is its checkpoint's to drop)."""
     if kind not in CHECKPOINT_KINDS:
@@ -89,9 +92,9 @@ def _checkpointed(first: int, kind: str = "plain", pin: bool = False) -> Call:
     def call(i: int, b: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         if i >= first:
             return b(*args, **kwargs)
-        if kind == "selective":
-            return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, context_fn=_sac_context,
-                                                     **kwargs)
+        if kind in ("selective", "attention"):
+            context = _sac_context if kind == "selective" else _attention_context
+            return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, context_fn=context, **kwargs)
         if kind == "offload":
             with torch.autograd.graph.save_on_cpu(pin_memory=pin):
                 return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, **kwargs)
