@@ -30,7 +30,8 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     """``context_fn`` for the checkpoint a plan runs ``group`` under: the forward's saves go
     on to checkpoint's hooks, shown to ``see`` on the way (``None``: nothing watches); each
     recomputation in backward runs inside ``recomputation()``, after the version check. A
-    ``group.selective`` keeps its costly ops' outputs and recomputes the rest
+    ``group.selective`` keeps its costly ops' outputs (its attention's only, where
+    ``group.selective_attention``) and recomputes the rest
     (:func:`actoffload.selective.contexts`), each one stored by ``store``'s pack and unpack (the
     group's own: it moves them as it moves its saves); a ``meter`` measures those ops (profiling).
 
@@ -42,8 +43,8 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     seen: list[tuple[torch.Tensor, int, torch.Size]] = []
     modes = []
     if group.selective:
-        modes.append(selective.contexts(calls=group.selective_calls) if store is None else
-                     selective.contexts(*store, calls=group.selective_calls))
+        kept = dict(calls=group.selective_calls, attention_only=group.selective_attention)
+        modes.append(selective.contexts(**kept) if store is None else selective.contexts(*store, **kept))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes

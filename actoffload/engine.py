@@ -229,6 +229,7 @@ class Engine(Generic[GroupT, MovedT]):
                 group.guard_inputs = group.recompute and opening.guard_inputs
                 group.selective = group.recompute and opening.selective
                 group.selective_calls = opening.selective_calls if group.selective else None
+                group.selective_attention = group.selective and opening.selective_attention
             if "opened" in self._asks:
                 self.plan.opened(group)
             if group.kept_whole:

@@ -60,7 +60,8 @@ class Opening:
     :meth:`Plan.inputs_written`). ``selective`` (a recomputed group): its forward keeps the
     outputs of its costly ops (matmuls, attention) on the device, and its recomputation runs
     only the other ops again (:mod:`actoffload.selective`); ``selective_calls``: only those of
-    its first this many costly ops (the ones its recomputation reaches before it stops), else all.
+    its first this many costly ops (the ones its recomputation reaches before it stops), else all;
+    ``selective_attention``: of its fused attention calls only (the matmuls run again too).
     """
 
     hooked: bool = True
@@ -70,6 +71,7 @@ class Opening:
     guard_inputs: bool = True
     selective: bool = False
     selective_calls: int | None = None
+    selective_attention: bool = False
 
 
 # The points of a step where a plan may act: its methods of these names.

@@ -50,11 +50,12 @@ COSTLY_OPS = ATTENTION_OPS | frozenset(getattr(torch.ops.aten, name) for name in
 class _Op(NamedTuple):
     """What is asked of every op a selective group's forward and recomputation run, worked out
     once per op overload from its schema: whether its outputs are kept (a costly op in
-    functional form), where its dropout probability is (position, name; ``None``: it has none),
+    functional form; ``attention``: a fused attention kernel, all that some groups keep), where its dropout probability is (position, name; ``None``: it has none),
     which arguments it writes in place (position, name), and whether an output may alias an
     input (a view, ``detach``; ``_unsafe_view``, which says not, does)."""
 
     costly: bool
+    attention: bool
     dropout: tuple[int, str] | None
     writes: tuple[tuple[int, str], ...]
     aliases: bool
@@ -72,6 +73,7 @@ def _op(func: Any) -> _Op:
         arguments = list(schema.arguments) if schema is not None else []
         known = _OPS[id(func)] = _Op(
             costly=packet in COSTLY_OPS and schema is not None and not schema.is_mutable,
+            attention=packet in ATTENTION_OPS and schema is not None and not schema.is_mutable,
             dropout=next(((i, a.name) for i, a in enumerate(arguments) if a.name == "dropout_p"), None),
             writes=tuple((i, a.name) for i, a in enumerate(arguments)
                          if a.alias_info is not None and a.alias_info.is_write),
@@ -94,8 +96,8 @@ def keeps(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     return _kept(_op(func), args, kwargs)
 
 
-def _kept(op: _Op, args: Any, kwargs: dict[str, Any]) -> bool:
-    if not op.costly:
+def _kept(op: _Op, args: Any, kwargs: dict[str, Any], attention_only: bool = False) -> bool:
+    if not (op.attention if attention_only else op.costly):
         return False
     if op.dropout is None:
         return True
@@ -124,8 +126,7 @@ def attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         y = cp.checkpoint(layer, x, use_reentrant=False, context_fn=context)
     """
     policy = torch.utils.checkpoint.CheckpointPolicy
-    kept = getattr(op, "overloadpacket", op) in ATTENTION_OPS and keeps(op, args, kwargs)
-    return policy.MUST_SAVE if kept else policy.PREFER_RECOMPUTE
+    return policy.MUST_SAVE if _kept(_op(op), args, kwargs, attention_only=True) else policy.PREFER_RECOMPUTE
 
 
 # what an op's arguments hold besides tensors and their containers: nothing to walk into
@@ -209,7 +210,8 @@ class _Cache:
 
     keep: Callable[[torch.Tensor], Any]
     take: Callable[[Any], torch.Tensor]
-    calls: int | None  # the costly ops (in forward order) whose outputs are kept: the first this many (None: all)
+    calls: int | None  # the ops kept (in forward order) whose outputs are kept: the first this many (None: all)
+    attention_only: bool  # only the fused attention's outputs are kept; the matmuls run again
     kept: dict[tuple[int, int], _Kept] = field(default_factory=dict)  # (id of the op, call number) -> its outputs
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
@@ -230,7 +232,7 @@ class _Keeping(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.calls: dict[int, int] = {}  # id of a costly op -> its calls so far
-        self.costly = 0  # costly ops so far
+        self.costly = 0  # ops kept so far
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -246,7 +248,7 @@ class _Keeping(TorchDispatchMode):
                 key = _storage(t)
                 for kept in by_storage.get(key, ()) if key is not None else ():
                     kept.made.append((weakref.ref(t), t._version))
-        if op.costly and _kept(op, args, kwargs):
+        if _kept(op, args, kwargs, self.cache.attention_only):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             self.costly += 1
@@ -312,7 +314,7 @@ class _Reusing(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         op = _OPS.get(id(func)) or _op(func)
-        if op.costly and _kept(op, args, kwargs):
+        if _kept(op, args, kwargs, self.cache.attention_only):
             n = self.calls.get(id(func), 0)
             self.calls[id(func)] = n + 1
             kept = self.cache.kept.pop((id(func), n), None)
@@ -327,7 +329,7 @@ def _same(t: Any) -> Any:
 
 
 def contexts(keep: Callable[[torch.Tensor], Any] = _same, take: Callable[[Any], torch.Tensor] = _same,
-             calls: int | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+             calls: int | None = None, attention_only: bool = False) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """A fresh ``(forward, recomputation)`` pair for one checkpointed call
     (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
     keeps the costly ops' outputs, the recomputation takes them instead of running those ops.
@@ -336,11 +338,14 @@ def contexts(keep: Callable[[torch.Tensor], Any] = _same, take: Callable[[Any], 
     plan says); ``take`` gives the tensor back from it (the unpack hook), in the recomputation.
     ``calls``: keep only the outputs of the first this many costly ops (those the recomputation
     reaches before it stops, as profiled: :attr:`OpMeter.reached`); a later one runs again
-    should a recomputation ever reach it.
+    should a recomputation ever reach it. ``attention_only``: keep the fused attention's outputs
+    only, and run the matmuls again too (``calls`` then counts attention calls:
+    :attr:`OpMeter.attention_reached`): at long sequences the attention is the costliest op, and
+    what it keeps takes what the layer's input does.
 
     Gradients are bitwise those of plain checkpointing: the kept outputs are the forward's own,
     and the ops run again are run on the same inputs."""
-    cache = _Cache(keep, take, calls)
+    cache = _Cache(keep, take, calls, attention_only)
     return _Keeping(cache), _Reusing(cache)
 
 
@@ -356,6 +361,9 @@ class OpMeter:
     ``costly`` counts only theirs, and a selective recomputation keeps only theirs
     (:func:`contexts`' ``calls``). An output the forward wrote in place after its op counts for
     nothing: a selective recomputation would run that op again.
+
+    ``attention``, ``attention_reached`` and :meth:`attention_s`: the same of the fused attention
+    calls among them alone, what a recomputation keeping only those would keep and skip.
 
     ``mark`` and ``seconds``: the profiling clock (CUDA events on a GPU, the host's clock on
     the CPU: :class:`actoffload.budget.probe.Probe`'s).
@@ -374,13 +382,14 @@ class OpMeter:
                  seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
         self._mark, self._seconds = mark, seconds
         self._calls: list[list[int]] = []  # per costly op of the forward, in order: the bytes of each output it made
+        self._attention: list[bool] = []  # per costly op of the forward: whether it is a fused attention
         self.reached: int | None = None
         # storage key -> a weak reference to it, which keeps the key from going to another storage
         # once this one is freed (an output freed within the forward is still one a selective
         # recomputation would keep)
         self._storages: dict[int, Any] = {}
         self._storage_call: dict[int, int] = {}  # storage key -> the costly op (its index in _calls) that made it
-        self._spans: list[tuple[Any, Any]] = []  # marks around each costly op of the recomputation
+        self._spans: list[tuple[Any, Any, bool]] = []  # marks around each costly op of the recomputation; attention?
 
     def forward(self) -> TorchDispatchMode:
         return _Counting(self)
@@ -397,11 +406,25 @@ class OpMeter:
     def costly_bytes(self) -> int:
         return sum(self.costly)
 
+    @property
+    def attention(self) -> list[int]:
+        calls = zip(self._calls, self._attention)
+        reached = list(calls) if self.reached is None else list(calls)[:self.reached]
+        return [n for spans, attention in reached if attention for n in spans]
+
+    @property
+    def attention_reached(self) -> int | None:
+        return None if self.reached is None else sum(self._attention[:self.reached])
+
     def costly_s(self) -> float:
         """Seconds the costly ops took in the recomputation (on CUDA: waits for them)."""
-        return sum(self._seconds(a, b) for a, b in self._spans)
+        return sum(self._seconds(a, b) for a, b, _ in self._spans)
 
-    def _count(self, out: Any) -> None:
+    def attention_s(self) -> float:
+        """Seconds the fused attention calls among them took."""
+        return sum(self._seconds(a, b) for a, b, attention in self._spans if attention)
+
+    def _count(self, out: Any, attention: bool) -> None:
         spans = []
         for t in _tensors(out):
             if t.layout is not torch.strided or t.is_meta:
@@ -414,6 +437,7 @@ class OpMeter:
                 self._storage_call[key] = len(self._calls)
                 spans.append(t.untyped_storage().nbytes())
         self._calls.append(spans)
+        self._attention.append(attention)
 
 
 class _Counting(TorchDispatchMode):
@@ -431,7 +455,7 @@ class _Counting(TorchDispatchMode):
                     meter._calls[meter._storage_call[key]] = []
         out = func(*args, **kwargs)
         if op.costly and _kept(op, args, kwargs):
-            meter._count(out)
+            meter._count(out, op.attention)
         return out
 
 
@@ -456,5 +480,5 @@ class _Timing(TorchDispatchMode):
         meter.reached = max(meter.reached or 0, self.calls)  # (set by __enter__; 'or' for the type check)
         start = meter._mark()
         out = func(*args, **(kwargs or {}))
-        meter._spans.append((start, meter._mark()))
+        meter._spans.append((start, meter._mark(), _op(func).attention))
         return out

@@ -347,6 +347,88 @@ def test_R1_a_transformers_layer_wrapped_whole_is_recomputed_selectively_bitwise
     assert moved["1"]["offloaded_bytes"] == groups[1].costly_bytes + groups[1].inputs
 
 
+def test_R1_a_transformers_sdpa_layer_keeping_its_attentions_outputs_runs_its_matmuls_again_not_its_attention():
+    """``recompute_attention`` (and ``_offload``) on transformers' SDPA Llama wrapped whole: profiling
+    meters the fused attention among the costly ops; in backward the matmuls run again and the
+    attention does not; what moves is its input and its attention's outputs; bitwise (R1)."""
+    def model():
+        m, layers = _hf_model("llama")
+        m.config._attn_implementation = "sdpa"  # (the same weights: the attention is told at each call)
+        return m, layers
+
+    reference, _ = model()
+    expected = [_hf_step(reference, k) for k in range(PROFILE_STEPS + 3)]
+    m, layers = model()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    with ao.wrap(layers, off):
+        got = [_hf_step(m, k) for k in range(PROFILE_STEPS + 1)]
+        groups = off.plan.controller.profile.groups
+        for g in groups:  # its attention's outputs: a share of what the costly ops keep and of their time
+            assert g.attention and g.attention_calls == 1 and 0 < g.attention_bytes < g.costly_bytes
+            assert 0.0 < g.attention_share < g.costly_share
+        actions = ["recompute_attention", "recompute_attention_offload", "recompute"]
+        _forced(off, actions)
+        got.append(_hf_step(m, PROFILE_STEPS + 1))
+        with _Ops() as seen:
+            got.append(_hf_step(m, PROFILE_STEPS + 2))
+        moved = off.stats()["groups"]
+        plan = off.stats()["plan"]["groups"]
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    attention = [op for op in set(seen.ops) if op in selective.ATTENTION_OPS]
+    assert attention and sum(seen.ops.count(op) for op in attention) == 3 + 1  # again only in the plain recompute
+    assert seen.ops.count(torch.ops.aten.mm) > 3 * 7  # every layer's 7 projections, and again in backward
+    assert [g["action"] for g in plan] == actions
+    assert moved["0"]["offloaded_bytes"] == 0 and plan[0]["resident_bytes"] == groups[0].inputs + groups[0].attention_bytes
+    assert moved["1"]["offloaded_bytes"] == groups[1].attention_bytes + groups[1].inputs
+
+
+def test_the_model_charges_keeping_the_attention_its_share_and_moves_what_it_keeps():
+    g = replace(_group(costly=(300, 100), share=0.75), attention=(100,), attention_share=0.5)
+    d = GroupDecision(Action.RECOMPUTE_ATTENTION)
+    assert costmodel.resident(d, g) == 100 + 100 and costmodel.moved(d, g) == 0  # its inputs and the attention's outputs
+    assert costmodel.recompute_seconds(d, g) == pytest.approx(0.8 * 0.5)
+    whole = GroupDecision(Action.RECOMPUTE_ATTENTION_OFFLOAD, 1.0)
+    assert costmodel.moved(whole, g) == 200 and costmodel.resident(whole, g) == 0
+    assert costmodel.recompute_seconds(whole, g) == pytest.approx(0.8 * 0.5)
+    # not measured: not offered, and charged as a full recomputation were it run
+    plain = _group(costly=(300, 100), share=0.75)
+    assert costmodel.recompute_seconds(d, plain) == 0.8
+    p = Profile((g,), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    offered = {m[0].action for m in search.moves(p, (GroupDecision(Action.RECOMPUTE),), 0)}
+    assert offered == {Action.RECOMPUTE_ATTENTION_OFFLOAD, Action.RECOMPUTE_OFFLOAD}
+    p = Profile((plain,), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    assert {m[0].action for m in search.moves(p, (GroupDecision(Action.RECOMPUTE),), 0)} == {Action.RECOMPUTE_OFFLOAD}
+
+
+def test_the_search_keeps_the_attentions_outputs_moved_out_at_checkpointings_memory_where_attention_costs_most():
+    """Four long-sequence layers: the attention is half a recomputation's time and its outputs are
+    as small as the layer's input; at checkpointing's peak the fastest plan keeps the attention's
+    outputs, moved out with the inputs, and beats checkpointing; without them measured it cannot."""
+    def profile(attention):
+        g = GroupProfile("g", spans=(1000,), kept=0, inputs=50, forward_s=1.0, backward_s=2.0, recompute_s=1.0,
+                         costly=(400, 50), costly_share=0.9, attention=attention,
+                         attention_share=0.5 if attention is not None else None)
+        # a bus that hides 200 bytes behind a forward: a layer's inputs and attention outputs, not its saves
+        return Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=200.0, h2d_bps=200.0)
+
+    every = (GroupDecision(Action.RECOMPUTE),) * 3 + (GroupDecision(Action.KEEP),)
+    budget, checkpointing_s = costmodel.simulate(profile(None), every, 0, 0)  # checkpointing's peak
+    plan = search.choose(profile((50,)), budget)
+    assert plan.step_s < 0.95 * checkpointing_s
+    assert {d.action for d in plan.groups[:-1]} == {Action.RECOMPUTE_ATTENTION_OFFLOAD}
+    without = search.choose(profile(None), budget)
+    assert Action.RECOMPUTE_ATTENTION_OFFLOAD not in {d.action for d in without.groups}
+    assert plan.step_s < without.step_s
+
+
+def test_a_prediction_scales_the_attentions_bytes_like_every_byte_figure():
+    p = Profile((replace(_group(costly=(300, 100), share=0.5), attention=(100,), attention_share=0.25),),
+                base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    g = predict.predicted(p, 100, 200, base=0).groups[0]
+    assert (g.attention, g.attention_share) == ((400,), 0.25)
+
+
 def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_still_trains_bitwise():
     """transformers makes a cache whenever ``use_cache`` is on (its default), in training too, and
     each layer appends to it: recomputed, a layer would append again and attend over twice the keys

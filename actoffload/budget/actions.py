@@ -18,7 +18,10 @@ class Action(str, enum.Enum):
     ``RECOMPUTE_SELECTIVE`` keeps its inputs and the outputs of its costly ops (matmuls,
     attention) and runs only its other ops again (:mod:`actoffload.selective`);
     ``RECOMPUTE_SELECTIVE_OFFLOAD`` also moves the largest of those (up to a share of their
-    bytes) to host memory, to come back for its recomputation.
+    bytes) to host memory, to come back for its recomputation. ``RECOMPUTE_ATTENTION`` and
+    ``RECOMPUTE_ATTENTION_OFFLOAD`` do the same keeping only its fused attention's outputs,
+    and run its matmuls again too: at long sequences the attention is a layer's costliest op,
+    and its outputs take what the layer's input does.
     ``RECOMPUTE_WHOLE`` and ``RECOMPUTE_WHOLE_OFFLOAD``: on the first part of a module given
     to ``ao.wrap`` with ``parts``, that whole module is recomputed as one group; its other
     parts are ``INSIDE`` it and open no group.
@@ -33,6 +36,8 @@ class Action(str, enum.Enum):
     RECOMPUTE_OFFLOAD = "recompute_offload"
     RECOMPUTE_SELECTIVE = "recompute_selective"
     RECOMPUTE_SELECTIVE_OFFLOAD = "recompute_selective_offload"
+    RECOMPUTE_ATTENTION = "recompute_attention"
+    RECOMPUTE_ATTENTION_OFFLOAD = "recompute_attention_offload"
     RECOMPUTE_WHOLE = "recompute_whole"
     RECOMPUTE_WHOLE_OFFLOAD = "recompute_whole_offload"
     INSIDE = "inside"
@@ -45,7 +50,17 @@ class Action(str, enum.Enum):
     @property
     def selective(self) -> bool:
         """It keeps its costly ops' outputs (on the device or moved), and recomputes only the rest."""
-        return self in (Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD)
+        return self in _SELECTIVE
+
+    @property
+    def attention_only(self) -> bool:
+        """Selective, it keeps its fused attention's outputs only."""
+        return self in (Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE_ATTENTION_OFFLOAD)
+
+    @property
+    def moves_kept(self) -> bool:
+        """Selective, it moves the largest of what it keeps (up to its decision's fraction)."""
+        return self in (Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION_OFFLOAD)
 
     @property
     def whole(self) -> bool:
@@ -60,7 +75,7 @@ class Action(str, enum.Enum):
     @property
     def moves(self) -> bool:
         """It moves bytes to host memory (what it saves, or its inputs)."""
-        return self in (Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE_OFFLOAD) or self.moves_inputs
+        return self is Action.OFFLOAD or self.moves_kept or self.moves_inputs
 
     @property
     def as_group(self) -> Action:
@@ -73,15 +88,18 @@ class Action(str, enum.Enum):
         return self.value
 
 
-_RECOMPUTING = frozenset({Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_SELECTIVE,
-                          Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_WHOLE, Action.RECOMPUTE_WHOLE_OFFLOAD})
+_SELECTIVE = frozenset({Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION,
+                        Action.RECOMPUTE_ATTENTION_OFFLOAD})
+_RECOMPUTING = _SELECTIVE | {Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_WHOLE,
+                             Action.RECOMPUTE_WHOLE_OFFLOAD}
 
 
 @dataclass(frozen=True, eq=False, init=False)
 class GroupDecision:
     """What a memory plan has one group do: its ``action``, and for ``Action.OFFLOAD`` the
     ``fraction`` of its offloadable bytes that moves (largest spans first, see
-    :func:`actoffload.spans.largest_within`; for ``Action.RECOMPUTE_SELECTIVE_OFFLOAD``, of
+    :func:`actoffload.spans.largest_within`; for ``Action.RECOMPUTE_SELECTIVE_OFFLOAD`` and
+    ``Action.RECOMPUTE_ATTENTION_OFFLOAD``, of
     what it keeps). A plain name is taken for its action.
 
     There is one object per action and fraction, however it is made (called, replaced, copied,

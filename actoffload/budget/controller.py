@@ -567,11 +567,15 @@ class BudgetController:
             return GroupDecision(Action.OFFLOAD)
         return planned
 
-    def costly_calls(self, position: int) -> int | None:
-        """How many of the costly ops of the group at ``position`` its recomputation reaches, as
-        profiled (a selective recomputation keeps only their outputs); ``None``: all."""
+    def costly_calls(self, position: int, attention_only: bool = False) -> int | None:
+        """How many of the costly ops of the group at ``position`` (its fused attention calls,
+        ``attention_only``) its recomputation reaches, as profiled (a selective recomputation
+        keeps only their outputs); ``None``: all."""
         profile = self._profile
-        return profile.groups[position].costly_calls if profile is not None and position < len(profile.groups) else None
+        if profile is None or position >= len(profile.groups):
+            return None
+        g = profile.groups[position]
+        return g.attention_calls if attention_only else g.costly_calls
 
     def op_meter(self, position: int) -> OpMeter | None:
         """The meter of the costly ops of the group at ``position`` (profiling), else ``None``."""
@@ -629,7 +633,7 @@ class BudgetController:
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
         then = (g.inputs or 0) if recomputed else g.offloadable
         if decision is not None and decision.action.selective:  # its costly outputs are its saves too
-            then += g.costly_bytes
+            then += g.kept_bytes(decision.action.attention_only)
         if decision is not None and decision.action.whole:
             then = self._profile.whole_at[position].inputs
         if new_workload(now, then):
@@ -793,7 +797,10 @@ class BudgetController:
                                                                                      m.recompute_host_end),
                 costly=tuple(m.meter.costly) if m.meter is not None else None,
                 costly_calls=m.meter.reached if m.meter is not None else None, min_move=m.min_move,
-                costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None))
+                costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None,
+                attention=tuple(m.meter.attention) if m.meter is not None else None,
+                attention_calls=m.meter.attention_reached if m.meter is not None else None,
+                attention_s=m.meter.attention_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = seconds(step.last_exit, touches[-1])

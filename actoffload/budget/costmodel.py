@@ -13,6 +13,8 @@ actions (:class:`~.actions.Action`):
   its inputs, and its forward runs again in backward (compute time); ``RECOMPUTE_OFFLOAD``
   also moves those inputs to host memory; ``RECOMPUTE_SELECTIVE`` also keeps its costly ops'
   outputs (matmuls, attention), and runs only the rest of its forward again;
+  ``RECOMPUTE_ATTENTION`` keeps its fused attention's outputs only (the ``_OFFLOAD`` forms move
+  the largest of what they keep);
 - ``RECOMPUTE_WHOLE`` (and ``RECOMPUTE_WHOLE_OFFLOAD``): where groups are the parts of one
   module (``ao.wrap(blocks, off, parts=...)``), that module runs whole under checkpointing,
   as one group: it keeps one set of inputs instead of each part's, and its parts, marked
@@ -66,7 +68,9 @@ class GroupProfile:
     recomputation keeps beside its inputs (those of the first ``costly_calls`` costly ops, which
     its recomputation reaches before it stops; ``None``: all of them), and ``costly_share``: the share of its
     recomputation's time those ops took, which it does not spend again (``None``: not
-    measured; no selective recomputation); ``min_move``: the least bytes a span needs to move
+    measured; no selective recomputation); ``attention``, ``attention_calls`` and
+    ``attention_share``: the same of its fused attention calls alone (``RECOMPUTE_ATTENTION``'s);
+    ``min_move``: the least bytes a span needs to move
     (the offloader's ``min_offload_bytes``): inputs, or a kept output, under it stay, whatever
     the plan (its offloadable ``spans`` were measured past it already); ``dispatch_host_s``: the host's time for its forward
     and for its recomputation while every op went through a dispatch mode in Python (the
@@ -92,6 +96,9 @@ class GroupProfile:
     dispatch_host_s: tuple[float, float] | None = None
     costly_calls: int | None = None
     min_move: int = 0
+    attention: tuple[int, ...] | None = None
+    attention_share: float | None = None
+    attention_calls: int | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -107,7 +114,7 @@ class GroupProfile:
         return {}
 
     @cached_property
-    def _moved_selective_at(self) -> dict[float, int]:
+    def _moved_selective_at(self) -> dict[tuple[float, bool], int]:
         return {}
 
     @cached_property  # what a simulation reads of it under a decision: see _row
@@ -118,19 +125,29 @@ class GroupProfile:
     def costly_bytes(self) -> int:
         return sum(self.costly or ())
 
-    @cached_property  # what a selective recomputation may move: its costly outputs and its inputs, if large enough
-    def _selective_spans(self) -> tuple[int, ...]:
-        spans = (self.costly or ()) + ((self.inputs,) if self.inputs else ())
-        return tuple(sorted((n for n in spans if n >= self.min_move), reverse=True))
+    @cached_property
+    def attention_bytes(self) -> int:
+        return sum(self.attention or ())
 
-    def moved_selective(self, fraction: float) -> int:
+    def kept_bytes(self, attention_only: bool) -> int:
+        """The outputs a selective recomputation keeps: its costly ops', or its attention's only."""
+        return self.attention_bytes if attention_only else self.costly_bytes
+
+    def kept_share(self, attention_only: bool) -> float | None:
+        """The share of its recomputation's time those ops took (``None``: not measured)."""
+        return self.attention_share if attention_only else self.costly_share
+
+    def moved_selective(self, fraction: float, attention_only: bool = False) -> int:
         """Bytes a selective recomputation moves when moving up to ``fraction`` of what it keeps
-        (its costly outputs and its inputs): the largest that fit, at least the largest."""
-        known = self._moved_selective_at.get(fraction)
+        (its costly outputs, or its attention's, and its inputs): the largest that fit, at least
+        the largest."""
+        known = self._moved_selective_at.get((fraction, attention_only))
         if known is None:
-            spans = self._selective_spans
+            kept = (self.attention if attention_only else self.costly) or ()
+            spans = tuple(sorted((n for n in kept + ((self.inputs,) if self.inputs else ()) if n >= self.min_move),
+                                 reverse=True))
             cap = max(fraction * sum(spans), max(spans, default=0))
-            known = self._moved_selective_at[fraction] = sum(spans[i] for i in largest_within(spans, cap))
+            known = self._moved_selective_at[(fraction, attention_only)] = sum(spans[i] for i in largest_within(spans, cap))
         return known
 
     def moved(self, fraction: float) -> int:
@@ -156,9 +173,10 @@ def recompute_seconds(d: GroupDecision, g: GroupProfile) -> float:
     step's time is the same wherever the wait is counted)."""
     if not d.action.recomputes:
         return 0.0
-    if not d.action.selective or g.costly_share is None:
+    share = g.kept_share(d.action.attention_only) if d.action.selective else None
+    if share is None:
         return recompute_time(g)
-    seconds = recompute_time(g) if _host_paced(g) else _device_recompute(g) * (1.0 - g.costly_share)
+    seconds = recompute_time(g) if _host_paced(g) else _device_recompute(g) * (1.0 - share)
     if g.dispatch_host_s is not None:
         forward_host, recompute_host = g.dispatch_host_s
         seconds = max(seconds, recompute_host) + max(0.0, forward_host - max(g.forward_s, g.host_s or 0.0))
@@ -228,8 +246,8 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
     first part)."""
     if d.action is Action.OFFLOAD:
         return g.moved(d.fraction)
-    if d.action is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
-        return g.moved_selective(d.fraction)
+    if d.action.moves_kept:
+        return g.moved_selective(d.fraction, d.action.attention_only)
     if d.action.moves_inputs:  # (as one span)
         return g.inputs if g.inputs and g.inputs >= g.min_move else 0
     return 0
@@ -262,10 +280,9 @@ def resident(d: GroupDecision, g: GroupProfile) -> int:
         return g.offloadable - g.moved(d.fraction) + g.kept
     if a is Action.RECOMPUTE or a is Action.RECOMPUTE_WHOLE:
         return g.inputs or 0
-    if a is Action.RECOMPUTE_SELECTIVE:
-        return (g.inputs or 0) + g.costly_bytes
-    if a is Action.RECOMPUTE_SELECTIVE_OFFLOAD:
-        return (g.inputs or 0) + g.costly_bytes - g.moved_selective(d.fraction)
+    if a.selective:
+        kept = (g.inputs or 0) + g.kept_bytes(a.attention_only)
+        return kept - g.moved_selective(d.fraction, a.attention_only) if a.moves_kept else kept
     return (g.inputs or 0) - moved(d, g) if a.moves_inputs else 0
 
 
@@ -351,7 +368,7 @@ def _row(p: GroupDecision, g: GroupProfile) -> _Row:
     # forward_extra was measured recomputed, where what the group saves was temporary:
     # saving it keeps those bytes (at least) alive until the group ends (a selective
     # recomputation: its costly ops' outputs)
-    kept = g.costly_bytes if p.action.selective else 0
+    kept = g.kept_bytes(p.action.attention_only) if p.action.selective else 0
     forward = max(kept if recomputes else activations, g.forward_extra)
     # its activations are all back (reloaded or recomputed) while its backward runs
     backward = activations + g.backward_extra + (g.recompute_extra if recomputes else 0)
@@ -1397,7 +1414,8 @@ class MeasuredGroup:
     latter is for diagnostics: the model charges a recomputation its forward's host time);
     ``costly``, ``costly_s``, ``costly_calls``: the bytes of each of its costly ops' outputs in
     its forward (of those its recomputation reached), their time in its recomputation, and how
-    many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered);
+    many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered), and
+    ``attention``, ``attention_s``, ``attention_calls`` the same of its fused attention calls;
     ``min_move``: the offloader's ``min_offload_bytes``.
     """
 
@@ -1418,6 +1436,9 @@ class MeasuredGroup:
     costly_s: float | None = None
     costly_calls: int | None = None
     min_move: int = 0
+    attention: tuple[int, ...] | None = None
+    attention_s: float | None = None
+    attention_calls: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1458,6 +1479,10 @@ def profile_of(step: MeasuredStep) -> Profile:
                          costly=tuple(sorted(m.costly, reverse=True)) if m.recomputed and m.costly is not None else None,
                          costly_calls=m.costly_calls if m.recomputed else None,
                          costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None,
+                         attention=(tuple(sorted(m.attention, reverse=True))
+                                    if m.recomputed and m.attention is not None else None),
+                         attention_calls=m.attention_calls if m.recomputed else None,
+                         attention_share=_share(m.attention_s, m.recompute_s) if m.recomputed else None,
                          dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
                              and m.recompute_host_s is not None) else None)
@@ -1517,7 +1542,10 @@ def merged(a: Profile, b: Profile) -> Profile:
                            reached=x.reached or y.reached,
                            costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
                            dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
-                           costly_calls=x.costly_calls if x.costly is not None else y.costly_calls)
+                           costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
+                           attention=_larger(x.attention, y.attention),
+                           attention_share=_least(x.attention_share, y.attention_share),
+                           attention_calls=x.attention_calls if x.attention is not None else y.attention_calls)
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))

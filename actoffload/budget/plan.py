@@ -146,7 +146,8 @@ class BudgetPlan(Plan):
         # write after the forward was seen; elsewhere their copies overlap compute as modelled.
         selective = recompute and action.selective
         return Opening(recompute=recompute, release_inputs=recompute, selective=selective,
-                       selective_calls=c.costly_calls(position) if selective else None,
+                       selective_calls=c.costly_calls(position, action.attention_only) if selective else None,
+                       selective_attention=selective and action.attention_only,
                        keep_all=action is Action.KEEP and not c.profiling,
                        guard_inputs=c.profiling or position in self._written)
 

@@ -78,7 +78,8 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         host_s=None if g.host_s is None else g.host_s * time,
         dispatch_host_s=scaled_times(g.dispatch_host_s, time),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
-        recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly))
+        recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly),
+        attention=None if g.attention is None else tuple(_up(n, f) for n in g.attention))
 
 
 def same_groups(a: Profile, b: Profile) -> bool:

@@ -84,6 +84,9 @@ def _alternatives(g: GroupProfile) -> list[GroupDecision]:
     if _selective_helps(g):
         out.append(_decision(Action.RECOMPUTE_SELECTIVE))
         out += [_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f) for f in FRACTIONS]
+    if _attention_helps(g):
+        out.append(_decision(Action.RECOMPUTE_ATTENTION))
+        out += [_decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, f) for f in FRACTIONS]
     return out
 
 
@@ -350,7 +353,8 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     also with those groups' inputs offloaded; recompute every group with the first k
     groups' inputs offloaded; recompute the first k selectively, every group selectively
     with the first k recomputed in full, and every group selectively moving half of what it
-    keeps, the first k all of it; where groups are the parts of modules, the first two with
+    keeps, the first k all of it; recompute the first k keeping their attention's outputs, and
+    every group recomputed with the first k keeping their attention's and moving all they keep; where groups are the parts of modules, the first two with
     those modules recomputed whole (the first k with their inputs moved out also with no copy
     out in flight: the least memory, module by module, which a search under one copy window
     finds no other way); and offload the first j groups whole while recomputing
@@ -387,6 +391,16 @@ def _families(profile: Profile) -> list[MemoryPlan]:
         halves = tuple(half if i in selective else d for i, d in enumerate(keep_all))
         out += [evaluated(profile, halves, w, pf) for w, pf in ((1, 1), (2, 2))]
         for plans in zip(*_firsts(profile, halves, whole, selective, [(1, 1), (2, 2)])):
+            out += plans
+    # the attention's outputs kept (the matmuls run again): the first k groups, the others kept;
+    # and every group recomputed, the first k keeping their attention's outputs and moving all
+    # they keep (checkpointing's memory, less its costliest recomputation at long sequences)
+    attention = [i for i in recomputable if _attention_helps(profile.groups[i])]
+    if attention:
+        (firsts,) = _firsts(profile, keep_all, _decision(Action.RECOMPUTE_ATTENTION), attention, [(0, 0)])
+        out += firsts
+        moved = _decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, FRACTIONS[-1])
+        for plans in zip(*_firsts(profile, everything, moved, attention, [(1, 1), (2, 2)])):
             out += plans
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
     # inputs moved out (with a copy in flight, and without); and all of them, the first k's
@@ -466,6 +480,13 @@ def _selective_helps(g: GroupProfile) -> bool:
     return g.inputs is not None and g.costly is not None and g.inputs + g.costly_bytes < g.offloadable + g.kept
 
 
+def _attention_helps(g: GroupProfile) -> bool:
+    """Whether recomputing ``g`` keeping only its attention's outputs spares its recomputation
+    anything: its fused attention calls were measured there, taking some of its time (a group
+    with none, an MLP or an eager attention's, is not tried: every move tried costs planning time)."""
+    return g.inputs is not None and bool(g.attention) and bool(g.attention_share)
+
+
 def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
     """The next decisions from group ``i`` on (a group never goes back to keeping more of its
     own; a move is taken only where it saves modelled memory, so a path ends), each as the
@@ -484,11 +505,19 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
                       or (a is Action.RECOMPUTE_SELECTIVE_OFFLOAD and fraction < 1.0)):
         out += [(_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f),) for f in FRACTIONS
                 if a is not Action.RECOMPUTE_SELECTIVE_OFFLOAD or f > fraction]
+    attention = _attention_helps(g)
+    if attention and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD):
+        out.append((_decision(Action.RECOMPUTE_ATTENTION),))
+    if attention and (a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
+                            Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE)
+                      or (a is Action.RECOMPUTE_ATTENTION_OFFLOAD and fraction < 1.0)):
+        out += [(_decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, f),) for f in FRACTIONS
+                if a is not Action.RECOMPUTE_ATTENTION_OFFLOAD or f > fraction]
     if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE,
-                                      Action.RECOMPUTE_SELECTIVE_OFFLOAD):
+                                      Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION):
         out.append((_decision(Action.RECOMPUTE),))
     if g.inputs and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
-                          Action.RECOMPUTE):
+                          Action.RECOMPUTE, Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE_ATTENTION_OFFLOAD):
         out.append((_decision(Action.RECOMPUTE_OFFLOAD),))
     whole = profile.whole_at.get(i)
     if whole is not None:
