@@ -3,6 +3,7 @@ checked for what a GPU run's figures rest on (the same lengths for every method,
 compared bit for bit, four forwards per optimizer step), and its measuring parts alone."""
 
 import contextlib
+import gzip
 import io
 import json
 
@@ -11,18 +12,20 @@ import torch
 
 from actoffload.tools import loop_sweep
 from actoffload.tools.peaks import Peaks
+from actoffload.tools.provenance import read_results, write_results
 
 STEPS, OPT_STEPS = 12, 5
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("loops") / "loops.json"
+    path = tmp_path_factory.mktemp("loops") / "loops.json.gz"  # compressed, as the committed results are
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = loop_sweep.main(["--small", "--steps", str(STEPS), "--opt-steps", str(OPT_STEPS), "--out", str(path)])
     assert rc == 0
-    return json.loads(path.read_text()), out.getvalue()
+    assert gzip.decompress(path.read_bytes())  # gzip's own format: zcat reads it
+    return read_results(path), out.getvalue()
 
 
 def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
@@ -237,3 +240,11 @@ def test_the_warm_up_runs_fast_under_a_budget_before_any_method(monkeypatch):
     loop_sweep._warm_up(loop, [w.seq_len // 2, w.seq_len])
     assert [budget for budget, _ in made] == [loop_sweep.WARM_UP_BUDGET]
     assert loop.forwards[True] == 2 * 2 + 2  # plain and checkpointed at each length, two under the budget
+
+
+def test_results_are_written_whole_plain_or_compressed_and_read_back_alike(tmp_path):
+    doc = {"env": {"gpu": "cpu"}, "steps": [0.5, 1.25]}
+    for name in ("r.json", "r.json.gz"):
+        write_results(tmp_path / name, doc)
+        assert read_results(tmp_path / name) == doc and not (tmp_path / (name + ".part")).exists()
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(gzip.decompress((tmp_path / "r.json.gz").read_bytes()))

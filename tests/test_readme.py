@@ -27,6 +27,7 @@ import pytest
 
 from actoffload.budget.actions import Action
 from actoffload.tools.budget_sweep import budget_peak
+from actoffload.tools.provenance import read_results
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -278,8 +279,8 @@ def test_the_loops_table_is_the_json_it_cites():
     sweep cited whose file names them all and holds that workload, the others of the first one
     cited that holds theirs."""
     text = _results_section()
-    links = re.findall(r"\]\((benchmarks/results/[^)]+-loop-sweep(?:-[a-z-]+)?\.json)\)", text)
-    runs = {link: json.loads((ROOT / link).read_text()) for link in links}
+    links = re.findall(r"\]\((benchmarks/results/[^)]+-loop-sweep(?:-[a-z-]+)?\.json\.gz)\)", text)
+    runs = {link: read_results(ROOT / link) for link in links}
     assert all(data["env"]["commit"] in link for link, data in runs.items())
     rows = _tables(text)[1]
     names = {"decoder": "llama", "GPT-MoE": "gpt_moe"}

@@ -45,7 +45,7 @@ plan adds to every modelled peak, so that every code path runs; no figure of it 
 
 Example::
 
-    python -m actoffload.tools.loop_sweep --out loops.json                 # a GPU, both workloads
+    python -m actoffload.tools.loop_sweep --out loops.json.gz              # a GPU, both workloads (.gz: compressed)
     python -m actoffload.tools.loop_sweep --out loops.json --only llama --steps 24
     python -m actoffload.tools.loop_sweep --small --steps 12 --opt-steps 5 --out small.json   # the CPU
 """
@@ -56,7 +56,6 @@ import argparse
 import collections
 import gc
 import hashlib
-import os
 import random
 import sys
 import time
@@ -934,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     [--steps 48] [--opt-steps 20]``: 1 where a workload failed as a whole, else 0 (whatever the
     figures say)."""
     from .determinism import use_deterministic
-    from .provenance import describe, results_json
+    from .provenance import describe, write_results
 
     p = argparse.ArgumentParser(prog="python -m actoffload.tools.loop_sweep",
                                 description="Memory budgets in a variable-length loop and in gradient accumulation "
@@ -972,10 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(results: list[dict[str, Any]]) -> dict[str, Any]:
         doc = {"env": env, "settings": settings, "workloads": results,
                "verdicts": {r["workload"]: verdicts(r) for r in results if "variable_length" in r}}
-        if args.out:  # whole or not at all: a run stopped while writing keeps the last file
-            with open(args.out + ".part", "w") as f:
-                f.write(results_json(doc))
-            os.replace(args.out + ".part", args.out)
+        if args.out:
+            write_results(args.out, doc)
         return doc
 
     results = sweep(device, small, args.steps, args.opt_steps, args.seed, only, log=log, done=save)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import json
 import os
 import platform
@@ -45,6 +46,32 @@ def describe(device: torch.device) -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
+
+
+def write_results(path: str | Path, doc: Any) -> None:
+    """Write a results file whole or not at all (a run stopped while writing keeps the last
+    one): compact JSON (:func:`results_json`), gzip-compressed where ``path`` ends in ``.gz``
+    (a training loop's results, one figure a step, are ten times smaller so).
+
+    Example::
+
+        write_results("loop-sweep.json.gz", {"env": describe(device), "cells": cells})
+    """
+    path = str(path)
+    text = results_json(doc).encode()
+    Path(path + ".part").write_bytes(gzip.compress(text, mtime=0) if path.endswith(".gz") else text)
+    os.replace(path + ".part", path)
+
+
+def read_results(path: str | Path) -> Any:
+    """A results file as :func:`write_results` wrote it (gzip-compressed where it ends in ``.gz``).
+
+    Example::
+
+        doc = read_results("benchmarks/results/NVIDIA-H200-...-loop-sweep-llama.json.gz")
+    """
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
 
 
 def results_json(doc: Any) -> str:
