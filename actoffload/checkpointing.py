@@ -43,8 +43,8 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     seen: list[tuple[torch.Tensor, int, torch.Size]] = []
     modes = []
     if group.selective:
-        kept = dict(calls=group.selective_calls, attention_only=group.selective_attention)
-        modes.append(selective.contexts(**kept) if store is None else selective.contexts(*store, **kept))
+        keep, take = store if store is not None else (selective.same, selective.same)
+        modes.append(selective.contexts(keep, take, group.selective_calls, group.selective_attention))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes

@@ -324,11 +324,12 @@ class _Reusing(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _same(t: Any) -> Any:
+def same(t: Any) -> Any:
+    """What :func:`contexts` keeps and takes by default: the tensor itself."""
     return t
 
 
-def contexts(keep: Callable[[torch.Tensor], Any] = _same, take: Callable[[Any], torch.Tensor] = _same,
+def contexts(keep: Callable[[torch.Tensor], Any] = same, take: Callable[[Any], torch.Tensor] = same,
              calls: int | None = None, attention_only: bool = False) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """A fresh ``(forward, recomputation)`` pair for one checkpointed call
     (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
