@@ -2,16 +2,22 @@
 diagnostic, not a test): on transformers' SDPA Llamas of the sweep, steps of no offloading,
 of ``torch.utils.checkpoint`` around each layer, of torch's selective checkpointing keeping
 the matmuls' and the attention's outputs (``sac``, as the sweep runs it), and keeping the
-attention's outputs only (``attention``: :func:`actoffload.selective.attention_policy`). For
-each, the peaks allocated and reserved over three steps on a cache given back first, the
-median step time in alternating rounds, and whether its gradients equal no offloading's (with
-deterministic algorithms; no offloading runs twice, to show that it repeats itself).
+attention's outputs only (``attention``: :func:`actoffload.selective.attention_policy`). With
+``--fast``, also ``fast`` under a memory budget made to run one plan on every layer
+(``BudgetController.force``): recomputing (``fast_recompute``), keeping the attention's outputs
+(``fast_attention``), and moving them out with the inputs (``fast_attention_offload``, one copy
+in flight and one reload ahead, as the search runs it). For each, the peaks allocated and
+reserved over three steps on a cache given back first, the median step time (torch's methods
+in alternating rounds, each fast plan in a block of its own: its wrapping is made once), and
+whether its gradients equal no offloading's (with deterministic algorithms; no offloading runs
+twice, to show that it repeats itself).
 
 At long sequences the attention's forward is a layer's costliest op while its outputs take
 about what the layer's input does: a plan that keeps them would recompute the rest for a
 fraction of checkpointing's cost, at nearly checkpointing's memory. This measures how much.
 
     PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --out probe.json     # CUDA: hf_8b_32k, hf_llama_sdpa
+    PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --workloads hf_8b_32k --fast
     PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --device cpu         # tiny models, a smoke run
 """
 
@@ -28,14 +34,20 @@ from typing import Any
 
 import torch
 
+from forced_llama import ForcedLlama
+
+from actoffload.budget.actions import Action
 from actoffload.tools.budget_sweep import _checkpointed
 from actoffload.tools.determinism import use_deterministic
 from actoffload.tools.provenance import describe, results_json
-from actoffload.tools.sweep_models import hf_llama, plain
+from actoffload.tools.sweep_models import plain
 
 # none twice: where its two runs differ, the attention's backward is not deterministic here and
 # no method's gradients can be compared bit for bit
 METHODS = ("none", "none_again", "checkpoint", "sac", "attention")
+# fast, made to run one action on every layer, with this copy window
+FAST = {"fast_recompute": (Action.RECOMPUTE, 0, 0), "fast_attention": (Action.RECOMPUTE_ATTENTION, 0, 0),
+        "fast_attention_offload": (Action.RECOMPUTE_ATTENTION_OFFLOAD, 1, 1)}
 
 
 def _call(method: str, layers: int) -> Any:
@@ -67,33 +79,46 @@ def _clear(w: Any) -> None:
         q.grad = None
 
 
-def probe(name: str, device: torch.device, rounds: int, steps: int) -> dict[str, Any]:
+def _measured(w: Any, call: Any, device: torch.device) -> dict[str, Any]:
+    """Three steps on a cache given back first: the peaks, and step 0's gradients' fingerprint."""
+    _clear(w)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    _step(w, call, 0, device)  # step 0: the gradients compared
+    fp = _fingerprint(w)
+    for i in (1, 2):
+        _clear(w)
+        _step(w, call, i, device)
+    _clear(w)
+    peaks = ((torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+             if device.type == "cuda" else (None, None))
+    return {"allocated_peak_bytes": peaks[0], "reserved_peak_bytes": peaks[1], "grad_fingerprint": fp, "steps_ms": []}
+
+
+def probe(name: str, device: torch.device, rounds: int, steps: int, fast: bool = False) -> dict[str, Any]:
     """One workload: each method's peaks, median step ms and gradient fingerprint."""
-    w = hf_llama(name, device, small=device.type == "cpu")
+    rig = ForcedLlama(device, name)
+    w = rig.workload
     n = len(w.blocks)
     calls = {m: _call(m, n) for m in METHODS}
     out: dict[str, Any] = {"workload": name, "info": w.info, "methods": {}}
     for m in METHODS:
-        _clear(w)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        _step(w, calls[m], 0, device)  # step 0: the gradients compared
-        fp = _fingerprint(w)
-        for i in (1, 2):
-            _clear(w)
-            _step(w, calls[m], i, device)
-        _clear(w)
-        peaks = ((torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-                 if device.type == "cuda" else (None, None))
-        out["methods"][m] = {"allocated_peak_bytes": peaks[0], "reserved_peak_bytes": peaks[1], "grad_fingerprint": fp,
-                             "steps_ms": []}
+        out["methods"][m] = _measured(w, calls[m], device)
     for r in range(rounds):  # alternating rounds: a drift of the machine touches every method alike
         for m in METHODS:
             for i in range(steps):
                 out["methods"][m]["steps_ms"].append(_step(w, calls[m], i, device))
                 _clear(w)
+    for m, (action, max_inflight, prefetch) in FAST.items() if fast else ():
+        handle = rig.forced(action, max_inflight, prefetch)  # (two steps in: its host memory pinned)
+        out["methods"][m] = _measured(w, plain, device)
+        for i in range(rounds * steps):
+            out["methods"][m]["steps_ms"].append(_step(w, plain, i, device))
+            _clear(w)
+        out["methods"][m]["actions"] = [g["action"] for g in rig.offloader.stats()["plan"]["groups"]]
+        handle.remove()
     none = out["methods"]["none"]
     for m, x in out["methods"].items():
         x["median_ms"] = statistics.median(x["steps_ms"])
@@ -110,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="hf_8b_32k,hf_llama_sdpa", help="comma-separated names of the sweep's SDPA Llamas")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each method per round")
+    p.add_argument("--fast", action="store_true", help="also fast, made to run one plan on every layer")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     a = p.parse_args(argv)
     use_deterministic(True)  # before the first matmul
@@ -120,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"env": describe(device), "rounds": a.rounds, "steps": a.steps, "workloads": []}
     print(f"attention_kept_probe on {doc['env']['gpu']}, torch {torch.__version__}")
     for name in a.workloads.split(","):
-        r = probe(name, device, a.rounds, a.steps)
+        r = probe(name, device, a.rounds, a.steps, a.fast)
         doc["workloads"].append(r)
         for m, x in r["methods"].items():
             gib = [f"{v / 2**30:6.2f}" if v is not None else "     -" for v in
                    (x["allocated_peak_bytes"], x["reserved_peak_bytes"])]
-            print(f"{name:14} {m:11} {x['median_ms']:8.1f} ms  x checkpoint {x['x_checkpoint']:.3f}"
+            print(f"{name:14} {m:22} {x['median_ms']:8.1f} ms  x checkpoint {x['x_checkpoint']:.3f}"
                   f"  GiB allocated {gib[0]} reserved {gib[1]}  grads == none: {x['grads_equal_none']}", flush=True)
     if a.out is not None:
         a.out.write_text(results_json(doc))

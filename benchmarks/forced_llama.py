@@ -20,7 +20,8 @@ from actoffload.tools.sweep_models import hf_llama, plain
 
 
 class ForcedLlama:
-    """The model, warmed up and profiled once by a budget's offloader (then unwrapped).
+    """The model (``name``: another of the sweep's transformers Llamas), warmed up and profiled
+    once by a budget's offloader (then unwrapped).
 
     Example::
 
@@ -30,9 +31,9 @@ class ForcedLlama:
         rig.step(plain, 0); handle.remove()
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, name: str = "hf_llama_sdpa"):
         self.device = device
-        self.workload = hf_llama("hf_llama_sdpa", device, small=device.type == "cpu")
+        self.workload = hf_llama(name, device, small=device.type == "cpu")
         self.checkpointed = _checkpointed(len(self.workload.blocks))
         for i in range(3):
             self.step(plain, i)
