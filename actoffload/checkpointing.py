@@ -44,8 +44,7 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     modes = []
     if group.selective:
         keep, take = store if store is not None else (selective.same, selective.same)
-        modes.append(selective.contexts(keep, take, group.selective_calls, group.selective_attention,
-                                        group.selective_chosen))
+        modes.append(selective.contexts(keep, take, group.selective_calls, group.selective_attention))
     if meter is not None:
         modes.append((meter.forward(), meter.recomputation()))
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes

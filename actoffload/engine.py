@@ -230,7 +230,6 @@ class Engine(Generic[GroupT, MovedT]):
                 group.selective = group.recompute and opening.selective
                 group.selective_calls = opening.selective_calls if group.selective else None
                 group.selective_attention = group.selective and opening.selective_attention
-                group.selective_chosen = opening.selective_chosen if group.selective else None
             if "opened" in self._asks:
                 self.plan.opened(group)
             if group.kept_whole:

@@ -61,8 +61,7 @@ class Opening:
     outputs of its costly ops (matmuls, attention) on the device, and its recomputation runs
     only the other ops again (:mod:`actoffload.selective`); ``selective_calls``: only those of
     its first this many costly ops (the ones its recomputation reaches before it stops), else all;
-    ``selective_attention``: of its fused attention calls only (the matmuls run again too);
-    ``selective_chosen``: of its costly ops at these places only (the others run again).
+    ``selective_attention``: of its fused attention calls only (the matmuls run again too).
     """
 
     hooked: bool = True
@@ -73,7 +72,6 @@ class Opening:
     selective: bool = False
     selective_calls: int | None = None
     selective_attention: bool = False
-    selective_chosen: frozenset[int] | None = None
 
 
 # The points of a step where a plan may act: its methods of these names.

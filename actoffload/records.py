@@ -153,7 +153,6 @@ class Group:
     selective = False  # recomputed, it keeps its costly ops' outputs and runs only the rest again (selective.py)
     selective_calls: int | None = None  # ... of its first this many costly ops (None: all)
     selective_attention = False  # ... of its fused attention calls only (the matmuls run again too)
-    selective_chosen: frozenset[int] | None = None  # ... of its costly ops at these places only
     # its recomputed module lets go of its kept inputs once recomputed from; a second
     # backward through the module then needs the first to keep the graph
     release_inputs = False

@@ -212,7 +212,6 @@ class _Cache:
     take: Callable[[Any], torch.Tensor]
     calls: int | None  # the ops kept (in forward order) whose outputs are kept: the first this many (None: all)
     attention_only: bool  # only the fused attention's outputs are kept; the matmuls run again
-    chosen: frozenset[int] | None  # only these costly ops' outputs are kept (by place in the forward)
     kept: dict[tuple[int, int], _Kept] = field(default_factory=dict)  # (id of the op, call number) -> its outputs
     by_storage: dict[int, list[_Kept]] = field(default_factory=dict)  # storage key -> the entries on it
 
@@ -255,8 +254,6 @@ class _Keeping(TorchDispatchMode):
             self.costly += 1
             if self.cache.calls is not None and self.costly > self.cache.calls:
                 return out  # past where the recomputation stops: never asked for
-            if self.cache.chosen is not None and self.costly - 1 not in self.cache.chosen:
-                return out  # not one the plan keeps: it runs again
             made = _tensors(out)
             detached = _mapped(torch.Tensor.detach, out)
             kept = self.cache.kept[(id(func), n)] = _Kept(detached, _signature((args, kwargs)),
@@ -333,8 +330,7 @@ def same(t: Any) -> Any:
 
 
 def contexts(keep: Callable[[torch.Tensor], Any] = same, take: Callable[[Any], torch.Tensor] = same,
-             calls: int | None = None, attention_only: bool = False,
-             chosen: frozenset[int] | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+             calls: int | None = None, attention_only: bool = False) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """A fresh ``(forward, recomputation)`` pair for one checkpointed call
     (``torch.utils.checkpoint.checkpoint(..., context_fn=selective.contexts)``): the forward
     keeps the costly ops' outputs, the recomputation takes them instead of running those ops.
@@ -346,13 +342,11 @@ def contexts(keep: Callable[[torch.Tensor], Any] = same, take: Callable[[Any], t
     should a recomputation ever reach it. ``attention_only``: keep the fused attention's outputs
     only, and run the matmuls again too (``calls`` then counts attention calls:
     :attr:`OpMeter.attention_reached`): at long sequences the attention is the costliest op, and
-    what it keeps takes what the layer's input does. ``chosen``: keep only the outputs of the
-    costly ops at these places in the forward's order of costly ops (0 the first), and run the
-    others again (:attr:`OpMeter.each` tells what each spares).
+    what it keeps takes what the layer's input does.
 
     Gradients are bitwise those of plain checkpointing: the kept outputs are the forward's own,
     and the ops run again are run on the same inputs."""
-    cache = _Cache(keep, take, calls, attention_only, chosen)
+    cache = _Cache(keep, take, calls, attention_only)
     return _Keeping(cache), _Reusing(cache)
 
 
@@ -422,15 +416,6 @@ class OpMeter:
     @property
     def attention_reached(self) -> int | None:
         return None if self.reached is None else sum(self._attention[:self.reached])
-
-    @property
-    def each(self) -> list[tuple[int, float]]:
-        """Per costly op the recomputation reached, in the forward's order: the bytes of its
-        outputs (0: written in place after it, so never kept) and its seconds in the
-        recomputation, what keeping its outputs spares (on CUDA: waits for them)."""
-        if self.reached is None:
-            return []
-        return [(sum(self._calls[i]), self._seconds(a, b)) for i, (a, b, _) in enumerate(self._spans[:self.reached])]
 
     def costly_s(self) -> float:
         """Seconds the costly ops took in the recomputation (on CUDA: waits for them)."""

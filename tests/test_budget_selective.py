@@ -394,10 +394,11 @@ def test_the_model_charges_keeping_the_attention_its_share_and_moves_what_it_kee
     # not measured: not offered, and charged as a full recomputation were it run
     plain = _group(costly=(300, 100), share=0.75)
     assert costmodel.recompute_seconds(d, plain) == 0.8
-    # offered to the improvement group by group where measured (not as moves of the paths: planning time)
-    assert {Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE_ATTENTION_OFFLOAD} <= {d.action for d in search._alternatives(g)}
-    assert not {d.action for d in search._alternatives(plain)} & {Action.RECOMPUTE_ATTENTION,
-                                                                Action.RECOMPUTE_ATTENTION_OFFLOAD}
+    p = Profile((g,), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    offered = {m[0].action for m in search.moves(p, (GroupDecision(Action.RECOMPUTE),), 0)}
+    assert offered == {Action.RECOMPUTE_ATTENTION_OFFLOAD, Action.RECOMPUTE_OFFLOAD}
+    p = Profile((plain,), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    assert {m[0].action for m in search.moves(p, (GroupDecision(Action.RECOMPUTE),), 0)} == {Action.RECOMPUTE_OFFLOAD}
 
 
 def test_the_search_keeps_the_attentions_outputs_moved_out_at_checkpointings_memory_where_attention_costs_most():
@@ -421,91 +422,11 @@ def test_the_search_keeps_the_attentions_outputs_moved_out_at_checkpointings_mem
     assert plan.step_s < without.step_s
 
 
-def test_R1_keeping_a_chosen_few_costly_outputs_moved_out_runs_the_others_again_bitwise():
-    """``recompute_chosen_offload`` on transformers' SDPA Llama wrapped whole: profiling measures
-    each costly op's bytes and seconds; a layer keeps, moved out with its inputs, the outputs its
-    fraction chose (the most seconds per byte first) and runs its other costly ops again; bitwise (R1)."""
-    def model():
-        m, layers = _hf_model("llama")
-        m.config._attn_implementation = "sdpa"
-        return m, layers
-
-    def costly_ops(run):
-        with _Ops() as seen:
-            run()
-        return sum(1 for op in seen.ops if op in selective.COSTLY_OPS)
-
-    reference, _ = model()
-    expected = [_hf_step(reference, k) for k in range(PROFILE_STEPS + 4)]
-    m, layers = model()
-    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
-    with ao.wrap(layers, off):
-        got = [_hf_step(m, k) for k in range(PROFILE_STEPS + 1)]
-        groups = off.plan.controller.profile.groups
-        assert all(len(g.costly_each) == g.costly_calls and all(s > 0 for _, s in g.costly_each) for g in groups)
-        controller = off.plan.controller
-        recompute = GroupDecision(Action.RECOMPUTE)
-        controller.force([recompute] * 3)
-        got.append(_hf_step(m, PROFILE_STEPS + 1))
-        every = costly_ops(lambda: got.append(_hf_step(m, PROFILE_STEPS + 2)))
-        quarter, most = (GroupDecision(Action.RECOMPUTE_CHOSEN_OFFLOAD, f) for f in (0.25, 0.75))
-        controller.force([quarter, most, recompute])
-        fewer = costly_ops(lambda: got.append(_hf_step(m, PROFILE_STEPS + 3)))
-        moved = off.stats()["groups"]
-    for a, b in zip(got, expected):
-        assert_bitwise(a, b)
-    kept = [groups[0].chosen(0.25), groups[1].chosen(0.75)]
-    assert 0 < len(kept[0][0]) <= len(kept[1][0]) < groups[1].costly_calls
-    assert fewer == every - len(kept[0][0]) - len(kept[1][0])  # the chosen ones did not run again
-    for i in (0, 1):  # what it kept, and its inputs, all moved
-        assert moved[str(i)]["offloaded_bytes"] == sum(kept[i][1]) + groups[i].inputs
-
-
-def test_the_model_keeps_the_costly_outputs_that_spare_the_most_per_byte_within_the_fraction():
-    g = replace(_group(costly=(300, 100, 50), share=0.75), costly_each=((300, 0.1), (100, 0.4), (50, 0.05)))
-    assert g.chosen(0.25) == (frozenset({1}), (100,), 0.4)  # 0.004 s a byte, then 0.001: 150 bytes > 112
-    assert g.chosen(0.5) == (frozenset({1, 2}), (100, 50), pytest.approx(0.45))
-    assert g.chosen(0.1)[0] == frozenset({1})  # at least the first, whatever the fraction
-    half = GroupDecision(Action.RECOMPUTE_CHOSEN_OFFLOAD, 0.5)
-    assert costmodel.moved(half, g) == 100 + 50 + 100 and costmodel.resident(half, g) == 0  # and its inputs
-    assert costmodel.recompute_seconds(half, g) == pytest.approx(0.8 - 0.45)
-    offered = {(d.action, d.fraction) for d in search._alternatives(g)}
-    assert {(Action.RECOMPUTE_CHOSEN_OFFLOAD, f) for f in search.CHOSEN_FRACTIONS} <= offered
-    # each op measured, or fewer than two: not offered
-    for each in (None, ((300, 0.1),)):
-        assert Action.RECOMPUTE_CHOSEN_OFFLOAD not in {d.action for d in search._alternatives(replace(g, costly_each=each))}
-
-
-def test_the_search_keeps_a_chosen_few_costly_outputs_moved_out_where_the_bus_hides_more_than_the_attentions():
-    """Four layers whose attention spares half a recomputation for 50 bytes, and whose MLP's two
-    matmuls spare 0.2 s each for 200 bytes, on a bus that hides 400 bytes behind a forward: at
-    checkpointing's peak the fastest plan keeps (moved) more than the attention's outputs, and beats
-    keeping the attention's alone; with more memory, more of them."""
-    def profile(each):
-        g = GroupProfile("g", spans=(1000,), kept=0, inputs=50, forward_s=1.0, backward_s=2.0, recompute_s=1.0,
-                         costly=(200, 200, 50, 50), costly_share=0.93, attention=(50,), attention_share=0.5,
-                         costly_each=each)
-        return Profile((g,) * 4, base=0, outside_s=0.0, d2h_bps=400.0, h2d_bps=400.0)
-
-    every = (GroupDecision(Action.RECOMPUTE),) * 3 + (GroupDecision(Action.KEEP),)
-    budget, _ = costmodel.simulate(profile(None), every, 0, 0)  # checkpointing's peak
-    measured = profile(((50, 0.5), (200, 0.2), (200, 0.2), (50, 0.03)))
-    plan, attention_only = search.choose(measured, budget), search.choose(profile(None), budget)
-    assert {d.action for d in plan.groups[:-1]} == {Action.RECOMPUTE_CHOSEN_OFFLOAD}
-    assert plan.step_s < attention_only.step_s
-    roomier = search.choose(measured, budget + 150)
-    assert roomier.step_s < plan.step_s and max(d.fraction for d in roomier.groups[:-1]) > plan.groups[0].fraction
-
-
-def test_a_prediction_scales_the_attentions_and_each_costly_ops_bytes_like_every_byte_figure():
+def test_a_prediction_scales_the_attentions_bytes_like_every_byte_figure():
     p = Profile((replace(_group(costly=(300, 100), share=0.5), attention=(100,), attention_share=0.25),),
                 base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
     g = predict.predicted(p, 100, 200, base=0).groups[0]
     assert (g.attention, g.attention_share) == ((400,), 0.25)
-    p = Profile((replace(_group(), costly_each=((300, 0.5), (100, 0.25))),), base=0, outside_s=0.0, d2h_bps=1e9,
-                h2d_bps=1e9)
-    each = predict.predicted(p, 100, 200, base=0).groups[0].costly_each
-    assert [n for n, _ in each] == [1200, 400] and each[0][1] / each[1][1] == pytest.approx(2.0)
 
 
 def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_still_trains_bitwise():

@@ -21,10 +21,7 @@ class Action(str, enum.Enum):
     bytes) to host memory, to come back for its recomputation. ``RECOMPUTE_ATTENTION`` and
     ``RECOMPUTE_ATTENTION_OFFLOAD`` do the same keeping only its fused attention's outputs,
     and run its matmuls again too: at long sequences the attention is a layer's costliest op,
-    and its outputs take what the layer's input does. ``RECOMPUTE_CHOSEN_OFFLOAD`` keeps,
-    all moved out with its inputs, the outputs of the costly ops that spare its recomputation
-    the most time per byte, as many as fit within a share (its fraction) of their bytes, and
-    runs the others again: as much kept as the bus can move behind its forward.
+    and its outputs take what the layer's input does.
     ``RECOMPUTE_WHOLE`` and ``RECOMPUTE_WHOLE_OFFLOAD``: on the first part of a module given
     to ``ao.wrap`` with ``parts``, that whole module is recomputed as one group; its other
     parts are ``INSIDE`` it and open no group.
@@ -41,7 +38,6 @@ class Action(str, enum.Enum):
     RECOMPUTE_SELECTIVE_OFFLOAD = "recompute_selective_offload"
     RECOMPUTE_ATTENTION = "recompute_attention"
     RECOMPUTE_ATTENTION_OFFLOAD = "recompute_attention_offload"
-    RECOMPUTE_CHOSEN_OFFLOAD = "recompute_chosen_offload"
     RECOMPUTE_WHOLE = "recompute_whole"
     RECOMPUTE_WHOLE_OFFLOAD = "recompute_whole_offload"
     INSIDE = "inside"
@@ -63,10 +59,8 @@ class Action(str, enum.Enum):
 
     @property
     def moves_kept(self) -> bool:
-        """Selective, it moves the largest of what it keeps (up to its decision's fraction; all
-        of it where the fraction chose what it keeps)."""
-        return self in (Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION_OFFLOAD,
-                        Action.RECOMPUTE_CHOSEN_OFFLOAD)
+        """Selective, it moves the largest of what it keeps (up to its decision's fraction)."""
+        return self in (Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION_OFFLOAD)
 
     @property
     def whole(self) -> bool:
@@ -95,7 +89,7 @@ class Action(str, enum.Enum):
 
 
 _SELECTIVE = frozenset({Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION,
-                        Action.RECOMPUTE_ATTENTION_OFFLOAD, Action.RECOMPUTE_CHOSEN_OFFLOAD})
+                        Action.RECOMPUTE_ATTENTION_OFFLOAD})
 _RECOMPUTING = _SELECTIVE | {Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD, Action.RECOMPUTE_WHOLE,
                              Action.RECOMPUTE_WHOLE_OFFLOAD}
 

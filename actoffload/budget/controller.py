@@ -567,14 +567,6 @@ class BudgetController:
             return GroupDecision(Action.OFFLOAD)
         return planned
 
-    def chosen_calls(self, position: int, decision: GroupDecision) -> frozenset[int] | None:
-        """The places of the costly ops whose outputs the group at ``position`` keeps under
-        ``decision`` (``RECOMPUTE_CHOSEN_OFFLOAD``; ``None``: as its action says)."""
-        profile = self._profile
-        if decision.action is not Action.RECOMPUTE_CHOSEN_OFFLOAD or profile is None or position >= len(profile.groups):
-            return None
-        return profile.groups[position].chosen(decision.fraction)[0]
-
     def costly_calls(self, position: int, attention_only: bool = False) -> int | None:
         """How many of the costly ops of the group at ``position`` (its fused attention calls,
         ``attention_only``) its recomputation reaches, as profiled (a selective recomputation
@@ -641,7 +633,7 @@ class BudgetController:
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
         then = (g.inputs or 0) if recomputed else g.offloadable
         if decision is not None and decision.action.selective:  # its costly outputs are its saves too
-            then += g.kept_bytes(decision)
+            then += g.kept_bytes(decision.action.attention_only)
         if decision is not None and decision.action.whole:
             then = self._profile.whole_at[position].inputs
         if new_workload(now, then):
@@ -808,8 +800,7 @@ class BudgetController:
                 costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None,
                 attention=tuple(m.meter.attention) if m.meter is not None else None,
                 attention_calls=m.meter.attention_reached if m.meter is not None else None,
-                attention_s=m.meter.attention_s() if m.meter is not None and m.recompute_end is not None else None,
-                costly_each=tuple(m.meter.each) if m.meter is not None and m.recompute_end is not None else None))
+                attention_s=m.meter.attention_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = seconds(step.last_exit, touches[-1])

@@ -70,8 +70,6 @@ class GroupProfile:
     recomputation's time those ops took, which it does not spend again (``None``: not
     measured; no selective recomputation); ``attention``, ``attention_calls`` and
     ``attention_share``: the same of its fused attention calls alone (``RECOMPUTE_ATTENTION``'s);
-    ``costly_each``: per costly op its recomputation reaches, in forward order, the bytes of its
-    outputs and its seconds there (what ``RECOMPUTE_CHOSEN_OFFLOAD`` chooses among);
     ``min_move``: the least bytes a span needs to move
     (the offloader's ``min_offload_bytes``): inputs, or a kept output, under it stay, whatever
     the plan (its offloadable ``spans`` were measured past it already); ``dispatch_host_s``: the host's time for its forward
@@ -101,7 +99,6 @@ class GroupProfile:
     attention: tuple[int, ...] | None = None
     attention_share: float | None = None
     attention_calls: int | None = None
-    costly_each: tuple[tuple[int, float], ...] | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -117,11 +114,7 @@ class GroupProfile:
         return {}
 
     @cached_property
-    def _moved_selective_at(self) -> dict[GroupDecision, int]:
-        return {}
-
-    @cached_property
-    def _chosen_at(self) -> dict[float, tuple[frozenset[int], tuple[int, ...], float]]:
+    def _moved_selective_at(self) -> dict[tuple[float, bool], int]:
         return {}
 
     @cached_property  # what a simulation reads of it under a decision: see _row
@@ -136,59 +129,25 @@ class GroupProfile:
     def attention_bytes(self) -> int:
         return sum(self.attention or ())
 
-    def chosen(self, fraction: float) -> tuple[frozenset[int], tuple[int, ...], float]:
-        """What ``RECOMPUTE_CHOSEN_OFFLOAD`` keeps at ``fraction``: the costly ops (their places
-        in :attr:`costly_each`) whose outputs spare the recomputation the most seconds per byte,
-        each that fits within ``fraction`` of all their bytes (at least the first); their places,
-        the bytes of each, and the seconds they spare."""
-        known = self._chosen_at.get(fraction)
+    def kept_bytes(self, attention_only: bool) -> int:
+        """The outputs a selective recomputation keeps: its costly ops', or its attention's only."""
+        return self.attention_bytes if attention_only else self.costly_bytes
+
+    def kept_share(self, attention_only: bool) -> float | None:
+        """The share of its recomputation's time those ops took (``None``: not measured)."""
+        return self.attention_share if attention_only else self.costly_share
+
+    def moved_selective(self, fraction: float, attention_only: bool = False) -> int:
+        """Bytes a selective recomputation moves when moving up to ``fraction`` of what it keeps
+        (its costly outputs, or its attention's, and its inputs): the largest that fit, at least
+        the largest."""
+        known = self._moved_selective_at.get((fraction, attention_only))
         if known is None:
-            each = [(i, n, s) for i, (n, s) in enumerate(self.costly_each or ()) if n > 0]
-            cap = fraction * sum(n for _, n, _ in each)
-            places: list[int] = []
-            kept: list[int] = []
-            for i, n, s in sorted(each, key=lambda c: c[2] / c[1], reverse=True):
-                if not places or sum(kept) + n <= cap:
-                    places.append(i)
-                    kept.append(n)
-            spared = sum(s for i, _, s in each if i in places)
-            known = self._chosen_at[fraction] = (frozenset(places), tuple(kept), spared)
-        return known
-
-    def kept_outputs(self, d: GroupDecision) -> tuple[int, ...]:
-        """The bytes of each output a selective recomputation under ``d`` keeps: its costly
-        ops', its attention's only, or those ``d``'s fraction chose."""
-        if d.action.attention_only:
-            return self.attention or ()
-        if d.action is Action.RECOMPUTE_CHOSEN_OFFLOAD:
-            return self.chosen(d.fraction)[1]
-        return self.costly or ()
-
-    def kept_bytes(self, d: GroupDecision) -> int:
-        return sum(self.kept_outputs(d))
-
-    def kept_share(self, d: GroupDecision) -> float | None:
-        """The share of its recomputation's time the ops whose outputs ``d`` keeps took
-        (``None``: not measured)."""
-        if d.action.attention_only:
-            return self.attention_share
-        if d.action is Action.RECOMPUTE_CHOSEN_OFFLOAD:
-            if not self.costly_each:
-                return None
-            return min(self.chosen(d.fraction)[2] / _device_recompute(self), 1.0) if _device_recompute(self) > 0 else 0.0
-        return self.costly_share
-
-    def moved_selective(self, d: GroupDecision) -> int:
-        """Bytes a selective recomputation under ``d`` moves, moving up to its fraction of what it
-        keeps (its kept outputs and its inputs; all of them where the fraction chose what it keeps):
-        the largest that fit, at least the largest."""
-        known = self._moved_selective_at.get(d)
-        if known is None:
-            spans = tuple(sorted((n for n in self.kept_outputs(d) + ((self.inputs,) if self.inputs else ())
-                                  if n >= self.min_move), reverse=True))
-            fraction = 1.0 if d.action is Action.RECOMPUTE_CHOSEN_OFFLOAD else d.fraction
+            kept = (self.attention if attention_only else self.costly) or ()
+            spans = tuple(sorted((n for n in kept + ((self.inputs,) if self.inputs else ()) if n >= self.min_move),
+                                 reverse=True))
             cap = max(fraction * sum(spans), max(spans, default=0))
-            known = self._moved_selective_at[d] = sum(spans[i] for i in largest_within(spans, cap))
+            known = self._moved_selective_at[(fraction, attention_only)] = sum(spans[i] for i in largest_within(spans, cap))
         return known
 
     def moved(self, fraction: float) -> int:
@@ -214,7 +173,7 @@ def recompute_seconds(d: GroupDecision, g: GroupProfile) -> float:
     step's time is the same wherever the wait is counted)."""
     if not d.action.recomputes:
         return 0.0
-    share = g.kept_share(d) if d.action.selective else None
+    share = g.kept_share(d.action.attention_only) if d.action.selective else None
     if share is None:
         return recompute_time(g)
     seconds = recompute_time(g) if _host_paced(g) else _device_recompute(g) * (1.0 - share)
@@ -288,7 +247,7 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
     if d.action is Action.OFFLOAD:
         return g.moved(d.fraction)
     if d.action.moves_kept:
-        return g.moved_selective(d)
+        return g.moved_selective(d.fraction, d.action.attention_only)
     if d.action.moves_inputs:  # (as one span)
         return g.inputs if g.inputs and g.inputs >= g.min_move else 0
     return 0
@@ -322,8 +281,8 @@ def resident(d: GroupDecision, g: GroupProfile) -> int:
     if a is Action.RECOMPUTE or a is Action.RECOMPUTE_WHOLE:
         return g.inputs or 0
     if a.selective:
-        kept = (g.inputs or 0) + g.kept_bytes(d)
-        return kept - g.moved_selective(d) if a.moves_kept else kept
+        kept = (g.inputs or 0) + g.kept_bytes(a.attention_only)
+        return kept - g.moved_selective(d.fraction, a.attention_only) if a.moves_kept else kept
     return (g.inputs or 0) - moved(d, g) if a.moves_inputs else 0
 
 
@@ -409,7 +368,7 @@ def _row(p: GroupDecision, g: GroupProfile) -> _Row:
     # forward_extra was measured recomputed, where what the group saves was temporary:
     # saving it keeps those bytes (at least) alive until the group ends (a selective
     # recomputation: its costly ops' outputs)
-    kept = g.kept_bytes(p) if p.action.selective else 0
+    kept = g.kept_bytes(p.action.attention_only) if p.action.selective else 0
     forward = max(kept if recomputes else activations, g.forward_extra)
     # its activations are all back (reloaded or recomputed) while its backward runs
     backward = activations + g.backward_extra + (g.recompute_extra if recomputes else 0)
@@ -1456,8 +1415,7 @@ class MeasuredGroup:
     ``costly``, ``costly_s``, ``costly_calls``: the bytes of each of its costly ops' outputs in
     its forward (of those its recomputation reached), their time in its recomputation, and how
     many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered), and
-    ``attention``, ``attention_s``, ``attention_calls`` the same of its fused attention calls,
-    and ``costly_each`` each costly op's bytes and seconds;
+    ``attention``, ``attention_s``, ``attention_calls`` the same of its fused attention calls;
     ``min_move``: the offloader's ``min_offload_bytes``.
     """
 
@@ -1481,7 +1439,6 @@ class MeasuredGroup:
     attention: tuple[int, ...] | None = None
     attention_s: float | None = None
     attention_calls: int | None = None
-    costly_each: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -1526,7 +1483,6 @@ def profile_of(step: MeasuredStep) -> Profile:
                                     if m.recomputed and m.attention is not None else None),
                          attention_calls=m.attention_calls if m.recomputed else None,
                          attention_share=_share(m.attention_s, m.recompute_s) if m.recomputed else None,
-                         costly_each=m.costly_each if m.recomputed else None,
                          dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
                              and m.recompute_host_s is not None) else None)
@@ -1589,8 +1545,7 @@ def merged(a: Profile, b: Profile) -> Profile:
                            costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
                            attention=_larger(x.attention, y.attention),
                            attention_share=_least(x.attention_share, y.attention_share),
-                           attention_calls=x.attention_calls if x.attention is not None else y.attention_calls,
-                           costly_each=x.costly_each or y.costly_each)
+                           attention_calls=x.attention_calls if x.attention is not None else y.attention_calls)
                    for x, y in zip(a.groups, b.groups))
     return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
                    outside_extra=max(a.outside_extra, b.outside_extra))

@@ -148,7 +148,6 @@ class BudgetPlan(Plan):
         return Opening(recompute=recompute, release_inputs=recompute, selective=selective,
                        selective_calls=c.costly_calls(position, action.attention_only) if selective else None,
                        selective_attention=selective and action.attention_only,
-                       selective_chosen=c.chosen_calls(position, decision) if selective else None,
                        keep_all=action is Action.KEEP and not c.profiling,
                        guard_inputs=c.profiling or position in self._written)
 

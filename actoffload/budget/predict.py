@@ -79,8 +79,7 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         dispatch_host_s=scaled_times(g.dispatch_host_s, time),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
         recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly),
-        attention=None if g.attention is None else tuple(_up(n, f) for n in g.attention),
-        costly_each=None if g.costly_each is None else tuple((_up(n, f), s * time) for n, s in g.costly_each))
+        attention=None if g.attention is None else tuple(_up(n, f) for n in g.attention))
 
 
 def same_groups(a: Profile, b: Profile) -> bool:

@@ -26,8 +26,6 @@ from .tolerances import alike
 WINDOWS = (0, 1, 2)  # max_inflight
 PREFETCHES = (0, 1, 2)
 FRACTIONS = (0.5, 1.0)  # of a group's offloadable bytes, largest spans first
-# of a group's costly outputs' bytes, those sparing its recomputation the most time per byte first
-CHOSEN_FRACTIONS = (0.25, 0.5, 0.75)
 
 KEEP = GroupDecision(Action.KEEP)
 INSIDE = GroupDecision(Action.INSIDE)
@@ -89,8 +87,6 @@ def _alternatives(g: GroupProfile) -> list[GroupDecision]:
     if _attention_helps(g):
         out.append(_decision(Action.RECOMPUTE_ATTENTION))
         out += [_decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, f) for f in FRACTIONS]
-    if _chosen_helps(g):
-        out += [_decision(Action.RECOMPUTE_CHOSEN_OFFLOAD, f) for f in CHOSEN_FRACTIONS]
     return out
 
 
@@ -358,9 +354,7 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     groups' inputs offloaded; recompute the first k selectively, every group selectively
     with the first k recomputed in full, and every group selectively moving half of what it
     keeps, the first k all of it; recompute the first k keeping their attention's outputs, and
-    every group recomputed with the first k keeping their attention's and moving all they keep,
-    or keeping (moved) the costly outputs that spare the most per byte, up to a quarter, half or
-    three quarters of their bytes (also with the last group kept); where groups are the parts of modules, the first two with
+    every group recomputed with the first k keeping their attention's and moving all they keep; where groups are the parts of modules, the first two with
     those modules recomputed whole (the first k with their inputs moved out also with no copy
     out in flight: the least memory, module by module, which a search under one copy window
     finds no other way); and offload the first j groups whole while recomputing
@@ -408,17 +402,6 @@ def _families(profile: Profile) -> list[MemoryPlan]:
         moved = _decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, FRACTIONS[-1])
         for plans in zip(*_firsts(profile, everything, moved, attention, [(1, 1), (2, 2)])):
             out += plans
-    # every group recomputed, the first k keeping, moved out, the costly outputs that spare the most
-    # per byte: as much kept as a share of their bytes allows, which the bus may hide behind a forward
-    # (also with the last group kept: backward reaches it first, and its activations would be
-    # recomputed at once, at the same peak)
-    chosen = [i for i in recomputable if _chosen_helps(profile.groups[i])]
-    last_kept = everything[:-1] + (KEEP,)
-    for f in CHOSEN_FRACTIONS if chosen else ():
-        decision = _decision(Action.RECOMPUTE_CHOSEN_OFFLOAD, f)
-        (all_recomputed,) = _firsts(profile, everything, decision, chosen, [(1, 1)])
-        (kept_last,) = _firsts(profile, last_kept, decision, [i for i in chosen if i < n - 1], [(1, 1)])
-        out += all_recomputed + kept_last
     # modules recomputed whole: the first k (checkpointing k blocks by hand), also with their
     # inputs moved out (with a copy in flight, and without); and all of them, the first k's
     # inputs moved out
@@ -504,13 +487,6 @@ def _attention_helps(g: GroupProfile) -> bool:
     return g.inputs is not None and bool(g.attention) and bool(g.attention_share)
 
 
-def _chosen_helps(g: GroupProfile) -> bool:
-    """Whether a recomputation of ``g`` keeping a chosen few of its costly outputs can be costed:
-    each costly op was measured in its recomputation (bytes and seconds), more than one of them
-    (with one, it is keeping them all)."""
-    return g.inputs is not None and sum(1 for n, _ in g.costly_each or () if n > 0) > 1
-
-
 def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
     """The next decisions from group ``i`` on (a group never goes back to keeping more of its
     own; a move is taken only where it saves modelled memory, so a path ends), each as the
@@ -529,15 +505,19 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
                       or (a is Action.RECOMPUTE_SELECTIVE_OFFLOAD and fraction < 1.0)):
         out += [(_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f),) for f in FRACTIONS
                 if a is not Action.RECOMPUTE_SELECTIVE_OFFLOAD or f > fraction]
-    # (keeping the attention's outputs, or a chosen few, is no move of the paths: offered at every
-    # recomputed group, those five decisions doubled the search's time on the planning benchmark;
-    # the families and the improvement group by group reach them)
+    attention = _attention_helps(g)
+    if attention and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD):
+        out.append((_decision(Action.RECOMPUTE_ATTENTION),))
+    if attention and (a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
+                            Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE)
+                      or (a is Action.RECOMPUTE_ATTENTION_OFFLOAD and fraction < 1.0)):
+        out += [(_decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, f),) for f in FRACTIONS
+                if a is not Action.RECOMPUTE_ATTENTION_OFFLOAD or f > fraction]
     if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE,
                                       Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION):
-        out.append((_decision(Action.RECOMPUTE),))  # (a plan improved group by group may be anywhere)
+        out.append((_decision(Action.RECOMPUTE),))
     if g.inputs and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
-                          Action.RECOMPUTE, Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE_ATTENTION_OFFLOAD,
-                          Action.RECOMPUTE_CHOSEN_OFFLOAD):
+                          Action.RECOMPUTE, Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE_ATTENTION_OFFLOAD):
         out.append((_decision(Action.RECOMPUTE_OFFLOAD),))
     whole = profile.whole_at.get(i)
     if whole is not None:
