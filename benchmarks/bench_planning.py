@@ -21,8 +21,8 @@ from actoffload.budget.costmodel import GroupProfile, Profile, Whole
 
 def synthetic(n: int, parts: bool = False, seed: int = 0, selective: bool = False) -> Profile:
     """``n`` groups with a block's spans (a few large, some small), inputs, times and extras
-    (``selective``: and costly ops holding half the large spans' bytes, a third of the
-    recomputation's time)."""
+    (``selective``: and three costly ops holding seven eighths of the large span's bytes, half of
+    the recomputation's time, the smallest of them an attention taking a quarter)."""
     rng = random.Random(seed)
     groups = []
     for i in range(n):
@@ -32,8 +32,10 @@ def synthetic(n: int, parts: bool = False, seed: int = 0, selective: bool = Fals
         groups.append(GroupProfile(str(i), spans=spans, kept=1 << 16, inputs=16 << 20, forward_s=fwd,
                                    backward_s=2 * fwd, forward_extra=big, backward_extra=big // 2,
                                    grads=8 << 20, recompute_extra=big // 4, recompute_s=0.8 * fwd,
-                                   costly=(big // 2, big // 4) if selective else None,
-                                   costly_share=1 / 3 if selective else None))
+                                   costly=(big // 2, big // 4, big // 8) if selective else None,
+                                   costly_share=1 / 2 if selective else None,
+                                   attention=(big // 8,) if selective else None,
+                                   attention_share=1 / 4 if selective else None))
     wholes = tuple(Whole(i, 3, 16 << 20) for i in range(0, n - 2, 3)) if parts else ()
     return Profile(tuple(groups), base=8 << 30, outside_s=5e-3, d2h_bps=25e9, h2d_bps=25e9,
                    outside_extra=256 << 20, wholes=wholes)

@@ -505,14 +505,9 @@ def moves(profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[M
                       or (a is Action.RECOMPUTE_SELECTIVE_OFFLOAD and fraction < 1.0)):
         out += [(_decision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, f),) for f in FRACTIONS
                 if a is not Action.RECOMPUTE_SELECTIVE_OFFLOAD or f > fraction]
-    attention = _attention_helps(g)
-    if attention and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD):
-        out.append((_decision(Action.RECOMPUTE_ATTENTION),))
-    if attention and (a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_SELECTIVE_OFFLOAD,
-                            Action.RECOMPUTE_ATTENTION, Action.RECOMPUTE)
-                      or (a is Action.RECOMPUTE_ATTENTION_OFFLOAD and fraction < 1.0)):
-        out += [(_decision(Action.RECOMPUTE_ATTENTION_OFFLOAD, f),) for f in FRACTIONS
-                if a is not Action.RECOMPUTE_ATTENTION_OFFLOAD or f > fraction]
+    # (keeping the attention's outputs is no move of the paths: offered from every state on the
+    # way, its three decisions doubled the search's time on the planning benchmark; the families
+    # and the improvement group by group reach it, and a plan improved so may be anywhere)
     if g.inputs is not None and a in (Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE_SELECTIVE,
                                       Action.RECOMPUTE_SELECTIVE_OFFLOAD, Action.RECOMPUTE_ATTENTION):
         out.append((_decision(Action.RECOMPUTE),))
