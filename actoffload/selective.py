@@ -3,6 +3,10 @@
 (norms, activation functions, elementwise products) from them. The cheap ops hold a large
 share of what a transformer layer saves for a few percent of its time: recomputing them frees
 those bytes almost for nothing, where recomputing the whole layer costs its forward again.
+At long sequences the other way round pays too: the fused attention is the layer's costliest
+op while its outputs take what the layer's input does, so keeping only those
+(``attention_only``, a budget's ``recompute_attention``; :func:`attention_policy` for torch's
+own) spares most of a recomputation for about checkpointing's memory.
 
 :func:`contexts` gives the pair of contexts a group runs its checkpoint under (a memory
 budget's ``recompute_selective`` action); :class:`OpMeter` is what profiling measures of a

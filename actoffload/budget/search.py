@@ -354,8 +354,8 @@ def _families(profile: Profile) -> list[MemoryPlan]:
     groups' inputs offloaded; recompute the first k selectively, every group selectively
     with the first k recomputed in full, and every group selectively moving half of what it
     keeps, the first k all of it; recompute the first k keeping their attention's outputs, and
-    every group recomputed with the first k keeping their attention's and moving all they keep; where groups are the parts of modules, the first two with
-    those modules recomputed whole (the first k with their inputs moved out also with no copy
+    every group recomputed with the first k keeping their attention's and moving all they keep;
+    where groups are the parts of modules, the first two with those modules recomputed whole (the first k with their inputs moved out also with no copy
     out in flight: the least memory, module by module, which a search under one copy window
     finds no other way); and offload the first j groups whole while recomputing
     the others with their inputs offloaded. A family's plans run the same groups, and are
