@@ -192,6 +192,8 @@ class BudgetController:
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
+        # a first profiling step found to be another workload's (:meth:`take_displaced`)
+        self._displaced: tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None = None
         self._measured_steps: tuple[MeasuredStep, ...] = ()  # what the latest profile was made of
         self._pending_steps: list[MeasuredStep] = []
         self._step_start: Any = None
@@ -315,6 +317,20 @@ class BudgetController:
             self._adopt_measured(profile, profiled_peak)
         finally:
             self._beginning = beginning
+
+    def take_displaced(self) -> tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None:
+        """The first profiling step this controller measured and then let go, as another
+        workload's (its profile, its peak, its measured step), once; else ``None``."""
+        displaced, self._displaced = self._displaced, None
+        return displaced
+
+    def adopt_displaced(self, profile: Profile, profiled_peak: int | None, steps: tuple[MeasuredStep, ...]) -> None:
+        """Plan from a profiling step another workload's controller measured and let go (one of
+        this workload's steps that it took while profiling, then found to be another's): as from
+        this workload's own profiling, of one step. Should no plan fit, that is raised as this
+        workload's next step begins."""
+        self._measured_steps = steps
+        self._adopt_measured(profile, profiled_peak)
 
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
         self.predicted, self._explore = False, EXPLORE
@@ -768,6 +784,9 @@ class BudgetController:
                 profile = costmodel.merged(self._partial, profile)
                 peak = max(peak, self.profiled_peak or 0)
             else:  # the latest alone: its workload and base hold from now on
+                # the first was another base's (a micro-batch's that began with no gradients, say):
+                # kept for whoever keeps the workloads, to plan that one from it
+                self._displaced = (self._partial, self.profiled_peak, tuple(self._pending_steps[:-1]))
                 self._pending_steps = [measured]
             self._partial = None
         elif PROFILE_STEPS > 1:  # the first of the profiling steps
