@@ -54,9 +54,10 @@ COSTLY_OPS = ATTENTION_OPS | frozenset(getattr(torch.ops.aten, name) for name in
 class _Op(NamedTuple):
     """What is asked of every op a selective group's forward and recomputation run, worked out
     once per op overload from its schema: whether its outputs are kept (a costly op in
-    functional form; ``attention``: a fused attention kernel, all that some groups keep), where its dropout probability is (position, name; ``None``: it has none),
-    which arguments it writes in place (position, name), and whether an output may alias an
-    input (a view, ``detach``; ``_unsafe_view``, which says not, does)."""
+    functional form; ``attention``: a fused attention kernel, all that some groups keep), where
+    its dropout probability is (position, name; ``None``: it has none), which arguments it
+    writes in place (position, name), and whether an output may alias an input (a view,
+    ``detach``; ``_unsafe_view``, which says not, does)."""
 
     costly: bool
     attention: bool
@@ -413,9 +414,7 @@ class OpMeter:
 
     @property
     def attention(self) -> list[int]:
-        calls = zip(self._calls, self._attention)
-        reached = list(calls) if self.reached is None else list(calls)[:self.reached]
-        return [n for spans, attention in reached if attention for n in spans]
+        return [n for spans, attention in zip(self._calls[:self.reached], self._attention) if attention for n in spans]
 
     @property
     def attention_reached(self) -> int | None:

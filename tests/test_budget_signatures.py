@@ -295,22 +295,23 @@ def test_auto_on_the_cpu_is_a_share_of_the_machines_memory():
     assert [g["action"] for g in plans[-1]["groups"]] == ["keep"] * 4
 
 
-def test_accumulation_with_a_backward_per_micro_batch_has_two_bases_each_profiled_once(monkeypatch):
-    """zero_grad(set_to_none) then four micro-batches, each with its backward: the first begins
-    with no gradients allocated, the others with them (the base moves by their bytes). On a GPU
-    that re-profiled at every flip; now each base is a workload. The first micro-batch's step,
-    taken by the profiling of the next ones' and let go as another base's, plans its own
-    workload: two profiling steps in all. (The CPU reads no allocator: the probe here counts the
-    gradients as a GPU's would.)"""
+def _accumulation(monkeypatch, off, state_after_first=False, steps=5):
+    """``steps`` optimizer steps of four micro-batches, each with its backward, zero_grad(set_to_none)
+    before each, the blocks wrapped by ``off`` (``None``: plain). The CPU reads no allocator: the
+    probe here counts the gradients as a GPU's would, and, ``state_after_first``, an optimizer's
+    state from the second optimizer step on. Each micro-batch's plan state, and each optimizer
+    step's gradients."""
     from actoffload.budget.probe import Probe
 
     blocks = _blocks()
-    monkeypatch.setattr(Probe, "allocated", lambda self: sum(p.grad.nbytes for p in blocks.parameters()
-                                                             if p.grad is not None))
-    off = ao.Offloader(device="cpu", memory_budget="64MiB", min_offload_bytes=0)
-    states = []
-    with ao.wrap(blocks, off):
-        for step in range(5):
+    state = {"bytes": 0}
+    monkeypatch.setattr(Probe, "allocated", lambda self: state["bytes"] + sum(
+        p.grad.nbytes for p in blocks.parameters() if p.grad is not None))
+    states, grads = [], []
+    with contextlib.ExitStack() as stack:
+        if off is not None:
+            stack.enter_context(ao.wrap(blocks, off))
+        for step in range(steps):
             blocks.zero_grad(set_to_none=True)
             for k in range(4):
                 x = torch.randn(32, D, generator=torch.Generator().manual_seed(step * 4 + k), requires_grad=True)
@@ -318,7 +319,21 @@ def test_accumulation_with_a_backward_per_micro_batch_has_two_bases_each_profile
                 for b in blocks:
                     h = h + b(h)
                 h.square().sum().backward()
-                states.append(off.stats()["plan"]["state"])
+                states.append(off.stats()["plan"]["state"] if off is not None else None)
+            grads.append([p.grad.clone() for p in blocks.parameters()])
+            if state_after_first:
+                state["bytes"] = 2 * sum(p.nbytes for p in blocks.parameters())
+    return states, grads
+
+
+def test_accumulation_with_a_backward_per_micro_batch_has_two_bases_each_profiled_once(monkeypatch):
+    """zero_grad(set_to_none) then four micro-batches, each with its backward: the first begins
+    with no gradients allocated, the others with them (the base moves by their bytes). On a GPU
+    that re-profiled at every flip; now each base is a workload. The first micro-batch's step,
+    taken by the profiling of the next ones' and let go as another base's, plans its own
+    workload: two profiling steps in all."""
+    off = ao.Offloader(device="cpu", memory_budget="64MiB", min_offload_bytes=0)
+    states, _ = _accumulation(monkeypatch, off)
     assert len(off.plan.workloads.workloads) == 2
     assert states.count("profiling") == PROFILE_STEPS
     assert states[-8:] == ["settled"] * 8
@@ -330,33 +345,9 @@ def test_accumulation_with_optimizer_state_profiles_its_first_micro_batch_once_a
     next micro-batches' new workload and let go; its own workload is planned from that step, so
     it profiles once, not three times (what the loop sweep's accumulation showed on an H200), and
     every micro-batch from the third optimizer step on runs a plan; bitwise (R1)."""
-    from actoffload.budget.probe import Probe
-
-    def run(off):
-        blocks = _blocks()
-        state = {"bytes": 0}
-        monkeypatch.setattr(Probe, "allocated", lambda self: state["bytes"] + sum(
-            p.grad.nbytes for p in blocks.parameters() if p.grad is not None))
-        states, grads = [], []
-        with contextlib.ExitStack() as stack:
-            if off is not None:
-                stack.enter_context(ao.wrap(blocks, off))
-            for step in range(5):
-                blocks.zero_grad(set_to_none=True)
-                for k in range(4):
-                    x = torch.randn(32, D, generator=torch.Generator().manual_seed(step * 4 + k), requires_grad=True)
-                    h = x * 1
-                    for b in blocks:
-                        h = h + b(h)
-                    h.square().sum().backward()
-                    states.append(off.stats()["plan"]["state"] if off is not None else None)
-                grads.append([p.grad.clone() for p in blocks.parameters()])
-                state["bytes"] = 2 * sum(p.nbytes for p in blocks.parameters())  # the optimizer's state, from now on
-        return states, grads
-
-    _, expected = run(None)
+    _, expected = _accumulation(monkeypatch, None, state_after_first=True)
     off = ao.Offloader(device="cpu", memory_budget="64MiB", min_offload_bytes=0)
-    states, grads = run(off)
+    states, grads = _accumulation(monkeypatch, off, state_after_first=True)
     for a, b in zip(grads, expected):
         assert_bitwise(a, b)
     first = states[::4]  # each optimizer step's first micro-batch
