@@ -1,0 +1,109 @@
+"""Whether fast, recomputing every block whole with its inputs kept, runs as fast as torch's
+checkpoint around each block, on the loop sweep's decoder at three lengths (a diagnostic, not
+a test): the host's ms to issue a step and its full ms, median of ``--steps``, for no
+offloading, torch's checkpoint, fast keeping everything, fast recomputing every block whole,
+and fast recomputing every part; then torch's checkpoint, fast's whole blocks and fast keeping
+everything, five steps each, the host's part under cProfile (``--cprofile N`` functions, at
+``--profile-length``).
+
+    PYTHONPATH=.:benchmarks python benchmarks/whole_vs_checkpoint_probe.py [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+import actoffload as ao
+from actoffload.budget.actions import Action
+from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.tools import loop_sweep
+from actoffload.tools.models import block_parts
+from forced_llama import force_every_workload, loop_decoder
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cprofile", type=int, default=20)
+    p.add_argument("--profile-length", type=int, default=0, help="the length profiled (default: the full one)")
+    a = p.parse_args(argv)
+    w = loop_decoder(a.device, "whole_vs_checkpoint_probe")
+    device = w.device
+    lengths = [w.seq_len // 2, 3 * w.seq_len // 4, w.seq_len]
+    loop = loop_sweep._Loop(w, print)
+    loop_sweep._warm_up(loop, lengths)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(call, length: int, i: int) -> tuple[float, float]:
+        sync()
+        t0 = time.perf_counter()
+        w.loss(call, w.tokens(i, length)).backward()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        for q in w.model.parameters():
+            q.grad = None
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+    def timed(call, length: int) -> str:
+        runs = [step(call, length, i) for i in range(a.steps + 2)][2:]
+        return (f"host {statistics.median(r[0] for r in runs):6.1f} ms, full "
+                f"{statistics.median(r[1] for r in runs):6.1f} ms")
+
+    off = ao.Offloader(impl="fast", device=device, memory_budget=1 << 40)
+    handle = ao.wrap(w.blocks, off, parts=block_parts)
+    for length in lengths:  # a profile per length
+        for i in range(PROFILE_STEPS + 1):
+            step(loop_sweep._plain, length, i)
+    handle.remove()
+    for length in lengths:
+        print(f"length {length}:")
+        print(f"  no offloading          {timed(loop_sweep._plain, length)}")
+        print(f"  torch checkpoint       {timed(loop_sweep._checkpointed, length)}")
+        handle = ao.wrap(w.blocks, off, parts=block_parts)
+        for name, action in (("fast keep", Action.KEEP), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
+                             ("fast every part", Action.RECOMPUTE)):
+            force_every_workload(off, action)
+            print(f"  {name:22s} {timed(loop_sweep._plain, length)}")
+        handle.remove()
+    if a.cprofile:
+        length = a.profile_length or w.seq_len
+        for name, action in (("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
+                             ("fast keep", Action.KEEP)):
+            handle = ao.wrap(w.blocks, off, parts=block_parts) if action is not None else None
+            if action is not None:
+                force_every_workload(off, action)
+                step(loop_sweep._plain, length, 0)
+            call = loop_sweep._checkpointed if action is None else loop_sweep._plain
+            prof = cProfile.Profile()
+            sync()
+            prof.enable()  # the host's part only: it stops where backward() returns
+            for i in range(5):
+                w.loss(call, w.tokens(i, length)).backward()
+                for q in w.model.parameters():
+                    q.grad = None
+            prof.disable()
+            sync()
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+            stats.print_stats(a.cprofile)
+            stats.print_stats("actoffload|fast/|torch/cuda|autograd/graph", a.cprofile)  # the offloader's own
+            print(f"{name}, five steps at {length} under cProfile (the host's part):\n{out.getvalue()}")
+            if handle is not None:
+                handle.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
