@@ -33,8 +33,7 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     ``group.selective`` keeps its costly ops' outputs (its attention's only, where
     ``group.selective_attention``) and recomputes the rest
     (:func:`actoffload.selective.contexts`), each one stored by ``store``'s pack and unpack (the
-    group's own: it moves them as it moves its saves); a ``meter`` measures those ops in the first
-    recomputation (profiling).
+    group's own: it moves them as it moves its saves); a ``meter`` measures those ops (profiling).
 
     Checkpoint drops what the forward saved and recomputes it, so an in-place write to a
     saved tensor after its save would go unnoticed where autograd raises (R6): each save's
@@ -42,18 +41,14 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     write what it saves again).
     """
     seen: list[tuple[torch.Tensor, int, torch.Size]] = []
-    forward_modes: list[Any] = []
-    recomputing: list[Any] = []
+    modes = []
     if group.selective:
         keep, take = store if store is not None else (selective.same, selective.same)
-        forward_mode, recomputing_mode = selective.contexts(keep, take, group.selective_calls,
-                                                             group.selective_attention)
-        forward_modes.append(forward_mode)
-        recomputing.append(recomputing_mode)
-    if meter is not None:  # the recomputation only: the forward runs at its own pace
-        recomputing.append(meter.recomputation())
+        modes.append(selective.contexts(keep, take, group.selective_calls, group.selective_attention))
+    if meter is not None:
+        modes.append((meter.forward(), meter.recomputation()))
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes
-    guarded = _outside_modes(_guarded) if forward_modes else _guarded
+    guarded = _outside_modes(_guarded) if modes else _guarded
 
     if see is None:
         def saw(t: torch.Tensor) -> None:
@@ -63,6 +58,8 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
             see(t)
             seen.append(guarded(group, t))
 
+    recomputing = [r for _, r in modes]
+
     @contextlib.contextmanager
     def checked() -> Iterator[None]:
         for guard, version, shape in seen:
@@ -71,7 +68,7 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
         with recomputation(), _together(*recomputing):
             yield
 
-    return _together(_SeeingSaves(saw), *forward_modes), _EachTime(checked)
+    return _together(_SeeingSaves(saw), *(f for f, _ in modes)), _EachTime(checked)
 
 
 def _outside_modes(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -356,22 +356,17 @@ def contexts(keep: Callable[[torch.Tensor], Any] = same, take: Callable[[Any], t
 
 
 class OpMeter:
-    """What a profiled group's recomputation tells of a selective recomputation of it:
-    ``costly``, the bytes of each of its costly ops' outputs (distinct storages), which it would
-    hold until its backward (``costly_bytes``: their sum); and the time of those ops within the
-    recomputation (:meth:`costly_s`), which it would not spend again. Only the recomputation is
-    metered: a dispatch mode over the forward would slow the forward whose times profiling
-    measures (on an H200 the loop sweep's decoder ran its metered forward 16-25 ms slower, of
-    34 ms in all).
+    """What a profiled group's checkpointed forward and recomputation tell of a selective
+    recomputation of it: ``costly``, the bytes of each of its costly ops' outputs (distinct
+    storages), which it would hold until its backward (``costly_bytes``: their sum); and the
+    time of those ops within its recomputation (:meth:`costly_s`), which it would not spend again.
 
     A recomputation stops once the last tensor backward needs is back: the costly ops after
     that point (a layer's last projection, whose output only its caller reads) never run in
     it. ``reached`` is how many costly ops it ran (``None`` before a recomputation ran);
     ``costly`` counts only theirs, and a selective recomputation keeps only theirs
-    (:func:`contexts`' ``calls``). An output written in place after its op counts for nothing: a
-    selective recomputation would run that op again. (A write the forward makes past the
-    point where the recomputation stops is not seen: that output is counted, and run again.)
-    The first recomputation is metered; one of a graph kept for another backward adds nothing.
+    (:func:`contexts`' ``calls``). An output the forward wrote in place after its op counts for
+    nothing: a selective recomputation would run that op again.
 
     ``attention``, ``attention_reached`` and :meth:`attention_s`: the same of the fused attention
     calls among them alone, what a recomputation keeping only those would keep and skip.
@@ -382,31 +377,36 @@ class OpMeter:
     Example::
 
         meter = OpMeter(time.perf_counter, lambda a, b: b - a)
-        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False,
-                                              context_fn=lambda: (contextlib.nullcontext(), meter.recomputation()))
-        y.sum().backward()
+        with meter.forward():
+            y = layer(x)
+        with meter.recomputation():
+            layer(x)
         meter.costly_bytes, meter.costly_s()   # (each output's bytes: meter.costly)
     """
 
     def __init__(self, mark: Callable[[], Any] = time.perf_counter,
                  seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
         self._mark, self._seconds = mark, seconds
-        self._calls: list[list[int]] = []  # per costly op of the recomputation, in order: the bytes of each output it made
-        self._attention: list[bool] = []  # per costly op: whether it is a fused attention
+        self._calls: list[list[int]] = []  # per costly op of the forward, in order: the bytes of each output it made
+        self._attention: list[bool] = []  # per costly op of the forward: whether it is a fused attention
         self.reached: int | None = None
         # storage key -> a weak reference to it, which keeps the key from going to another storage
-        # once this one is freed (an output freed within the recomputation is still one a
-        # selective recomputation would keep)
+        # once this one is freed (an output freed within the forward is still one a selective
+        # recomputation would keep)
         self._storages: dict[int, Any] = {}
         self._storage_call: dict[int, int] = {}  # storage key -> the costly op (its index in _calls) that made it
         self._spans: list[tuple[Any, Any, bool]] = []  # marks around each costly op of the recomputation; attention?
 
+    def forward(self) -> TorchDispatchMode:
+        return _Counting(self)
+
     def recomputation(self) -> TorchDispatchMode:
-        return _Metering(self)
+        return _Timing(self)
 
     @property
     def costly(self) -> list[int]:
-        return [n for spans in self._calls for n in spans]
+        calls = self._calls if self.reached is None else self._calls[:self.reached]
+        return [n for spans in calls for n in spans]
 
     @property
     def costly_bytes(self) -> int:
@@ -414,11 +414,11 @@ class OpMeter:
 
     @property
     def attention(self) -> list[int]:
-        return [n for spans, attention in zip(self._calls, self._attention) if attention for n in spans]
+        return [n for spans, attention in zip(self._calls[:self.reached], self._attention) if attention for n in spans]
 
     @property
     def attention_reached(self) -> int | None:
-        return None if self.reached is None else sum(self._attention)
+        return None if self.reached is None else sum(self._attention[:self.reached])
 
     def costly_s(self) -> float:
         """Seconds the costly ops took in the recomputation (on CUDA: waits for them)."""
@@ -443,39 +443,46 @@ class OpMeter:
         self._calls.append(spans)
         self._attention.append(attention)
 
-    def _written(self, op: _Op, args: Any, kwargs: dict[str, Any]) -> None:
-        """An op writing in place into a costly op's output: a selective one would not keep it."""
-        for key in map(_storage, _written(op, args, kwargs)):
-            if key is not None and key in self._storage_call:
-                self._calls[self._storage_call[key]] = []
 
-
-class _Metering(TorchDispatchMode):
-    """The first recomputation: each costly op timed and its outputs counted (a second one, of a
-    graph kept for another backward, runs unmetered)."""
-
+class _Counting(TorchDispatchMode):
     def __init__(self, meter: OpMeter):
         super().__init__()
         self.meter = meter
-        self.counting = False  # the first recomputation: it counts what it makes
-
-    def __enter__(self) -> Any:
-        self.counting = self.meter.reached is None
-        if self.counting:  # a recomputation runs: it reaches none until it runs one
-            self.meter.reached = 0
-        return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         meter = self.meter
         op = _OPS.get(id(func)) or _op(func)
-        if self.counting and meter._storages and op.writes:
-            meter._written(op, args, kwargs)
-        if not self.counting or not _kept(op, args, kwargs):
-            return func(*args, **kwargs)
-        start = meter._mark()
+        if meter._storages and op.writes:
+            for key in map(_storage, _written(op, args, kwargs)):
+                if key is not None and key in meter._storage_call:  # written: a selective one would not keep it
+                    meter._calls[meter._storage_call[key]] = []
         out = func(*args, **kwargs)
-        meter._spans.append((start, meter._mark(), op.attention))
-        meter._count(out, op.attention)
-        meter.reached = len(meter._calls)
+        if op.costly and _kept(op, args, kwargs):
+            meter._count(out, op.attention)
+        return out
+
+
+class _Timing(TorchDispatchMode):
+    def __init__(self, meter: OpMeter):
+        super().__init__()
+        self.meter = meter
+        self.calls = 0  # costly ops this recomputation ran
+
+    def __enter__(self) -> Any:
+        self.calls = 0
+        if self.meter.reached is None:  # a recomputation runs: it reaches none until it runs one
+            self.meter.reached = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not keeps(func, args, kwargs):
+            return func(*args, **kwargs)
+        meter = self.meter
+        self.calls += 1
+        meter.reached = max(meter.reached or 0, self.calls)  # (set by __enter__; 'or' for the type check)
+        start = meter._mark()
+        out = func(*args, **(kwargs or {}))
+        meter._spans.append((start, meter._mark(), _op(func).attention))
         return out

@@ -3,7 +3,6 @@ keeps its costly ops' outputs (matmuls, attention) and runs only its other ops a
 stay bitwise (R1); profiling measures what the action keeps and skips; the model and the search
 cost it and choose it."""
 
-import contextlib
 import functools
 from dataclasses import replace
 
@@ -158,8 +157,7 @@ def test_only_the_costly_outputs_the_recomputation_reaches_are_kept():
     block = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
     x = torch.randn(ROWS, D, requires_grad=True)
     meter = selective.OpMeter()
-    y = cp.checkpoint(block, x, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), meter.recomputation()))
+    y = cp.checkpoint(block, x, use_reentrant=False, context_fn=lambda: (meter.forward(), meter.recomputation()))
     y.sum().backward()
     assert (meter.reached, meter.costly) == (1, [ROWS * H * 4])
     expected = x.grad.clone()
@@ -175,7 +173,7 @@ def test_only_the_costly_outputs_the_recomputation_reaches_are_kept():
 def test_the_op_meter_counts_a_freed_and_reused_address_as_another_output():
     a = torch.randn(32, 32)
     meter = selective.OpMeter()
-    with meter.recomputation():
+    with meter.forward():
         for _ in range(3):
             y = a @ a  # each output freed before the next is made: it may reuse the address
             del y
@@ -217,20 +215,19 @@ def test_a_selective_recomputation_moves_its_largest_kept_outputs_first():
     assert costmodel.recompute_seconds(whole, g) == pytest.approx(0.8 * 0.5)
 
 
-def test_profile_of_takes_the_costly_figures_and_the_dispatch_times_from_the_metered_recomputation():
-    def measured(costly, costly_s, host_s, recompute_host_s):
+def test_profile_of_takes_the_costly_figures_and_the_dispatch_times_of_the_metered_step():
+    def measured(costly, costly_s, host_s):
         m = costmodel.MeasuredGroup(recomputed=True, forward_s=1.0, backward_s=3.0, recompute_s=0.5, moved=100,
                                     spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
-                                    recompute_peak=0, host_s=host_s, recompute_host_s=recompute_host_s,
+                                    recompute_peak=0, host_s=host_s, recompute_host_s=host_s / 2,
                                     costly=costly, costly_s=costly_s)
         return costmodel.profile_of(costmodel.MeasuredStep(0, (m,), 0.0, 0, 1e9, 1e9))
 
-    # the recomputation was metered (every op through a dispatch mode): its host time stands for a
-    # selective one's, and for a selective forward's where longer than the plain forward's own
-    g = measured((300, 100), 0.4, 0.3, 0.9).groups[0]
-    assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.9))
-    assert measured((300, 100), 0.4, 1.2, 0.9).groups[0].dispatch_host_s == (1.2, 0.9)
-    assert measured(None, None, 0.3, 0.2).groups[0].dispatch_host_s is None  # not metered
+    # metered: every op went through a dispatch mode, whose host times stand for a selective one's
+    metered, plain = measured((300, 100), 0.4, 0.9), measured(None, None, 0.3)
+    g = metered.groups[0]
+    assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
+    assert plain.groups[0].dispatch_host_s is None
 
 
 def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
@@ -551,8 +548,7 @@ def test_a_recomputation_that_runs_no_costly_op_keeps_none():
         return torch.tanh(x) @ w  # backward needs tanh(x) and w: the recomputation stops before the matmul
 
     meter = selective.OpMeter()
-    cp.checkpoint(f, x, use_reentrant=False,
-                  context_fn=lambda: (contextlib.nullcontext(), meter.recomputation())).sum().backward()
+    cp.checkpoint(f, x, use_reentrant=False, context_fn=lambda: (meter.forward(), meter.recomputation())).sum().backward()
     assert (meter.reached, meter.costly) == (0, [])
     modes = selective.contexts(calls=meter.reached)
     cp.checkpoint(f, x, use_reentrant=False, context_fn=lambda: modes).sum().backward()

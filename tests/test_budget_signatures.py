@@ -410,3 +410,36 @@ def test_a_predicted_workload_searches_only_the_copy_window_its_source_settled_o
     families = {(0, 0), (1, 1), (2, 2)}
     assert {(p.max_inflight, p.prefetch) for p in predicted.plans} <= {window} | families
     assert len(predicted.plans) < len(source.plans)
+
+
+def test_a_profiling_step_whose_forward_raised_is_not_the_profile():
+    """A forward that raises in a group, caught: the next step's groups join its step (no
+    backward began between them), which then measures no step of the workload. It is dropped,
+    the next profiles, and the one after runs a plan made of one whole step's groups."""
+
+    class Raising(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.armed = inner, True
+
+        def forward(self, h):
+            out = self.inner(h)
+            if self.armed:
+                self.armed = False
+                raise ValueError("the forward fails once")
+            return out
+
+    blocks = _blocks()
+    blocks[1] = Raising(blocks[1])
+    off = ao.Offloader(device="cpu", memory_budget=1 << 30, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        with pytest.raises(ValueError):
+            _step(blocks, 64)
+        states = []
+        for step in range(PROFILE_STEPS + 3):
+            _step(blocks, 64, step)
+            states.append(off.stats()["plan"]["state"])
+    assert states[:PROFILE_STEPS + 1] == ["profiling"] * (PROFILE_STEPS + 1)
+    assert "profiling" not in states[PROFILE_STEPS + 1:]
+    groups = off.stats()["plan"]["profile"]["groups"]
+    assert len(groups) == 4 and all(g["reached"] for g in groups)

@@ -12,13 +12,13 @@ the first group opened after a backward pass began. The controller is a state ma
   moved out, every other group moved out whole, copies synchronous). Meanwhile it measures
   each group's compute time, the host's time for its forward (on CUDA: a forward that keeps
   the device waiting recomputes at the host's pace too), and its recomputation in backward
-  (which stops once the last saved tensor is back, so it costs less than the forward; its
-  costly ops metered there, not in the forward, whose time would run long), the bytes it
-  would save, and the most memory its forward, its backward and its recomputation in
-  backward allocate beyond them. The cost model turns that into a profile
-  (:func:`~.costmodel.profile_of`). One step: it also pins host memory and grows the
-  allocator's pools, which lengthens some forwards, but a second profiling step chose the
-  same plan (docs/budgets.md, "Profiling"), and the plans' measured steps correct the model.
+  (which stops once the last saved tensor is back, so it costs less than the forward), its
+  costly ops (metered in its forward and recomputation), the bytes it would save, and the
+  most memory its forward, its backward and its recomputation in backward allocate beyond
+  them. The cost model turns that into a profile (:func:`~.costmodel.profile_of`). One step:
+  it also pins host memory, grows the allocator's pools and meters ops, which lengthens some
+  forwards, but a second profiling step made little difference to the plans chosen
+  (docs/budgets.md, "Profiling"), and the plans' measured steps correct the model.
 - **exploring**: among the search's candidates, the fastest whose peak fits runs:
   measured for a plan that ran, modelled (plus the margin) for the others. Each step's
   measured peak is compared with the budget; an overshoot widens the margin of every plan
@@ -67,7 +67,7 @@ from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
 from .tolerances import TIE, alike, base_tolerance, least_margin, new_workload, off_model, overshoot_margin
 
-PROFILE_STEPS = 1  # a second chose the same plan; the plans' own steps correct the model
+PROFILE_STEPS = 1  # a second changed little; the plans' own steps correct the model
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
@@ -123,8 +123,8 @@ class _Group:
     host_end: float | None = None
     recompute_host_start: float | None = None
     recompute_host_end: float | None = None
-    # its costly ops (what a selective recomputation keeps): metered in its recomputation, not in
-    # its forward, whose time the profile takes (metering ops costs host time)
+    # its costly ops (what a selective recomputation keeps): metered in its forward and its
+    # recomputation alike (a compiled region inside runs the same way in both only so)
     meter: OpMeter | None = None
     min_move: int = 0  # the offloader's min_offload_bytes
 
@@ -139,6 +139,7 @@ class _Step:
     last_touch: int | None = None
     last_exit: Any = None
     backward_end: Any = None
+    failed: bool = False  # a group's forward raised: the step is no measure of the workload
     outside_peak: int = 0
     wholes: list[Whole] = field(default_factory=list)  # modules whose parts were its groups
     open_whole: Whole | None = None  # such a module's forward is running
@@ -584,7 +585,9 @@ class BudgetController:
         step = self._step
         return step.groups[position].meter if step is not None and position < len(step.groups) else None
 
-    def group_closing(self, position: int) -> None:
+    def group_closing(self, position: int, failed: bool = False) -> None:
+        if self._step is not None and failed:
+            self._step.failed = True
         if self._step is not None and position < len(self._step.groups):
             m = self._step.groups[position]
             m.end = self._step.last_exit = self._probe.mark()
@@ -759,8 +762,10 @@ class BudgetController:
             # rather than profiling for ever; a budget under that peak is too small.
             step.outside_peak = max(step.outside_peak, self._probe.peak())
         peak = _profiled_peak(step)
-        if any(m.end is None for m in step.groups):
-            return  # a group never closed: profile again
+        if step.failed or step.backward_end is None or any(m.end is None for m in step.groups):
+            # a group's forward raised (the groups after it, the next forward's, would be
+            # profiled with it as one step), no backward pass ran, or a group never closed
+            return  # profile again
         measured = self._measured_step(step, end)
         self._measured_steps = (measured,)
         self._adopt_measured(costmodel.profile_of(measured), peak if self._probe.cuda else None)
@@ -775,9 +780,6 @@ class BudgetController:
         groups = []
         for i, m in enumerate(step.groups):
             after = touches[i - 1] if i > 0 and touches[i - 1] is not None else (step.backward_end or end)
-            # its costly ops are metered in its recomputation: none that never ran (nor one that
-            # did not finish) says what a selective one would keep
-            meter = m.meter if m.meter is not None and m.meter.reached is not None and m.recompute_end is not None else None
             groups.append(MeasuredGroup(
                 recomputed=m.recomputed, forward_s=seconds(m.start, m.end),
                 backward_s=seconds(m.touched, after) if m.touched is not None else None,
@@ -787,12 +789,12 @@ class BudgetController:
                 backward_peak=m.backward_peak, recompute_peak=m.recompute_peak,
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
                                                                                      m.recompute_host_end),
-                costly=tuple(meter.costly) if meter is not None else None,
-                costly_calls=meter.reached if meter is not None else None, min_move=m.min_move,
-                costly_s=meter.costly_s() if meter is not None else None,
-                attention=tuple(meter.attention) if meter is not None else None,
-                attention_calls=meter.attention_reached if meter is not None else None,
-                attention_s=meter.attention_s() if meter is not None else None))
+                costly=tuple(m.meter.costly) if m.meter is not None else None,
+                costly_calls=m.meter.reached if m.meter is not None else None, min_move=m.min_move,
+                costly_s=m.meter.costly_s() if m.meter is not None and m.recompute_end is not None else None,
+                attention=tuple(m.meter.attention) if m.meter is not None else None,
+                attention_calls=m.meter.attention_reached if m.meter is not None else None,
+                attention_s=m.meter.attention_s() if m.meter is not None and m.recompute_end is not None else None))
         outside = 0.0
         if step.last_exit is not None and touches[-1] is not None:
             outside = seconds(step.last_exit, touches[-1])

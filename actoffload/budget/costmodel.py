@@ -73,11 +73,9 @@ class GroupProfile:
     ``min_move``: the least bytes a span needs to move
     (the offloader's ``min_offload_bytes``): inputs, or a kept output, under it stay, whatever
     the plan (its offloadable ``spans`` were measured past it already); ``dispatch_host_s``: the host's time for its forward
-    and for its recomputation while every op went through a dispatch mode in Python, as a
-    selective recomputation's do (``None`` where the host is the device, or not measured).
-    Profiling meters the recomputation only (a forward under a dispatch mode would run long):
-    the forward's is taken to be the longer of its own and the metered recomputation's, which
-    runs the forward's ops again (up to the last save it needs).
+    and for its recomputation while every op went through a dispatch mode in Python (the
+    metered profiling step), as a selective recomputation's do (``None`` where the host is the
+    device, or not measured).
     """
 
     name: str
@@ -1485,7 +1483,7 @@ def profile_of(step: MeasuredStep) -> Profile:
                                     if m.recomputed and m.attention is not None else None),
                          attention_calls=m.attention_calls if m.recomputed else None,
                          attention_share=_share(m.attention_s, m.recompute_s) if m.recomputed else None,
-                         dispatch_host_s=(max(m.host_s, m.recompute_host_s), m.recompute_host_s) if (
+                         dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
                              and m.recompute_host_s is not None) else None)
         # profiling moved every input, small ones too (guarded: docs/budgets.md); plans then move as min_move says
