@@ -16,7 +16,7 @@ from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Whole, host_bytes, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
-from actoffload.budget.tolerances import base_tolerance, least_margin
+from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -730,10 +730,9 @@ def test_controller_a_forced_plan_recomputes_modules_whole_only_as_their_parts_a
 
 def test_controller_reports_what_the_allocator_held_at_the_step_peak():
     """What the caching allocator reserved at most in the latest step is reported beside the
-    allocated peak (on a GPU), and so is the reserve measured from their difference (the cache
-    grew by more than the base tolerance, 1% of the budget)."""
+    allocated peak (on a GPU), and so is the reserve measured from their difference."""
     probe = FakeProbe()
-    c = _controller(4 << 30, probe=probe)
+    c = _controller(1 << 40, probe=probe)
     probe.peak_bytes, probe.cached_bytes = BASE + 100 * MiB, 30 * MiB
     _run(c, 3, lambda p: p.step_s)
     s = c.stats()
@@ -789,27 +788,6 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert not reserve.step_ended(probe, budget, allocated_peak=800 * MiB, reserved_peak=900 * MiB)
     assert reserve.bytes == 150 * MiB  # not 490 MiB of the evaluation's idle blocks
     assert reserve.trims_by == {"first": 1, "grown between steps": 1}
-
-
-def test_allocator_reserve_counts_no_sliver_a_short_step_adds_to_a_long_steps_cache():
-    """A short step on the cache a long one built, growing it by no more than the base tolerance,
-    says its cache served it: its reserved less its allocated peak is the long step's idle blocks,
-    not what a plan adds (on an H200, 8.92 GiB counted so ruled out most plans). Growing it by
-    more, it is measured as any step that grew the cache."""
-    probe = FakeProbe()
-    reserve = AllocatorReserve()
-    budget = 10_000 * MiB  # base tolerance: 100 MiB
-    reserve.step_begins(probe, budget)  # the first: a clean cache
-    assert reserve.step_ended(probe, budget, allocated_peak=8000 * MiB, reserved_peak=8200 * MiB)
-    assert reserve.bytes == 200 * MiB
-    probe.reserved_bytes = 8200 * MiB  # the long step's cache
-    reserve.step_begins(probe, budget)
-    assert not reserve.step_ended(probe, budget, allocated_peak=2000 * MiB, reserved_peak=8210 * MiB)
-    assert reserve.bytes == 200 * MiB and reserve.cache_grew  # (it did grow it: its first step is not its pace)
-    probe.reserved_bytes = 8210 * MiB
-    reserve.step_begins(probe, budget)
-    assert reserve.step_ended(probe, budget, allocated_peak=2000 * MiB, reserved_peak=8500 * MiB)
-    assert reserve.bytes == 6500 * MiB
 
 
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
@@ -984,10 +962,9 @@ def _grow_shared_reserve(probe: FakeProbe, reserve: AllocatorReserve, budget: in
                          allocated: int | None = None) -> None:
     """Another workload's step, beginning with ``at`` bytes reserved (default: the cache as it
     stands), grows the cache by ``by`` bytes beyond that, allocating ``allocated`` bytes at most
-    (default: ``at``). It begins on a cache the base tolerance smaller, so that it grows it by more
-    than a sliver (which says nothing: :class:`AllocatorReserve`)."""
+    (default: ``at``)."""
     at = probe.reserved_bytes if at is None else at
-    probe.reserved_bytes = at - base_tolerance(budget)
+    probe.reserved_bytes = at
     reserve.step_begins(probe, budget)
     assert reserve.step_ended(probe, budget, allocated_peak=at if allocated is None else allocated, reserved_peak=at + by)
     probe.reserved_bytes = at + by

@@ -8,12 +8,7 @@ step's requests could not reuse (freed blocks of other sizes, split blocks too s
 That difference is measured, not modelled: after a step whose reserved peak grew beyond what
 was reserved when it began (its cache did not serve it), its reserved peak less its allocated
 peak. The most seen is the **reserve**, added to every plan's peak before it is judged against
-the budget. A step its cache served says nothing new, nor does one that grew it by no more
-than the base tolerance (a sliver: a short step on the cache a long one built, whose reserved
-less its allocated peak is mostly the long one's idle blocks; on an H200 a 512-token step of
-the loop sweep's decoder grew a 2048-token step's 12.12 GiB cache by a few MiB, and counted
-8.92 GiB of it as what every plan would add, ruling out keeping more than a fifth at 1536
-tokens under no offloading's own peak). The cache a training loop builds over its
+the budget. A step its cache served says nothing new. The cache a training loop builds over its
 first steps serves the steps after (a cache warmed by every length serves them all), so it is
 kept: emptying it would make the next steps build it again, each growing it its own way.
 
@@ -102,8 +97,8 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
-        if reserved_peak <= self._start + base_tolerance(budget) or reserved_peak - allocated_peak <= self.bytes:
-            return False  # its cache served it (but a sliver), or it adds nothing
+        if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
+            return False  # its cache served it, or it adds nothing
         self.bytes = reserved_peak - allocated_peak
         return True
 
