@@ -294,7 +294,7 @@ class Engine(Generic[GroupT, MovedT]):
         if self._prefetches:
             group.end_seq = compat.sequence_nr()
         if group.state is not GroupState.INERT and "closing" in self._asks:
-            self.plan.closing(group, failed)
+            self.plan.closing(group)
         if failed:
             # Never committed; it stays with its graph and is freed with it (R8).
             group.state = GroupState.ABORTED

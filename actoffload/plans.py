@@ -138,9 +138,8 @@ class Plan:
         """``group`` (hooked) was opened as :meth:`opening` said; a plan may keep state in
         ``group.plan_state``."""
 
-    def closing(self, group: Group, failed: bool = False) -> None:
-        """``group``'s forward is over (before its commit; ``failed``: it raised, and the group
-        will never commit)."""
+    def closing(self, group: Group) -> None:
+        """``group``'s forward is over (before its commit)."""
 
     def move_at_most(self, group: Group) -> int | None:
         """Bytes ``group`` may move at its commit, largest spans first (``None``: no limit)."""

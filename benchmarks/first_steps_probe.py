@@ -24,6 +24,8 @@ import time
 import torch
 
 import actoffload as ao
+from actoffload.budget import controller as controller_module
+from actoffload.budget import costmodel, search
 from actoffload.tools import loop_sweep
 from actoffload.tools.models import block_parts
 from forced_llama import loop_decoder
@@ -66,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-gib", type=float, default=9.92, help="the budget (default: the loop sweep's halfway)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cprofile", type=int, default=25, help="functions listed per profiled step (0: none)")
+    p.add_argument("--no-meter", action="store_true", help="profiling meters no costly op (what metering costs)")
+    p.add_argument("--compare", action="store_true",
+                   help="after the steps: each profiling step's times, and the plan each alone would choose")
     a = p.parse_args(argv)
+    if a.no_meter:
+        controller_module.OpMeter = lambda *args: None  # type: ignore[assignment,misc]
     w = loop_decoder(a.device, "first_steps_probe")
     device = w.device
     loop = loop_sweep._Loop(w, print)
@@ -109,8 +116,37 @@ def main(argv: list[str] | None = None) -> int:
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(a.cprofile)
             print(out.getvalue())
+    if a.compare:
+        _compare(off.plan.controller, int(a.budget_gib * (1 << 30)))
     handle.remove()
     return 0
+
+
+def _compare(c: controller_module.BudgetController, budget: int) -> None:
+    """Each profiling step's summed group times, and the plan chosen from the first alone, from
+    the second alone and from both (as profiling merges them), each timed by the merged model."""
+    steps = c.profiling_steps
+    if len(steps) < 2:
+        print(f"compare: {len(steps)} profiling step(s) behind the profile; nothing to compare")
+        return
+    for name in ("forward_s", "backward_s", "recompute_s", "host_s"):
+        sums = [sum(getattr(g, name) or 0.0 for g in s.groups) * 1e3 for s in steps]
+        print(f"profiling steps, {name} summed over groups, ms: " + " / ".join(f"{x:.1f}" for x in sums))
+    first, second = (costmodel.profile_of(s) for s in steps[:2])
+    both = costmodel.merged(first, second)
+    limit = budget - c.reserve.bytes - controller_module.least_margin(budget)
+    for label, profile in (("first alone", first), ("second alone", second), ("both", both)):
+        try:
+            plan = search.choose(profile, limit)
+        except search.BudgetTooSmall as e:
+            print(f"{label}: {e}")
+            continue
+        peak, seconds = costmodel.simulate(both, plan.groups, plan.max_inflight, plan.prefetch)
+        counts: dict[str, int] = {}
+        for d in plan.groups:
+            counts[d.action.value] = counts.get(d.action.value, 0) + 1
+        print(f"{label}: modelled by it {plan.step_s * 1e3:.1f} ms, by both {seconds * 1e3:.1f} ms, peak "
+              f"{peak / 2**30:.2f} GiB, window {plan.max_inflight}/{plan.prefetch}, {counts}")
 
 
 if __name__ == "__main__":

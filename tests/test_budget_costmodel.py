@@ -13,7 +13,7 @@ from actoffload import policy
 from actoffload.budget import costmodel
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.costmodel import (GroupProfile, MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole,
-                                         calibrated, profile_of, profiled_plan, simulate)
+                                         calibrated, merged, profile_of, profiled_plan, same_workload, simulate)
 from actoffload.budget.search import choose
 from actoffload.spans import largest_within
 
@@ -106,6 +106,45 @@ def test_costmodel_a_group_backward_never_reached_costs_twice_its_forward():
     unreached = replace(step.groups[2], forward_s=50e-3, backward_s=None)
     g = profile_of(replace(step, groups=step.groups[:2] + (unreached,))).groups[2]
     assert not g.reached and g.backward_s == pytest.approx(2 * 50e-3 - 32 * MiB / 1e9)  # less its reload
+
+
+def test_costmodel_two_profiling_steps_merge_to_the_faster_time_and_the_larger_memory():
+    """The first profiling step also pins host memory: its times run long, its peaks do not lie."""
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=3e-3, backward_s=2e-3,
+                     forward_extra=16 * MiB, backward_extra=8 * MiB, recompute_extra=MiB, recompute_s=5e-4,
+                     host_s=6e-3)
+    h = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=4e-3,
+                     forward_extra=12 * MiB, backward_extra=10 * MiB, recompute_extra=2 * MiB, recompute_s=7e-4,
+                     host_s=2e-3)
+    first = Profile((g,), base=100 * MiB, outside_s=2e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=8 * MiB)
+    second = Profile((h,), base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9, outside_extra=4 * MiB)
+    m = merged(first, second).groups[0]
+    assert (m.forward_s, m.backward_s, m.recompute_s, m.host_s) == (1e-3, 2e-3, 5e-4, 2e-3)
+    assert (m.forward_extra, m.backward_extra, m.recompute_extra) == (16 * MiB, 10 * MiB, 2 * MiB)
+    assert merged(first, second).outside_s == 1e-3 and merged(first, second).outside_extra == 8 * MiB
+
+
+def test_costmodel_two_profiling_steps_judge_the_hosts_pace_within_one_step():
+    # the faster forward's step gives the host time too: the least of each, from two steps,
+    # would call a device-paced group host-paced
+    g = GroupProfile("g", spans=(MiB,), kept=0, inputs=MiB, forward_s=1e-3, backward_s=1e-3, host_s=0.5e-3)
+    h = replace(g, forward_s=3e-3, host_s=0.2e-3)
+    for a, b in ((g, h), (h, g)):
+        p = Profile((a,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        q = Profile((b,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        m = merged(p, q).groups[0]
+        assert (m.forward_s, m.host_s) == (1e-3, 0.5e-3)
+
+
+def test_costmodel_profiles_are_merged_only_for_one_workload_on_one_base():
+    g = GroupProfile("g", spans=(64 * MiB,), kept=0, inputs=8 * MiB, forward_s=1e-3, backward_s=2e-3)
+    a = Profile((g,) * 2, base=100 * MiB, outside_s=1e-3, d2h_bps=20e9, h2d_bps=20e9)
+    assert same_workload(a, a, MiB)
+    slightly = replace(a, groups=(replace(g, spans=(66 * MiB,)),) * 2)  # a batch 3% larger
+    assert same_workload(a, slightly, MiB)
+    assert not same_workload(a, replace(a, groups=(replace(g, spans=(80 * MiB,)),) * 2), MiB)
+    # gradients kept from the first step: in its backward, and in the second's base
+    assert not same_workload(a, replace(a, base=164 * MiB), MiB)
 
 
 def _four() -> Profile:

@@ -215,7 +215,7 @@ def test_a_selective_recomputation_moves_its_largest_kept_outputs_first():
     assert costmodel.recompute_seconds(whole, g) == pytest.approx(0.8 * 0.5)
 
 
-def test_profile_of_takes_the_costly_figures_and_the_dispatch_times_of_the_metered_step():
+def test_profile_of_takes_the_costly_figures_and_merged_keeps_the_metered_steps():
     def measured(costly, costly_s, host_s):
         m = costmodel.MeasuredGroup(recomputed=True, forward_s=1.0, backward_s=3.0, recompute_s=0.5, moved=100,
                                     spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
@@ -228,6 +228,9 @@ def test_profile_of_takes_the_costly_figures_and_the_dispatch_times_of_the_meter
     g = metered.groups[0]
     assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
     assert plain.groups[0].dispatch_host_s is None
+    for a, b in ((metered, plain), (plain, metered)):
+        g = costmodel.merged(a, b).groups[0]
+        assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
 
 
 def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():

@@ -5,20 +5,17 @@ work (a group opens or closes, is committed, is reached by backward). A step beg
 the first group opened after a backward pass began. The controller is a state machine
 (:class:`State`):
 
-- **profiling** (the first step, and again when the workload changes: a step of another
-  sequence length that cannot be predicted, or another step of this one beginning on another
-  base): the least-memory plan the offloader can run without knowing anything
-  (:func:`~.costmodel.profiling_decision`: every wrapped module recomputed with its inputs
-  moved out, every other group moved out whole, copies synchronous). Meanwhile it measures
-  each group's compute time, the host's time for its forward (on CUDA: a forward that keeps
-  the device waiting recomputes at the host's pace too), and its recomputation in backward
-  (which stops once the last saved tensor is back, so it costs less than the forward), its
-  costly ops (metered in its forward and recomputation), the bytes it would save, and the
-  most memory its forward, its backward and its recomputation in backward allocate beyond
-  them. The cost model turns that into a profile (:func:`~.costmodel.profile_of`). One step:
-  it also pins host memory, grows the allocator's pools and meters ops, which lengthens some
-  forwards, but a second profiling step made little difference to the plans chosen
-  (docs/budgets.md, "Profiling"), and the plans' measured steps correct the model.
+- **profiling** (the first two steps, and again when the workload changes: another
+  sequence length, or what is allocated when the step begins): the least-memory plan
+  the offloader can run without knowing anything (:func:`~.costmodel.profiling_decision`:
+  every wrapped module recomputed with its inputs moved out, every other group moved out
+  whole, copies synchronous). Meanwhile it measures each group's compute time (the faster
+  of the two steps: the first also pins host memory and grows the allocator's pools), the
+  host's time for its forward (on CUDA: a forward that keeps the device waiting recomputes
+  at the host's pace too), and its recomputation in backward (which stops once the last
+  saved tensor is back, so it costs less than the forward), the bytes it would save, and
+  the most memory its forward, its backward and its recomputation in backward allocate
+  beyond them. The cost model turns that into a profile (:func:`~.costmodel.profile_of`).
 - **exploring**: among the search's candidates, the fastest whose peak fits runs:
   measured for a plan that ran, modelled (plus the margin) for the others. Each step's
   measured peak is compared with the budget; an overshoot widens the margin of every plan
@@ -67,7 +64,7 @@ from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
 from .tolerances import TIE, alike, base_tolerance, least_margin, new_workload, off_model, overshoot_margin
 
-PROFILE_STEPS = 1  # a second changed little; the plans' own steps correct the model
+PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
@@ -123,8 +120,8 @@ class _Group:
     host_end: float | None = None
     recompute_host_start: float | None = None
     recompute_host_end: float | None = None
-    # its costly ops (what a selective recomputation keeps): metered in its forward and its
-    # recomputation alike (a compiled region inside runs the same way in both only so)
+    # its costly ops (what a selective recomputation keeps): measured in the first of the
+    # profiling steps only, whose times run long anyway (metering ops costs host time)
     meter: OpMeter | None = None
     min_move: int = 0  # the offloader's min_offload_bytes
 
@@ -139,7 +136,6 @@ class _Step:
     last_touch: int | None = None
     last_exit: Any = None
     backward_end: Any = None
-    failed: bool = False  # a group's forward raised: the step is no measure of the workload
     outside_peak: int = 0
     wholes: list[Whole] = field(default_factory=list)  # modules whose parts were its groups
     open_whole: Whole | None = None  # such a module's forward is running
@@ -195,7 +191,11 @@ class BudgetController:
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (its first: see _at_its_pace)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
+        self._partial: Profile | None = None  # the first profiling step's, until the next is done
+        # a first profiling step found to be another workload's (:meth:`take_displaced`)
+        self._displaced: tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None = None
         self._measured_steps: tuple[MeasuredStep, ...] = ()  # what the latest profile was made of
+        self._pending_steps: list[MeasuredStep] = []
         self._step_start: Any = None
         self._step_number = 0
         self._step_key: PlanKey | None = None  # the plan the latest step began with (None: profiling)
@@ -280,8 +280,7 @@ class BudgetController:
 
     @property
     def profiling_steps(self) -> tuple[MeasuredStep, ...]:
-        """What the profiling step behind the current profile measured (one; none where the
-        profile was predicted or adopted)."""
+        """What the profiling steps behind the current profile measured, oldest first."""
         return self._measured_steps
 
     def measured_plans(self) -> list[Measured]:
@@ -310,14 +309,28 @@ class BudgetController:
 
     # ------------------------------------------------------------------ what it is told
     def adopt_profile(self, profile: Profile, profiled_peak: int | None = None) -> None:
-        """Plan from ``profile`` as if a profiling step had just measured it (``profiled_peak``:
-        the peak it measured, bytes, by which the profiled plan is then judged). What the
+        """Plan from ``profile`` as if profiling steps had just measured it (``profiled_peak``:
+        the peak they measured, bytes, by which the profiled plan is then judged). What the
         end of profiling does; a driver with a profile of its own (a test) calls it."""
         beginning, self._beginning = self._beginning, True  # the caller's: it may hear that no plan fits
         try:
             self._adopt_measured(profile, profiled_peak)
         finally:
             self._beginning = beginning
+
+    def take_displaced(self) -> tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None:
+        """The first profiling step this controller measured and then let go, as another
+        workload's (its profile, its peak, its measured step), once; else ``None``."""
+        displaced, self._displaced = self._displaced, None
+        return displaced
+
+    def adopt_displaced(self, profile: Profile, profiled_peak: int | None, steps: tuple[MeasuredStep, ...]) -> None:
+        """Plan from a profiling step another workload's controller measured and let go (one of
+        this workload's steps that it took while profiling, then found to be another's): as from
+        this workload's own profiling, of one step. Should no plan fit, that is raised as this
+        workload's next step begins."""
+        self._measured_steps = steps
+        self._adopt_measured(profile, profiled_peak)
 
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
         self.predicted, self._explore = False, EXPLORE
@@ -362,7 +375,7 @@ class BudgetController:
         return True
 
     def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None) -> None:
-        self._step = None
+        self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
@@ -555,7 +568,7 @@ class BudgetController:
         i = self._position
         self._position += parts or 1
         if self._step is not None:
-            meter = OpMeter(self._probe.mark, self._probe.seconds) if recomputable else None
+            meter = OpMeter(self._probe.mark, self._probe.seconds) if recomputable and self._partial is None else None
             self._step.groups.append(_Group(recomputed=recomputable, start=self._probe.mark(),
                                             allocated_at_start=self._probe.allocated(),
                                             host_start=self._probe.host_clock(), meter=meter))
@@ -585,9 +598,7 @@ class BudgetController:
         step = self._step
         return step.groups[position].meter if step is not None and position < len(step.groups) else None
 
-    def group_closing(self, position: int, failed: bool = False) -> None:
-        if self._step is not None and failed:
-            self._step.failed = True
+    def group_closing(self, position: int) -> None:
         if self._step is not None and position < len(self._step.groups):
             m = self._step.groups[position]
             m.end = self._step.last_exit = self._probe.mark()
@@ -762,13 +773,27 @@ class BudgetController:
             # rather than profiling for ever; a budget under that peak is too small.
             step.outside_peak = max(step.outside_peak, self._probe.peak())
         peak = _profiled_peak(step)
-        if step.failed or step.backward_end is None or any(m.end is None for m in step.groups):
-            # a group's forward raised (the groups after it, the next forward's, would be
-            # profiled with it as one step), no backward pass ran, or a group never closed
-            return  # profile again
+        if any(m.end is None for m in step.groups):
+            self._partial, self._pending_steps = None, []  # profile again
+            return
         measured = self._measured_step(step, end)
-        self._measured_steps = (measured,)
-        self._adopt_measured(costmodel.profile_of(measured), peak if self._probe.cuda else None)
+        profile = costmodel.profile_of(measured)
+        self._pending_steps.append(measured)
+        if self._partial is not None:
+            if costmodel.same_workload(self._partial, profile, base_tolerance(self._budget)):
+                profile = costmodel.merged(self._partial, profile)
+                peak = max(peak, self.profiled_peak or 0)
+            else:  # the latest alone: its workload and base hold from now on
+                # the first was another base's (a micro-batch's that began with no gradients, say):
+                # kept for whoever keeps the workloads, to plan that one from it
+                self._displaced = (self._partial, self.profiled_peak, tuple(self._pending_steps[:-1]))
+                self._pending_steps = [measured]
+            self._partial = None
+        elif PROFILE_STEPS > 1:  # the first of the profiling steps
+            self._partial, self.profiled_peak = profile, peak
+            return
+        self._measured_steps, self._pending_steps = tuple(self._pending_steps), []
+        self._adopt_measured(profile, peak if self._probe.cuda else None)
 
     def _measured_step(self, step: _Step, end: Any) -> MeasuredStep:
         """What one profiling step's marks say, in seconds and bytes."""

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..spans import largest_within
 from .actions import Action, GroupDecision
-from .tolerances import HOST_PACED, off_model
+from .tolerances import HOST_PACED, new_workload, off_model
 
 
 @dataclass(frozen=True)
@@ -1504,6 +1504,51 @@ def _share(part: float | None, whole: float | None) -> float | None:
     if part is None or whole is None:
         return None
     return min(part / whole, 1.0) if whole > 0 else 0.0
+
+
+def same_workload(a: Profile, b: Profile, base_tolerance: int) -> bool:
+    """Two profiling steps saw one workload: the same groups saving about the same bytes
+    (no :func:`~.tolerances.new_workload` apart), on about the same base (within
+    ``base_tolerance``: gradients kept from the first step would otherwise count in its
+    backward and in the second's base)."""
+    if len(a.groups) != len(b.groups) or abs(a.base - b.base) > base_tolerance or a.wholes != b.wholes:
+        return False
+    for x, y in zip(a.groups, b.groups):
+        if (x.inputs is None) != (y.inputs is None) or new_workload(y.offloadable + y.kept, x.offloadable + x.kept):
+            return False
+    return True
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _larger(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return b if a is None else a if b is None else max(a, b, key=sum)
+
+
+def merged(a: Profile, b: Profile) -> Profile:
+    """Two profiling steps of one workload: the faster time and the larger memory of each (the
+    first also pins host memory and grows the allocator's pools: its times run long, its peaks
+    do not lie). Whether the host set a group's pace is judged within one step: the host time
+    goes with the faster forward's. The costly ops are metered in one of the two (the first):
+    their figures come from it, their share of a recomputation applied to the faster one."""
+    groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
+                           recompute_s=_least(x.recompute_s, y.recompute_s),
+                           host_s=x.host_s if x.forward_s < y.forward_s else y.host_s,
+                           forward_extra=max(x.forward_extra, y.forward_extra),
+                           backward_extra=max(x.backward_extra, y.backward_extra),
+                           recompute_extra=max(x.recompute_extra, y.recompute_extra),
+                           reached=x.reached or y.reached,
+                           costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
+                           dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
+                           costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
+                           attention=_larger(x.attention, y.attention),
+                           attention_share=_least(x.attention_share, y.attention_share),
+                           attention_calls=x.attention_calls if x.attention is not None else y.attention_calls)
+                   for x, y in zip(a.groups, b.groups))
+    return replace(b, groups=groups, outside_s=min(a.outside_s, b.outside_s),
+                   outside_extra=max(a.outside_extra, b.outside_extra))
 
 
 # ---------------------------------------------------------------- agreeing with a measured step

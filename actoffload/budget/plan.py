@@ -158,8 +158,8 @@ class BudgetPlan(Plan):
     def opened(self, group: Group) -> None:
         group.plan_state, self._opening = self._opening, None
 
-    def closing(self, group: Group, failed: bool = False) -> None:
-        group.plan_state.controller.group_closing(group.plan_state.position, failed)
+    def closing(self, group: Group) -> None:
+        group.plan_state.controller.group_closing(group.plan_state.position)
 
     def move_at_most(self, group: Group) -> int | None:
         planned = group.plan_state

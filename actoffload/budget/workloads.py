@@ -156,6 +156,9 @@ class Workloads:
             return
         self._open = False
         e.controller.finish_step()  # a profile finished now lets the next workload be predicted
+        displaced = e.controller.take_displaced()
+        if displaced is not None:
+            self._seed(e.signature, *displaced)
         if e.predicted_from is not None and not e.controller.predicted:  # its bytes were off: profiled
             e.predicted_from = None
         n, c = e.controller.step_groups, e.controller
@@ -169,6 +172,18 @@ class Workloads:
             # more (or fewer) groups than its plan: another workload (an evaluation forward with
             # gradients before the backward, a micro-batch more), planned apart by its signature
             c.undo_replan(self._state_before)
+
+    def _seed(self, signature: Signature, profile: Any, peak: int | None, steps: tuple[Any, ...]) -> None:
+        """A workload of ``signature`` on the base of a step another one took while profiling and
+        then let go (the first micro-batch of an optimizer step, which begins with no gradients,
+        taken by the next micro-batches' workload): planned from that step, so that its next step
+        runs a plan rather than profiling again from the start. Not where one on that base is kept."""
+        tolerance = base_tolerance(self.budget)
+        if any(e.signature == signature and e.base_matches(profile.base, tolerance) for e in self._entries):
+            return
+        entry = Workload(signature, self._controller(), len(profile.groups), profile.base)
+        self._entries.insert(0, entry)  # the least recently used: its step came before the current one's
+        entry.controller.adopt_displaced(profile, peak, steps)
 
     def _forget(self) -> None:
         while len(self._recent) > 4 * self.capacity:

@@ -552,7 +552,7 @@ def _warm_up(loop: _Loop, lengths: list[int]) -> None:
             for call in (_plain, _checkpointed):
                 w.loss(call, w.tokens(0, n)).backward()
     with loop.method(Method("warm-up", budget=WARM_UP_BUDGET)):
-        for _ in range(2):  # its profiling step (every kind of copy, the bus measured), then a plan
+        for _ in range(2):  # its profiling steps: every kind of copy, and the bus measured
             w.loss(_plain, w.tokens(0, max(lengths))).backward()
     sync(loop.device)
 
