@@ -885,7 +885,7 @@ class Simulation:
     def peak_after(self, ch: Change, keep: bool = False) -> int:
         """The modelled peak of the plan after ``ch`` (``keep``: its checkpoints kept on ``ch``,
         for a change likely taken: :meth:`after` needs them)."""
-        checkpoints = self._checkpoints_after(ch)
+        checkpoints = ch.checkpoints or self._checkpoints_after(ch)
         if keep:
             ch.checkpoints = checkpoints
         forward, loss, end, backward = checkpoints
@@ -922,7 +922,7 @@ class Simulation:
     def step_after(self, ch: Change, keep: bool = False) -> float:
         """The modelled step time of the plan after ``ch`` (``keep``: what :meth:`after` needs
         of its replay kept on ``ch``, for a change likely taken)."""
-        replay = self._replay(ch, keep)
+        replay = ch.replay or self._replay(ch, keep)
         if keep:
             ch.replay = replay
         return replay.step_s
