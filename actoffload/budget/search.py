@@ -158,6 +158,15 @@ class _Shared:
         self._plans: dict[tuple[int, int, tuple[int, ...]], int] = {}  # (plan, group, move): the plan after
         self._scores: dict[tuple[int, ...], float] = {}
         self.runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run (:class:`~.costmodel.Simulation`)
+        self._moves: dict[tuple[int, GroupDecision], list[Move]] = {}
+
+    def moves(self, profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
+        """:func:`moves`, made once per group and decision (they depend on nothing else)."""
+        key = (i, groups[i])
+        known = self._moves.get(key)
+        if known is None:
+            known = self._moves[key] = moves(profile, groups, i)
+        return known
 
     def plan_after(self, plan: int, i: int, move: Move) -> int:
         """The plan taking ``move`` at group ``i`` leads to (plans are numbered as reached)."""
@@ -262,6 +271,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     path: list[MemoryPlan] = []
     standing = _Standing(len(profile.groups))
     enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
+    next_moves = (shared or _Shared()).moves
 
     def key_of(i: int, move: Move, change: Change) -> _Key | None:
         """Where the move's score is shared (:func:`_key`): the windows of the plan and of the
@@ -280,7 +290,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     def find(i: int) -> None:
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
-        for m in moves(profile, sim.groups, i):
+        for m in next_moves(profile, sim.groups, i):
             change = sim.change(i, m)
             key = key_of(i, m, change)
             known = shared.known(key) if shared is not None and key is not None else None
