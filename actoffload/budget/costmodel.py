@@ -891,6 +891,23 @@ class Simulation:
         forward, loss, end, backward = checkpoints
         return _most(backward, _most(forward, max(self.profile.base, loss, end)))
 
+    def peak_floor(self, i: int, parts: int = 1) -> int:
+        """The most bytes at the checkpoints no change of groups ``i .. i + parts - 1`` moves:
+        the peak of the plan after any such change is at least this, found at no cost.
+
+        Forward, the checkpoints before the change count only the groups before it; backward,
+        those below it do too (its bytes are freed there, its gradients the same whatever it
+        does), where the sources held in flight at the end of forward stay those of groups after
+        it (``max_inflight`` of them move after it)."""
+        a = self._run_of[i]
+        if not a:
+            return _NONE
+        floor = int(self._forward_bytes.before[a - 1])
+        movers, w = self._movers, self.max_inflight
+        if len(movers) - bisect_left(movers, self._run_of[i + parts - 1] + 1) >= w:
+            floor = max(floor, int(self._backward_bytes.before[a - 1]))
+        return floor
+
     def least_step_after(self, ch: Change) -> float:
         """A step time the plan after ``ch`` cannot beat, costing next to nothing: compute's
         clock goes through every forward and backward (and, without a copy window, waits for

@@ -120,6 +120,8 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
             for d in _alternatives(g):
                 if d == sim.groups[i]:
                     continue
+                if sim.peak_floor(i) > limit:
+                    break  # the peak stands over the limit where the group changes nothing
                 change = sim.change(i, (d,))
                 # its peak first, then a bound of its time, before the time itself (the costly part;
                 # not kept: few tries are taken, and taking one replays it, kept)
@@ -291,6 +293,8 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
         for m in next_moves(profile, sim.groups, i):
+            if sim.peak_floor(i, len(m)) >= sim.peak:
+                continue  # the peak stands where the move changes nothing: it saves nothing
             change = sim.change(i, m)
             key = key_of(i, m, change)
             known = shared.known(key) if shared is not None and key is not None else None
