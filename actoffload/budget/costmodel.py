@@ -885,11 +885,28 @@ class Simulation:
     def peak_after(self, ch: Change, keep: bool = False) -> int:
         """The modelled peak of the plan after ``ch`` (``keep``: its checkpoints kept on ``ch``,
         for a change likely taken: :meth:`after` needs them)."""
-        checkpoints = self._checkpoints_after(ch)
+        checkpoints = ch.checkpoints or self._checkpoints_after(ch)
         if keep:
             ch.checkpoints = checkpoints
         forward, loss, end, backward = checkpoints
         return _most(backward, _most(forward, max(self.profile.base, loss, end)))
+
+    def peak_floor(self, i: int, parts: int = 1) -> int:
+        """The most bytes at the checkpoints no change of groups ``i .. i + parts - 1`` moves:
+        the peak of the plan after any such change is at least this, found at no cost.
+
+        Forward, the checkpoints before the change count only the groups before it; backward,
+        those below it do too (its bytes are freed there, its gradients the same whatever it
+        does), where the sources held in flight at the end of forward stay those of groups after
+        it (``max_inflight`` of them move after it)."""
+        a = self._run_of[i]
+        if not a:
+            return _NONE
+        floor = int(self._forward_bytes.before[a - 1])
+        movers, w = self._movers, self.max_inflight
+        if len(movers) - bisect_left(movers, self._run_of[i + parts - 1] + 1) >= w:
+            floor = max(floor, int(self._backward_bytes.before[a - 1]))
+        return floor
 
     def least_step_after(self, ch: Change) -> float:
         """A step time the plan after ``ch`` cannot beat, costing next to nothing: compute's
@@ -922,7 +939,7 @@ class Simulation:
     def step_after(self, ch: Change, keep: bool = False) -> float:
         """The modelled step time of the plan after ``ch`` (``keep``: what :meth:`after` needs
         of its replay kept on ``ch``, for a change likely taken)."""
-        replay = self._replay(ch, keep)
+        replay = ch.replay or self._replay(ch, keep)
         if keep:
             ch.replay = replay
         return replay.step_s

@@ -108,20 +108,29 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
         plan = improved_within(profile, fastest_within_budget, budget - reserve)
     """
     sim = Simulation(profile, plan.groups, plan.max_inflight, plan.prefetch)
+    # a group all of whose decisions were tried against the plan as it stands, none taken, would
+    # take none again: it is passed over until the plan changes (version: the changes so far)
+    version, settled = 0, {}
     for _ in range(sweeps):
         changed = False
         for i, g in enumerate(profile.groups):
-            if sim.groups[i].action.whole or sim.groups[i].action is Action.INSIDE:
+            if sim.groups[i].action.whole or sim.groups[i].action is Action.INSIDE or settled.get(i) == version:
                 continue
+            before = version
             for d in _alternatives(g):
                 if d == sim.groups[i]:
                     continue
+                if sim.peak_floor(i) > limit:
+                    break  # the peak stands over the limit where the group changes nothing
                 change = sim.change(i, (d,))
-                # its peak first, then a bound of its time, before the time itself (the costly part)
+                # its peak first, then a bound of its time, before the time itself (the costly part;
+                # not kept: few tries are taken, and taking one replays it, kept)
                 if (sim.peak_after(change, keep=True) > limit or sim.least_step_after(change) >= sim.step_s
-                        or sim.step_after(change, keep=True) >= sim.step_s):
+                        or sim.step_after(change) >= sim.step_s):
                     continue
-                sim, changed = sim.after(change), True
+                sim, changed, version = sim.after(change), True, version + 1
+            if version == before:
+                settled[i] = version
         if not changed:
             break
     return sim.plan()
@@ -151,6 +160,15 @@ class _Shared:
         self._plans: dict[tuple[int, int, tuple[int, ...]], int] = {}  # (plan, group, move): the plan after
         self._scores: dict[tuple[int, ...], float] = {}
         self.runs: dict[tuple[int, ...], tuple] = {}  # changes' groups as run (:class:`~.costmodel.Simulation`)
+        self._moves: dict[tuple[int, GroupDecision], list[Move]] = {}
+
+    def moves(self, profile: Profile, groups: tuple[GroupDecision, ...], i: int) -> list[Move]:
+        """:func:`moves`, made once per group and decision (they depend on nothing else)."""
+        key = (i, groups[i])
+        known = self._moves.get(key)
+        if known is None:
+            known = self._moves[key] = moves(profile, groups, i)
+        return known
 
     def plan_after(self, plan: int, i: int, move: Move) -> int:
         """The plan taking ``move`` at group ``i`` leads to (plans are numbered as reached)."""
@@ -255,6 +273,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     path: list[MemoryPlan] = []
     standing = _Standing(len(profile.groups))
     enclosing = {j: m.first for m in profile.wholes for j in range(m.first, m.first + m.parts)}
+    next_moves = (shared or _Shared()).moves
 
     def key_of(i: int, move: Move, change: Change) -> _Key | None:
         """Where the move's score is shared (:func:`_key`): the windows of the plan and of the
@@ -264,8 +283,8 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
         movers, after = sim.movers, sim.movers_after(change)
         return _key(plan, i, move, (min(w, movers), pf if movers else 0, min(w, after), pf if after else 0))
 
-    def saved_by(change: Change, likely_taken: bool = False) -> int:
-        return sim.peak - sim.peak_after(change, keep=likely_taken)
+    def saved_by(change: Change) -> int:
+        return sim.peak - sim.peak_after(change, keep=True)  # (kept: no cost, and taking it needs them)
 
     def bound(change: Change, saved: int) -> float:
         return saved / max(sim.least_step_after(change) - sim.step_s, 1e-9)
@@ -273,7 +292,9 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     def find(i: int) -> None:
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
-        for m in moves(profile, sim.groups, i):
+        for m in next_moves(profile, sim.groups, i):
+            if sim.peak_floor(i, len(m)) >= sim.peak:
+                continue  # the peak stands where the move changes nothing: it saves nothing
             change = sim.change(i, m)
             key = key_of(i, m, change)
             known = shared.known(key) if shared is not None and key is not None else None
@@ -286,7 +307,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
                 if shared is not None and key is not None:
                     shared.keep(key, 0.0)
                 continue
-            standing.add(bound(change, saved), i, m, partial(exact, sim, change, saved, key))
+            standing.add(bound(change, saved), i, m, partial(exact, sim, change, saved, key, (i, m)))
 
     def rescored(i: int, move: Move, change: Change) -> float | None:
         """The score at the current plan of the move just taken from the standing (its time
@@ -296,23 +317,38 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
         known = shared.known(key) if shared is not None and key is not None else None
         if known is not None:
             return known
-        saved = saved_by(change, likely_taken=True)
+        saved = saved_by(change)
         if saved <= 0:
             return exact(sim, change, saved, key)
         if standing:
             least = bound(change, saved)
             if least < standing.best:
-                standing.add(least, i, move, partial(exact, sim, change, saved, key))
+                standing.add(least, i, move, partial(exact, sim, change, saved, key, (i, move)))
                 return None
         return exact(sim, change, saved, key, keep=True)
 
-    def exact(base: Simulation, change: Change, saved: int, key: _Key | None, keep: bool = False) -> float:
+    # the move scored last against the plan the path stands at, as (group, move, change): where it
+    # comes first and is taken there, its change (checkpoints and replay kept) is taken as it is
+    scored_here: list[tuple[int, Move, Change]] = []
+
+    def exact(base: Simulation, change: Change, saved: int, key: _Key | None, at: tuple[int, Move] | None = None,
+              keep: bool = False) -> float:
         """A move's score against the plan it was found at (``base``; ``key``: where shared;
-        ``keep``: its replay kept, for a move likely taken); 0 where it saves nothing."""
-        found = saved / max(base.step_after(change, keep) - base.step_s, 1e-9) if saved > 0 else 0.0
+        ``keep``: its replay kept, for a move likely taken, as one found at the plan the path
+        stands at, ``at``, is where it comes first); 0 where it saves nothing."""
+        here = at is not None and base is sim
+        found = (saved / max(base.step_after(change, keep or here) - base.step_s, 1e-9)) if saved > 0 else 0.0
+        if here:
+            scored_here[:] = [(*at, change)]  # type: ignore[misc]
         if shared is not None and key is not None:
             shared.keep(key, found)
         return found
+
+    def change_at(i: int, move: Move) -> Change:
+        """The change taking ``move`` at group ``i`` of the plan the path stands at."""
+        if scored_here and scored_here[0][0] == i and scored_here[0][1] is move:
+            return scored_here[0][2]
+        return sim.change(i, move)
 
     def every_move() -> None:
         for i in range(len(profile.groups)):
@@ -321,7 +357,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     every_move()
     while standing:
         i, move = standing.pop()
-        change = sim.change(i, move)
+        change = change_at(i, move)
         s = rescored(i, move, change)
         if s is None:
             continue
@@ -332,6 +368,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
                 every_move()
             continue
         sim = sim.after(change)
+        scored_here.clear()
         path.append(sim.plan())
         if shared is not None:
             plan = shared.plan_after(plan, i, move)
