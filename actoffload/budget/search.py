@@ -110,7 +110,8 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
     sim = Simulation(profile, plan.groups, plan.max_inflight, plan.prefetch)
     # a group all of whose decisions were tried against the plan as it stands, none taken, would
     # take none again: it is passed over until the plan changes (version: the changes so far)
-    version, settled = 0, {}
+    version = 0
+    settled: dict[int, int] = {}  # group -> the version it was tried at, none taken
     for _ in range(sweeps):
         changed = False
         for i, g in enumerate(profile.groups):
