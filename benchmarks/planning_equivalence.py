@@ -21,9 +21,7 @@ small corpus, a minute or so.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
-import gzip
 import hashlib
 import json
 import os
@@ -36,12 +34,13 @@ from typing import Any, Callable, Iterator
 import actoffload
 from actoffload.budget import search
 from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Whole
-from actoffload.tools.provenance import read_results
+from actoffload.tools.provenance import read_results, write_results
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_planning import synthetic  # noqa: E402  (beside this file)
+from settle_replay import profile_of  # noqa: E402
 
 Case = tuple[str, Callable[[], Profile]]
 
@@ -134,9 +133,6 @@ def _identical(seed: int) -> Profile:
                    h2d_bps=bus, outside_extra=64 * MiB, wholes=wholes)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(GroupProfile)}
-
-
 def _recorded(every: int) -> Iterator[Case]:
     """Every ``every``-th distinct profile in the recorded budget and loop sweeps."""
     root = os.path.join(HERE, "results")
@@ -163,22 +159,12 @@ def _recorded(every: int) -> Iterator[Case]:
                 continue
             seen.add(key)
             try:  # (an early result's profile may lack fields a profile now has)
-                profile = _profile_of(d)
+                profile = profile_of(d)
             except (TypeError, KeyError):
                 continue
             k += 1
             if k % every == 0:
                 yield f"recorded-{k}", (lambda profile=profile: profile)
-
-
-def _profile_of(d: dict[str, Any]) -> Profile:
-    groups = []
-    for g in d["groups"]:
-        g = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k in _FIELDS}
-        groups.append(GroupProfile(**g))
-    wholes = tuple(Whole(*w) if isinstance(w, list) else Whole(**w) for w in d.get("wholes", ()))
-    return Profile(tuple(groups), d["base"], d["outside_s"], d["d2h_bps"], d["h2d_bps"], d.get("outside_extra", 0),
-                   wholes)
 
 
 def corpus(quick: bool, every: int) -> Iterator[Case]:
@@ -198,14 +184,13 @@ def dump(path: str, quick: bool, every: int) -> int:
     start, out = time.perf_counter(), {}
     for name, make in corpus(quick, every):
         out[name] = measured(make())
-    with gzip.open(path, "wt") as f:
-        json.dump({"tree": os.path.dirname(actoffload.__path__[0]), "cases": out}, f)
+    write_results(path, {"tree": os.path.dirname(actoffload.__path__[0]), "cases": out})
     print(f"{len(out)} profiles in {time.perf_counter() - start:.0f} s: {path}")
     return 0
 
 
 def compare(a_path: str, b_path: str) -> int:
-    a, b = (json.load(gzip.open(p, "rt"))["cases"] for p in (a_path, b_path))
+    a, b = (read_results(p)["cases"] for p in (a_path, b_path))
     if a.keys() != b.keys():
         print(f"the corpora differ: {len(a)} and {len(b)} profiles; dump both with the same options")
         return 2

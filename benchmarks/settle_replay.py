@@ -21,6 +21,7 @@ calibrated by its own steps, so the first plans a replay chooses may differ from
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -92,17 +93,21 @@ class ReplayProbe:
         return self.pinned
 
 
+_GROUP_FIELDS = {f.name for f in dataclasses.fields(GroupProfile)}
+
+
 def profile_of(stats: dict[str, Any]) -> Profile:
-    """The :class:`Profile` a cell's ``stats()["plan"]["profile"]`` describes."""
+    """The :class:`Profile` a cell's ``stats()["plan"]["profile"]`` describes, as any committed
+    result recorded one: its lists as tuples, its modules of parts as mappings or as lists, a field
+    the profile no longer has left out (one it has since gained and the record lacks raises
+    ``TypeError``)."""
     groups = []
     for g in stats["groups"]:
-        g = dict(g)
-        for key in ("spans", "costly", "dispatch_host_s"):
-            if g.get(key) is not None:
-                g[key] = tuple(g[key])
+        g = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k in _GROUP_FIELDS}
         groups.append(GroupProfile(**g))
+    wholes = tuple(Whole(*w) if isinstance(w, list) else Whole(**w) for w in stats.get("wholes", ()))
     return Profile(tuple(groups), stats["base"], stats["outside_s"], stats["d2h_bps"], stats["h2d_bps"],
-                   stats["outside_extra"], tuple(Whole(**w) for w in stats["wholes"]))
+                   stats.get("outside_extra", 0), wholes)
 
 
 def replaying(cell: dict[str, Any], asynchronous: bool = True) -> tuple[BudgetController, ReplayProbe]:

@@ -1,10 +1,11 @@
 """benchmarks/planning_equivalence.py, the check that a planner change kept every plan and
 choice: a dump says the same of the same tree, and a comparison finds a change."""
 
-import gzip
 import importlib.util
 import json
 from pathlib import Path
+
+from actoffload.tools.provenance import write_results
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "planning_equivalence.py"
 
@@ -17,8 +18,7 @@ def _module():
 
 
 def _write(path, cases):
-    with gzip.open(path, "wt") as f:
-        json.dump({"tree": "", "cases": cases}, f)
+    write_results(path, {"tree": "", "cases": cases})
 
 
 def test_the_planner_says_the_same_twice_and_a_changed_plan_is_found(tmp_path, capsys):

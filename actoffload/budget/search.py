@@ -330,25 +330,27 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
 
     # the move scored last against the plan the path stands at, as (group, move, change): where it
     # comes first and is taken there, its change (checkpoints and replay kept) is taken as it is
-    scored_here: list[tuple[int, Move, Change]] = []
+    scored_here: tuple[int, Move, Change] | None = None
 
     def exact(base: Simulation, change: Change, saved: int, key: _Key | None, at: tuple[int, Move] | None = None,
               keep: bool = False) -> float:
         """A move's score against the plan it was found at (``base``; ``key``: where shared;
         ``keep``: its replay kept, for a move likely taken, as one found at the plan the path
         stands at, ``at``, is where it comes first); 0 where it saves nothing."""
-        here = at is not None and base is sim
-        found = (saved / max(base.step_after(change, keep or here) - base.step_s, 1e-9)) if saved > 0 else 0.0
-        if here:
-            scored_here[:] = [(*at, change)]  # type: ignore[misc]
+        nonlocal scored_here
+        here = at if base is sim else None
+        found = (saved / max(base.step_after(change, keep or here is not None) - base.step_s, 1e-9)
+                 if saved > 0 else 0.0)
+        if here is not None:
+            scored_here = (*here, change)
         if shared is not None and key is not None:
             shared.keep(key, found)
         return found
 
     def change_at(i: int, move: Move) -> Change:
         """The change taking ``move`` at group ``i`` of the plan the path stands at."""
-        if scored_here and scored_here[0][0] == i and scored_here[0][1] is move:
-            return scored_here[0][2]
+        if scored_here is not None and scored_here[0] == i and scored_here[1] is move:
+            return scored_here[2]
         return sim.change(i, move)
 
     def every_move() -> None:
@@ -369,7 +371,7 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
                 every_move()
             continue
         sim = sim.after(change)
-        scored_here.clear()
+        scored_here = None
         path.append(sim.plan())
         if shared is not None:
             plan = shared.plan_after(plan, i, move)
