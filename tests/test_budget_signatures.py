@@ -4,6 +4,7 @@ as a share of the device's memory; gradient accumulation and evaluation forwards
 (docs/budgets.md, "A plan per workload")."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -165,6 +166,18 @@ def test_prediction_bounds_bytes_that_grow_linearly_and_with_the_square(linear, 
     assert g.offloadable >= true(t_new) and g.forward_extra >= true(t_new)
     assert g.forward_s == pytest.approx(t_new / t_ref) and g.grads == 7  # times linear, gradients fixed
     assert p.base == 1000  # the larger of the profiled base and the step's
+
+
+@pytest.mark.parametrize("t_new, host", [(16, 0.25), (32, 0.25), (128, 0.5), (256, 1.0)])
+def test_prediction_keeps_the_hosts_time_at_fewer_tokens_and_scales_it_at_more(t_new, host):
+    """The host's time to issue a group's ops does not shrink with the tokens (on an H200 no
+    offloading and checkpointing issued the loop decoder's 1024-, 1536- and 2048-token steps in
+    the same host time); where it holds waits on the device it grows with them: the bound."""
+    g = dataclasses.replace(_profile([6400]).groups[0], host_s=0.25, dispatch_host_s=(0.5, 0.125))
+    p = predict.predicted(Profile((g,), base=0, outside_s=0.1, d2h_bps=1e9, h2d_bps=1e9), 64, t_new, base=0)
+    assert p.groups[0].forward_s == pytest.approx(t_new / 64)  # the device's time scales
+    assert p.groups[0].host_s == pytest.approx(host)
+    assert p.groups[0].dispatch_host_s == pytest.approx((2 * host, host / 2))
 
 
 @pytest.mark.parametrize("linear, square", [(100, 0), (0, 1), (100, 1)])

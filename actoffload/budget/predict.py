@@ -4,7 +4,10 @@ anything (docs/budgets.md, "A plan per workload").
 
 The model: a step's *tokens* are the product of the non-feature dimensions (all but the last)
 of the first tensor the first wrapped module is called with. Compute time scales linearly with
-tokens. Saved bytes are ``a * tokens + b * tokens**2`` per group, with ``a, b >= 0`` (activations
+tokens; the host's time to issue a group's work does not (the same ops, launched alike whatever
+their size), except where it waits on the device (a MoE's routing read back), which grows with
+the device's time: so host times are kept where the new workload is smaller and scale with the
+tokens where it is larger, the bound from above of both. Saved bytes are ``a * tokens + b * tokens**2`` per group, with ``a, b >= 0`` (activations
 grow with the tokens, attention scores kept by an eager attention with their square), and the
 saves of one profile cannot be told apart. So:
 
@@ -70,13 +73,14 @@ def _up(n: int | float, f: float) -> int:
 
 
 def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProfile:
+    host = max(1.0, time)  # (see the module: the host's time does not shrink with the tokens)
     return replace(
         g, spans=tuple(sorted((_up(s, f) for s in g.spans), reverse=True)), kept=_up(g.kept, f),
         inputs=None if g.inputs is None else _up(g.inputs, f_inputs),
         forward_s=g.forward_s * time, backward_s=g.backward_s * time,
         recompute_s=None if g.recompute_s is None else g.recompute_s * time,
-        host_s=None if g.host_s is None else g.host_s * time,
-        dispatch_host_s=scaled_times(g.dispatch_host_s, time),
+        host_s=None if g.host_s is None else g.host_s * host,
+        dispatch_host_s=scaled_times(g.dispatch_host_s, host),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
         recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly),
         attention=None if g.attention is None else tuple(_up(n, f) for n in g.attention))
