@@ -15,7 +15,10 @@ from actoffload.budget import controller as controller_module
 from actoffload.budget import search
 from actoffload.budget import worker as planning
 from actoffload.budget.controller import BudgetController, BudgetTooSmall, State
-from test_budget_controller import BASE, CPU, TIMINGS, MiB, FakeProbe, _big_profile, _profile, _run
+from actoffload.budget.reserve import AllocatorReserve
+from actoffload.budget.tolerances import least_margin
+from test_budget_controller import (BASE, CPU, TIMINGS, MiB, FakeProbe, _big_profile, _grow_shared_reserve, _profile,
+                                    _run)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the planning process waits on its pipe with select")
 
@@ -219,6 +222,31 @@ def test_a_budget_the_known_plans_miss_waits_for_the_search_to_say_it_is_too_sma
     with pytest.raises(BudgetTooSmall) as waited:
         _asynchronous(w, monkeypatch, budget=too_small)
     assert w.looks == 1 and str(waited.value) == str(sync.value)
+
+
+@pytest.mark.parametrize("after", [1, 100])
+def test_a_reserve_grown_past_every_plan_while_the_search_answers_raises_then_runs_the_least_memory(monkeypatch, after):
+    """The plan chosen from the quick search's plans (keeping everything) no longer fits once
+    another workload's step grew the shared reserve past every plan; the whole search answers as
+    the next step begins (``after=1``: found there; else waited for). The step raises
+    BudgetTooSmall, and the step begun again runs the least memory, not the plan that no longer
+    fits (raised as the answer was taken, the error had left it running: on an H200 the loop
+    decoder's first full-length plan then reserved 10 MiB over its budget)."""
+    w = _Worker(after=after)
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    probe.asynchronous = True
+    monkeypatch.setattr(controller_module, "_worker_for", lambda p: w)
+    keep_all = next(p for p in _synchronous().plans if all(g.action.value == "keep" for g in p.groups))
+    c = BudgetController(keep_all.peak + least_margin(keep_all.peak) + 30 * MiB, CPU, probe=probe, reserve=reserve)
+    c.adopt_profile(_profile())
+    assert c.plan.key == keep_all.key and c.stats()["planning_in_background"]
+    least = min(p.peak for p in c.plans)
+    _grow_shared_reserve(probe, reserve, c.budget, c.budget - least + 10 * MiB, keep_all.peak)
+    with pytest.raises(BudgetTooSmall):
+        c.step_begins()
+    assert c.plan.peak == min(p.peak for p in c.plans)  # chosen before the raise
+    c.step_begins()  # the engine begins the step again at its next group
+    assert c.plan.peak == min(p.peak for p in c.plans) and c.too_small is not None
 
 
 def test_a_failed_planning_process_leaves_the_controller_planning_by_itself(monkeypatch):

@@ -214,7 +214,7 @@ class BudgetController:
         # step after a choice made in backward found no plan fits, or a step whose plan another
         # workload's growth of the shared reserve left without one); then the least memory runs
         self.too_small: str | None = None  # its message, once raised
-        self._raise_next: str | None = None  # found outside a step's beginning: raised at the next
+        self._raise_next: str | None = None  # found by choosing: raised where it may be (_raise_found)
         self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
         self.predicted = False  # the profile was predicted from another workload's, not measured
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
@@ -312,11 +312,8 @@ class BudgetController:
         """Plan from ``profile`` as if profiling steps had just measured it (``profiled_peak``:
         the peak they measured, bytes, by which the profiled plan is then judged). What the
         end of profiling does; a driver with a profile of its own (a test) calls it."""
-        beginning, self._beginning = self._beginning, True  # the caller's: it may hear that no plan fits
-        try:
-            self._adopt_measured(profile, profiled_peak)
-        finally:
-            self._beginning = beginning
+        self._adopt_measured(profile, profiled_peak)
+        self._raise_found()  # the caller's: it may hear that no plan fits
 
     def take_displaced(self) -> tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None:
         """The first profiling step this controller measured and then let go, as another
@@ -454,7 +451,7 @@ class BudgetController:
             if not self._fits_now(self._plan):
                 self._choose_before_step()
         if self._beginning:
-            self._raise_found()  # found where raising would break the pass
+            self._raise_found()  # found choosing above, or where raising would have broken a pass
         self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget)
         if (self._reserve.trims != self._trims_judged and self._step is None and self._plan is not None
                 and self._forced is None and self._plan.key in self._served):
@@ -490,7 +487,8 @@ class BudgetController:
         return self._plan.key not in self._over_on_own_cache
 
     def _raise_found(self) -> None:
-        """Raise the :class:`BudgetTooSmall` found where raising was not safe, once."""
+        """Raise the :class:`BudgetTooSmall` choosing found (having chosen the least memory) since
+        the last raise, once."""
         if self._raise_next is not None:
             message, self._raise_next = self._raise_next, None
             raise BudgetTooSmall(message)
@@ -499,14 +497,10 @@ class BudgetController:
         """Choose again as a step begins: should no plan fit, the least memory is chosen first
         and the error raised after (``_raise_next``, below the call), and only the whole search
         says so (a planning process's answer still to come is waited for, as after profiling)."""
-        beginning, self._beginning = self._beginning, False
-        try:
-            if self._pending is not None and all(q > self._budget for q in self._judged_peaks(False)):
-                self._collect(wait=True)
-            else:
-                self._choose()
-        finally:
-            self._beginning = beginning
+        if self._pending is not None and all(q > self._budget for q in self._judged_peaks(False)):
+            self._collect(wait=True)
+        else:
+            self._choose()
 
     def _at_its_pace(self) -> bool:
         """Whether the step ending, its plan's first, allocated no host memory (as counted by
@@ -966,10 +960,10 @@ class BudgetController:
             try:  # raises, naming the smallest reachable peak
                 search.choose(self._profile, self._budget, self._judged(False))
             except BudgetTooSmall as e:
-                self.too_small = str(e)
-                if self._beginning:
-                    raise
-                self._raise_next = str(e)  # at the next step's beginning; the least memory runs meanwhile
+                # raised once the least memory is chosen, where raising is safe (_raise_found: this
+                # step's beginning, else the next's); raised here, it left the plan that no longer
+                # fits to run (too_small set, nothing judges it again)
+                self.too_small = self._raise_next = str(e)
         fitting = self._fitting()
         if not fitting:
             chosen = self._least_memory()
