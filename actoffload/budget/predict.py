@@ -7,9 +7,10 @@ of the first tensor the first wrapped module is called with. Compute time scales
 tokens; the host's time to issue a group's work does not (the same ops, launched alike whatever
 their size), except where it waits on the device (a MoE's routing read back), which grows with
 the device's time: so host times are kept where the new workload is smaller and scale with the
-tokens where it is larger, the bound from above of both. Saved bytes are ``a * tokens + b * tokens**2`` per group, with ``a, b >= 0`` (activations
-grow with the tokens, attention scores kept by an eager attention with their square), and the
-saves of one profile cannot be told apart. So:
+tokens where it is larger, the bound from above of both. Saved bytes are
+``a * tokens + b * tokens**2`` per group, with ``a, b >= 0`` (activations grow with the tokens,
+attention scores kept by an eager attention with their square), and the saves of one profile
+cannot be told apart. So:
 
 - from **one** profiled workload, at ``ratio`` = new tokens / profiled tokens, bytes scale by
   ``ratio**2`` where the new workload is larger and by ``ratio`` where it is smaller: for any
