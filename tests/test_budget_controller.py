@@ -1209,6 +1209,21 @@ def test_controller_a_reserve_grown_past_every_plan_raises_at_the_step_begin_the
     assert c.plan.peak == least
 
 
+def test_controller_a_budget_too_small_found_as_profiling_begins_again_leaves_no_empty_profiling_step(no_autograd):
+    """Where the step that ends profiling finds no plan fits and its base changed (profiling
+    again), it raises before the new profiling step is set up: the step begun again profiles
+    from nothing, not from an empty step (which would have ended profiling with no groups)."""
+    probe = FakeProbe()
+    c = BudgetController(MiB, CPU, probe=probe)  # below every plan
+    for _ in range(PROFILE_STEPS):
+        _profiling_step(c, 3)
+    probe.allocated_bytes = BASE + 64 * MiB  # gradients kept from the last step: another base
+    with pytest.raises(BudgetTooSmall):
+        c.step_begins()
+    c.step_begins()  # the engine begins the step again at its next group
+    assert c._partial is None and c.state is State.PROFILING
+
+
 def test_controller_a_forced_plan_let_go_where_no_plan_fits_any_more_raises_and_runs_the_least_memory():
     """``force(None)`` chooses again; where meanwhile no plan fits (another workload grew the
     shared reserve), it raises BudgetTooSmall with the least-memory plan chosen, not the forced

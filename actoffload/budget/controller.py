@@ -215,7 +215,7 @@ class BudgetController:
         # workload's growth of the shared reserve left without one); then the least memory runs
         self.too_small: str | None = None  # its message, once raised
         self._raise_next: str | None = None  # found by choosing: raised where it may be (_raise_found)
-        self._beginning = False  # inside step_begins (or a caller's force): raising is safe here
+        self._beginning = False  # inside a step_begins that may raise
         self.predicted = False  # the profile was predicted from another workload's, not measured
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
         self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
@@ -440,6 +440,9 @@ class BudgetController:
         if self._state in (State.EXPLORING, State.SETTLED):
             self._collect()
         if self._state in (State.PROFILING, State.REPLANNING):
+            if self._beginning:
+                # before a profiling step is set up: the step begun again would finish it, empty
+                self._raise_found()
             self._state = State.PROFILING
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
