@@ -1,10 +1,13 @@
 """The probes' shared rig: transformers' SDPA Llama of the sweep (``hf_llama_sdpa``, tiny on
 the CPU), its steps timed on the host and in full, and ``fast`` under a memory budget whose
 controller is made to run one action on every layer (``BudgetController.force``); and the loop
-sweep's decoder (:func:`loop_decoder`)."""
+sweep's decoder (:func:`loop_decoder`); and each function's time a step under cProfile
+(:func:`per_step`)."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 from typing import Any, Sequence
 
@@ -105,3 +108,18 @@ def force_every_workload(off: ao.Offloader, action: Action, max_inflight: int = 
         c = wl.controller
         if c.profile is not None:
             c.force(every_group(c.profile, action), max_inflight, prefetch)
+
+
+def per_step(profiler: cProfile.Profile, steps: int) -> dict[tuple[str, int, str], tuple[float, float, float]]:
+    """Each function ``profiler`` saw over ``steps`` steps, by (file, line, name), the file's path
+    from its package on: its calls, its own ms and its cumulative ms, a step.
+
+    Example::
+
+        before = per_step(profiler, 5)[("actoffload/engine.py", 156, "_enter")]   # (calls, own ms, cum ms)
+    """
+    out = {}
+    for (f, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        where = f.split("site-packages/")[-1].split("tree_main/")[-1]
+        out[(where, line, name)] = (calls / steps, tottime / steps * 1e3, cumtime / steps * 1e3)
+    return out

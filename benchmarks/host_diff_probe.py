@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import pstats
 import statistics
 import sys
 from typing import Any
 
 import torch
-from forced_llama import ForcedLlama
+from forced_llama import ForcedLlama, per_step
 
 from actoffload.budget.actions import Action
 from actoffload.tools.sweep_models import plain
@@ -63,11 +62,7 @@ def main(argv: list[str]) -> int:
         for i in range(n):
             step(call, i)
         pr.disable()
-        out = {}
-        for (f, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(pr).stats.items():  # type: ignore[attr-defined]
-            where = f.split("site-packages/")[-1].split("tree_main/")[-1]
-            out[(where, line, name)] = (calls / n, tottime / n * 1e3, cumtime / n * 1e3)
-        return out
+        return per_step(pr, n)
 
     profiles = {"none": profiled(plain), "ckpt": profiled(ck)}
     for name, action in (("keep", Action.KEEP), ("recompute", Action.RECOMPUTE)):

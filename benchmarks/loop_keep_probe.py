@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import pstats
 import statistics
 from typing import Any
 
 from actoffload.tools import loop_sweep
-from forced_llama import loop_decoder
+from forced_llama import loop_decoder, per_step
 
 
-def run(loop: loop_sweep._Loop, m: loop_sweep.Method, lengths: list[int]) -> tuple[dict[int, float], dict[str, Any]]:
+def run(loop: loop_sweep._Loop, m: loop_sweep.Method, lengths: list[int]) -> tuple[dict[int, float], dict[tuple[str, int, str], tuple[float, float, float]]]:
     """``m`` over ``lengths`` three times: the second pass's median ms by length, the third's
     profile by function."""
     timed, prof, count = loop.timed, cProfile.Profile(), 0
@@ -49,10 +48,7 @@ def run(loop: loop_sweep._Loop, m: loop_sweep.Method, lengths: list[int]) -> tup
     by: dict[int, list[float]] = collections.defaultdict(list)
     for n, s in list(zip(rec["lengths"], rec["steps_s"]))[len(lengths):2 * len(lengths)]:
         by[n].append(s * 1e3)
-    steps = len(lengths)
-    funcs = {f"{f.split('/')[-1]}:{line}({fn})": (s[1] / steps, s[2] / steps * 1e3)
-             for (f, line, fn), s in pstats.Stats(prof).stats.items()}  # type: ignore[attr-defined]
-    return {n: statistics.median(v) for n, v in sorted(by.items())}, funcs
+    return {n: statistics.median(v) for n, v in sorted(by.items())}, per_step(prof, len(lengths))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     budget, budget_funcs = run(loop, loop_sweep.Method("budget", budget=a.budget, level="given"), lengths)
     for name, ms in (("none", none), ("budget", budget)):
         print(f"{name:7s}", " ".join(f"{n}: {v:6.1f} ms" for n, v in ms.items()))
-    print(f"calls a step: none {sum(c for c, _ in none_funcs.values()):.0f}, "
-          f"budget {sum(c for c, _ in budget_funcs.values()):.0f}")
-    rows = sorted(((budget_funcs.get(k, (0, 0))[1] - none_funcs.get(k, (0, 0))[1],
-                    budget_funcs.get(k, (0, 0))[0] - none_funcs.get(k, (0, 0))[0], k)
+    print(f"calls a step: none {sum(v[0] for v in none_funcs.values()):.0f}, "
+          f"budget {sum(v[0] for v in budget_funcs.values()):.0f}")
+    zero = (0.0, 0.0, 0.0)
+    rows = sorted(((budget_funcs.get(k, zero)[1] - none_funcs.get(k, zero)[1],
+                    budget_funcs.get(k, zero)[0] - none_funcs.get(k, zero)[0], k)
                    for k in set(none_funcs) | set(budget_funcs)), reverse=True)
     print("host ms a step under cProfile, budget less none (calls a step):")
-    for ms, calls, k in rows[:a.top]:
-        print(f"  {ms:7.3f} ms {calls:8.1f}  {k}")
+    for dt, calls, (where, line, name) in rows[:a.top]:
+        print(f"  {dt:7.3f} ms {calls:8.1f}  {where}:{line}({name})")
     return 0
 
 
