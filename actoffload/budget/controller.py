@@ -171,6 +171,7 @@ class BudgetController:
         self._plans: list[MemoryPlan] = []
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
         self._plan: MemoryPlan | None = None
+        self._within = False  # the plan was chosen as fitting the budget (not the least memory, not forced)
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
         # and what the allocator held at most meanwhile: what the budget bounds
@@ -465,6 +466,10 @@ class BudgetController:
                 self._choose_before_step()
                 if self._beginning:
                     self._raise_found()
+        # a plan judged within the budget is held to it: a cache that would take it over is given
+        # back instead (profiling steps, the least memory and forced plans run over it as they must)
+        held = self._step is None and self._plan is not None and self._within and self.too_small is None
+        self._reserve.hold(self._probe, self._budget if held else None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -699,6 +704,7 @@ class BudgetController:
         if number != self._step_number:
             return  # a step already closed (its backward ended after the next step began)
         self._awaiting_end = False
+        self._reserve.hold(self._probe, None)  # the optimizer's step, an evaluation: outside the budget
         self._step_backwards += 1
         self._several_backwards |= self._step_backwards > 1
         now = self._probe.mark()
@@ -716,7 +722,7 @@ class BudgetController:
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
         grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
-        misjudged = self._step_key is not None and self._note_cache(self._step_key, self.measured_reserved_peak)
+        misjudged = self._step_key is not None and self._note_cache(self._step_key, self._reserve.judged_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -955,7 +961,7 @@ class BudgetController:
         needs the least memory runs."""
         assert self._profile is not None
         if self._forced is not None:
-            self._plan = self._forced_plan(*self._forced)
+            self._plan, self._within = self._forced_plan(*self._forced), False
             self._unheld.add(self._plan.key)  # run as told: once let go, not held until timed
             self._settle()
             return
@@ -968,6 +974,7 @@ class BudgetController:
                 # fits to run (too_small set, nothing judges it again)
                 self.too_small = self._raise_next = str(e)
         fitting = self._fitting()
+        within = bool(fitting)  # (the least memory runs over the budget by the model)
         if not fitting:
             chosen = self._least_memory()
         else:
@@ -981,8 +988,9 @@ class BudgetController:
                 # budget where the least memory ran 130)
                 least = self._least_memory()
                 if least.key not in self._went_over and self._pace(least) < self._pace(chosen):
-                    chosen = least
+                    chosen, within = least, False
         self._plan = next(p for p in self._plans if p.key == chosen.key)
+        self._within = within
         self._reserve_judged, self._trims_judged = self._reserve.bytes, self._reserve.trims
         self._settle()
 
@@ -1349,6 +1357,7 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,
+                               "held_back_steps": self._reserve.held_back if cuda else None,
                                "planning_s": self.planning_s,
                                "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,

@@ -39,6 +39,9 @@ class Probe:
         # a helper process) costs the step nothing where the host waits on the device anyway
         self.asynchronous = self.cuda
         self._host_allocations: Callable[[], int | None] = lambda: None
+        self._fraction: float | None = None  # the program's own memory fraction, read at the first hold
+        self._held: float | None = None  # the fraction set now (None: none set by the probe)
+        self._total = 0  # the device's memory, bytes
 
     def count_host_allocations(self, count: Callable[[], int | None]) -> None:
         """Read the offloader's host allocations so far through ``count`` (:meth:`host_allocations`)."""
@@ -73,6 +76,38 @@ class Probe:
             return 0
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         return int(stats.get(kind, {}).get("all", {}).get(field, 0))
+
+    def retries(self) -> int:
+        """How many times the allocator has given its cached blocks back to the device and tried
+        an allocation again (``num_alloc_retries``): where a step ran into its limit (:meth:`hold`)."""
+        if not self.cuda:
+            return 0
+        return int(torch.cuda.memory_stats_as_nested_dict(self.device).get("num_alloc_retries", 0))
+
+    def hold(self, limit: int | None) -> None:
+        """Hold the caching allocator to ``limit`` bytes reserved (``torch.cuda.set_per_process_memory_fraction``):
+        where a request would take it past them, it gives its cached blocks back to the device and
+        tries again, as on a card of that size; only what is allocated, and the blocks holding it,
+        can then take it past (an out-of-memory error). ``None``: the fraction set before the
+        first hold (the program's own, else all of the device). A limit above the program's own
+        is held to the program's.
+
+        Example::
+
+            probe.hold(budget)   # a step whose plan fits the budget
+            ...
+            probe.hold(None)     # outside steps, the program's setting again
+        """
+        if not self.cuda or (limit is None and self._held is None):
+            return
+        if self._fraction is None:
+            get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # (not in every torch)
+            self._fraction = float(get(self.device)) if get is not None else 1.0
+            self._total = torch.cuda.mem_get_info(self.device)[1]
+        fraction = self._fraction if limit is None else min(self._fraction, limit / self._total)
+        if fraction != self._held:
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            self._held = fraction
 
     def trim(self) -> None:
         """Give the allocator's cached blocks back to the device (``torch.cuda.empty_cache``)."""
