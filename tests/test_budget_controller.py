@@ -54,6 +54,7 @@ class FakeProbe:
         self.held: int | None = None  # the allocator's limit (Probe.hold)
         self.holds: list[int | None] = []  # every limit set, in order
         self.retry_count = 0  # the allocator's retries (Probe.retries)
+        self.split_bytes = 0  # free bytes inside split blocks at most (Probe.peak_split)
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -103,6 +104,9 @@ class FakeProbe:
 
     def retries(self) -> int:
         return self.retry_count
+
+    def peak_split(self) -> int:
+        return self.split_bytes
 
 
 def _profile() -> Profile:
@@ -801,13 +805,33 @@ def test_controller_holds_the_allocator_to_the_budget_in_steps_whose_plan_fits()
     assert c.plan.peak == least.peak and probe.held is None and probe.holds == [None]
 
 
+def test_controller_holds_the_allocator_only_where_what_it_cannot_give_back_fits():
+    """Free bytes inside split blocks stay reserved however the cache is given back: held where
+    the plan's allocated peak and the most of them seen would not fit, a step would raise out of
+    memory where it would have gone over the budget. Such a step is not held."""
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 100 * MiB
+    held = []
+    for split in (0, 200 * MiB):
+        probe = FakeProbe()
+        c = _controller(budget, probe=probe)
+        probe.peak_bytes, probe.split_bytes = keep_all.peak, split
+        for _ in range(2):
+            c.step_begins()
+            held.append(probe.held)
+            probe.advance(c.plan.step_s)
+            c.backward_ends()
+        assert c.plan.key == keep_all.key
+    assert held == [budget, budget, budget, None]  # (split blocks are read as a step ends)
+
+
 def test_controller_a_step_the_allocator_held_back_is_judged_over_the_budget():
     """A step in which the held allocator gave its cache back to stay within the budget would
     have gone over it: judged so (the plan changes, its cache is given back, the reserve counts
     at least what the step needed beyond its allocated peak), where the same step read as within
     the budget would keep its plan."""
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
+    budget = keep_all.peak + least_margin(keep_all.peak) + 100 * MiB
     plans = []
     for retried in (False, True):
         probe = FakeProbe()

@@ -68,6 +68,9 @@ PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: it
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
+# bytes a held step leaves for a new segment's spare part (the allocator's segments for requests
+# of 1-10 MiB are 20 MiB; what one request does not use is split off free at once)
+SEGMENT_SPARE = 64 << 20
 
 __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_STEPS", "EXPLORE", "TIMINGS",
            "CALIBRATIONS"]
@@ -466,10 +469,7 @@ class BudgetController:
                 self._choose_before_step()
                 if self._beginning:
                     self._raise_found()
-        # a plan judged within the budget is held to it: a cache that would take it over is given
-        # back instead (profiling steps, the least memory and forced plans run over it as they must)
-        held = self._step is None and self._plan is not None and self._within and self.too_small is None
-        self._reserve.hold(self._probe, self._budget if held else None)
+        self._reserve.hold(self._probe, self._budget if self._holds() else None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -480,6 +480,23 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
+
+    def _holds(self) -> bool:
+        """Whether the step beginning holds the allocator to the budget (a cache that would take
+        it over is given back instead): its plan is judged within the budget, and what the
+        allocator cannot give back fits under it too, the plan's allocated peak (measured where it
+        ran, else modelled with the margins) and the most free bytes seen inside split blocks, with
+        a new segment's spare bytes; else the allocator would raise out of memory where the step
+        would have gone over. Profiling steps, the least memory and forced plans run over the
+        budget where they must: not held."""
+        if (self._step is not None or self._plan is None or not self._within or self.too_small is not None
+                or not self._probe.cuda):
+            return False
+        assert self._profile is not None
+        key = self._plan.key
+        allocated = (self._peaks[key] + self._profile.base if key in self._peaks
+                     else self._plan.peak + self._margin + least_margin(self._budget))
+        return allocated + self._reserve.split + SEGMENT_SPARE <= self._budget
 
     def _reaches_budget(self) -> bool:
         """Whether this step's plan may stay within the budget on a cache of its own: a cache

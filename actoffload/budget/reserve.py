@@ -69,6 +69,7 @@ class AllocatorReserve:
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
         self.held_back = 0  # steps in which the allocator gave its cache back to stay within its limit
+        self.split = 0  # the most free bytes seen inside split blocks during a step (Probe.peak_split)
         self.judged_peak = 0  # the latest step's reserved peak as judged (see step_ended)
         self._retries = 0  # the allocator's retries as the latest step began
 
@@ -96,10 +97,10 @@ class AllocatorReserve:
 
     def hold(self, probe: Any, limit: int | None) -> None:
         """Hold the allocator to ``limit`` bytes for the step beginning (the budget, where its plan
-        is judged within it), or lift the hold (``None``: as a step's backward pass ends, so that
-        the optimizer's step and evaluation between steps are not held). Held, a step whose cache
-        would take it over the budget gives the cache back instead: what runs over is then only
-        what the step allocates (``Probe.hold``)."""
+        and what the allocator cannot give back fit it), or lift the hold (``None``: as a step's
+        backward pass ends, so that the optimizer's step and evaluation between steps are not
+        held). Held, a step whose cache would take it over the budget gives the cache back
+        instead (``Probe.hold``)."""
         hold = getattr(probe, "hold", None)  # (a probe of one's own may have none)
         if hold is not None:
             hold(limit)
@@ -113,6 +114,8 @@ class AllocatorReserve:
         if self._start is None:
             return False
         self._last_peak = reserved_peak
+        peak_split = getattr(probe, "peak_split", None)  # (a probe of one's own may have none)
+        self.split = max(self.split, peak_split() if peak_split is not None else 0)
         retries = _retries(probe)
         if retries > self._retries:
             self.held_back += 1
