@@ -712,7 +712,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "cache_trims_by", "held_back_steps", "planning_s", "planning_by", "background_planning_s",
+                      "cache_trims_by", "allocator_held", "held_back_steps", "planning_s", "planning_by", "background_planning_s",
                       "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     # every planning second is counted by what it was spent on, choosing at least once
@@ -823,6 +823,7 @@ def test_controller_holds_the_allocator_only_where_what_it_cannot_give_back_fits
             c.backward_ends()
         assert c.plan.key == keep_all.key
     assert held == [budget, budget, budget, None]  # (split blocks are read as a step ends)
+    assert c.stats()["allocator_held"] is False
 
 
 def test_controller_a_step_the_allocator_held_back_is_judged_over_the_budget():
@@ -843,7 +844,7 @@ def test_controller_a_step_the_allocator_held_back_is_judged_over_the_budget():
         probe.advance(c.plan.step_s)
         c.backward_ends()
         plans.append(c.plan.key)
-        assert c.stats()["held_back_steps"] == retried
+        assert c.stats()["held_back_steps"] == retried and c.stats()["allocator_held"]
         assert c.stats()["measured_reserved_peak_bytes"] == keep_all.peak + 5 * MiB  # as read
     assert plans[0] == keep_all.key and plans[1] != keep_all.key
     assert c.reserve.bytes > budget - keep_all.peak and c.stats()["cache_trims_by"] == {"first": 1, "plan changed": 1}

@@ -175,6 +175,7 @@ class BudgetController:
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
         self._plan: MemoryPlan | None = None
         self._within = False  # the plan was chosen as fitting the budget (not the least memory, not forced)
+        self._held = False  # the latest step held the allocator to the budget (_holds)
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
         # and what the allocator held at most meanwhile: what the budget bounds
@@ -469,7 +470,8 @@ class BudgetController:
                 self._choose_before_step()
                 if self._beginning:
                     self._raise_found()
-        self._reserve.hold(self._probe, self._budget if self._holds() else None)
+        self._held = self._holds()
+        self._reserve.hold(self._probe, self._budget if self._held else None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -1374,6 +1376,7 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,
+                               "allocator_held": self._held if cuda else None,
                                "held_back_steps": self._reserve.held_back if cuda else None,
                                "planning_s": self.planning_s,
                                "planning_by": dict(self.planning_by),

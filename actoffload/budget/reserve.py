@@ -105,6 +105,7 @@ class AllocatorReserve:
         if hold is not None:
             hold(limit)
 
+
     def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
         """A step's backward pass ended with these peaks so far (bytes; a step of several
         backward passes calls this at each): whether the reserve grew. A step in which the
