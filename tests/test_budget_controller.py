@@ -51,10 +51,6 @@ class FakeProbe:
         self.marks: list[_Mark] = []
         self.host_s, self.host_now = host_s, 0.0
         self.host_count: int | None = None
-        self.held: int | None = None  # the allocator's limit (Probe.hold)
-        self.holds: list[int | None] = []  # every limit set, in order
-        self.retry_count = 0  # the allocator's retries (Probe.retries)
-        self.split_bytes = 0  # free bytes inside split blocks at most (Probe.peak_split)
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -96,17 +92,6 @@ class FakeProbe:
 
     def host_allocations(self) -> int | None:
         return self.host_count  # None: not counted (a plan's first step is then never timed)
-
-    def hold(self, limit: int | None) -> None:
-        if self.cuda:
-            self.held = limit
-            self.holds.append(limit)
-
-    def retries(self) -> int:
-        return self.retry_count
-
-    def peak_split(self) -> int:
-        return self.split_bytes
 
 
 def _profile() -> Profile:
@@ -712,8 +697,7 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "cache_trims_by", "allocator_held", "held_back_steps", "planning_s", "planning_by", "background_planning_s",
-                      "planning_in_background"}
+                      "cache_trims_by", "planning_s", "planning_by", "background_planning_s", "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     # every planning second is counted by what it was spent on, choosing at least once
     assert s["planning_by"]["choosing"] > 0
@@ -780,74 +764,6 @@ def test_controller_budget_bounds_what_the_allocator_reserves():
     assert probe.trims == 2 and c.stats()["cache_trims"] == 2
     assert c.stats()["cache_trims_by"] == {"first": 1, "plan changed": 1}
     assert c.stats()["smallest_reachable_bytes"] == min(p.peak for p in c.plans) + 50 * MiB
-
-
-def test_controller_holds_the_allocator_to_the_budget_in_steps_whose_plan_fits():
-    """A step running a plan judged within the budget holds the allocator to it (a cache that
-    would take the step over is given back instead), from its first group to the end of its
-    backward pass, not beyond (the optimizer's step, an evaluation); a profiling step, which
-    may need more than the budget, and the least memory, where no plan fits, are not held."""
-    probe = FakeProbe()
-    c = BudgetController(1 << 40, CPU, probe=probe)
-    c.step_begins()  # profiling
-    assert probe.held is None
-    c.backward_ends()
-    c.adopt_profile(_profile(), None)
-    c.step_begins()
-    assert c.state is State.EXPLORING and probe.held == 1 << 40
-    c.backward_ends()
-    assert probe.held is None
-    probe, least = FakeProbe(), min(_controller(1 << 40).plans, key=lambda p: p.peak)
-    c = BudgetController(least.peak - 1, CPU, probe=probe)  # no plan fits: the least memory runs over it
-    with pytest.raises(BudgetTooSmall):
-        c.adopt_profile(_profile(), None)
-    c.step_begins()
-    assert c.plan.peak == least.peak and probe.held is None and probe.holds == [None]
-
-
-def test_controller_holds_the_allocator_only_where_what_it_cannot_give_back_fits():
-    """Free bytes inside split blocks stay reserved however the cache is given back: held where
-    the plan's allocated peak and the most of them seen would not fit, a step would raise out of
-    memory where it would have gone over the budget. Such a step is not held."""
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 100 * MiB
-    held = []
-    for split in (0, 200 * MiB):
-        probe = FakeProbe()
-        c = _controller(budget, probe=probe)
-        probe.peak_bytes, probe.split_bytes = keep_all.peak, split
-        for _ in range(2):
-            c.step_begins()
-            held.append(probe.held)
-            probe.advance(c.plan.step_s)
-            c.backward_ends()
-        assert c.plan.key == keep_all.key
-    assert held == [budget, budget, budget, None]  # (split blocks are read as a step ends)
-    assert c.stats()["allocator_held"] is False
-
-
-def test_controller_a_step_the_allocator_held_back_is_judged_over_the_budget():
-    """A step in which the held allocator gave its cache back to stay within the budget would
-    have gone over it: judged so (the plan changes, its cache is given back, the reserve counts
-    at least what the step needed beyond its allocated peak), where the same step read as within
-    the budget would keep its plan."""
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 100 * MiB
-    plans = []
-    for retried in (False, True):
-        probe = FakeProbe()
-        c = _controller(budget, probe=probe)
-        probe.peak_bytes, probe.cached_bytes = keep_all.peak, 5 * MiB  # the held cache reads within the budget
-        c.step_begins()
-        assert probe.held == budget
-        probe.retry_count += retried
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        plans.append(c.plan.key)
-        assert c.stats()["held_back_steps"] == retried and c.stats()["allocator_held"]
-        assert c.stats()["measured_reserved_peak_bytes"] == keep_all.peak + 5 * MiB  # as read
-    assert plans[0] == keep_all.key and plans[1] != keep_all.key
-    assert c.reserve.bytes > budget - keep_all.peak and c.stats()["cache_trims_by"] == {"first": 1, "plan changed": 1}
 
 
 def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_blocks():

@@ -68,9 +68,6 @@ PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: it
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
-# bytes a held step leaves for a new segment's spare part (the allocator's segments for requests
-# of 1-10 MiB are 20 MiB; what one request does not use is split off free at once)
-SEGMENT_SPARE = 64 << 20
 
 __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_STEPS", "EXPLORE", "TIMINGS",
            "CALIBRATIONS"]
@@ -174,8 +171,6 @@ class BudgetController:
         self._plans: list[MemoryPlan] = []
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
         self._plan: MemoryPlan | None = None
-        self._within = False  # the plan was chosen as fitting the budget (not the least memory, not forced)
-        self._held = False  # the latest step held the allocator to the budget (_holds)
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
         # and what the allocator held at most meanwhile: what the budget bounds
@@ -470,8 +465,6 @@ class BudgetController:
                 self._choose_before_step()
                 if self._beginning:
                     self._raise_found()
-        self._held = self._holds()
-        self._reserve.hold(self._probe, self._budget if self._held else None)
         self._probe.reset_peak()
         # after choosing (tens of milliseconds of host time while plans are tried, the device
         # idle): a step's measured time is the plan's, not the controller's
@@ -482,23 +475,6 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
-
-    def _holds(self) -> bool:
-        """Whether the step beginning holds the allocator to the budget (a cache that would take
-        it over is given back instead): its plan is judged within the budget, and what the
-        allocator cannot give back fits under it too, the plan's allocated peak (measured where it
-        ran, else modelled with the margins) and the most free bytes seen inside split blocks, with
-        a new segment's spare bytes; else the allocator would raise out of memory where the step
-        would have gone over. Profiling steps, the least memory and forced plans run over the
-        budget where they must: not held."""
-        if (self._step is not None or self._plan is None or not self._within or self.too_small is not None
-                or not self._probe.cuda):
-            return False
-        assert self._profile is not None
-        key = self._plan.key
-        allocated = (self._peaks[key] + self._profile.base if key in self._peaks
-                     else self._plan.peak + self._margin + least_margin(self._budget))
-        return allocated + self._reserve.split + SEGMENT_SPARE <= self._budget
 
     def _reaches_budget(self) -> bool:
         """Whether this step's plan may stay within the budget on a cache of its own: a cache
@@ -723,7 +699,6 @@ class BudgetController:
         if number != self._step_number:
             return  # a step already closed (its backward ended after the next step began)
         self._awaiting_end = False
-        self._reserve.hold(self._probe, None)  # the optimizer's step, an evaluation: outside the budget
         self._step_backwards += 1
         self._several_backwards |= self._step_backwards > 1
         now = self._probe.mark()
@@ -741,7 +716,7 @@ class BudgetController:
         self.measured_peak = self._probe.peak()
         self.measured_reserved_peak = self._probe.peak_reserved()
         grew = self._reserve.step_ended(self._probe, self._budget, self.measured_peak, self.measured_reserved_peak)
-        misjudged = self._step_key is not None and self._note_cache(self._step_key, self._reserve.judged_peak)
+        misjudged = self._step_key is not None and self._note_cache(self._step_key, self.measured_reserved_peak)
         self._last_span = (self._step_start, now)
         if self._plan is None or self._profile is None:
             return
@@ -980,7 +955,7 @@ class BudgetController:
         needs the least memory runs."""
         assert self._profile is not None
         if self._forced is not None:
-            self._plan, self._within = self._forced_plan(*self._forced), False
+            self._plan = self._forced_plan(*self._forced)
             self._unheld.add(self._plan.key)  # run as told: once let go, not held until timed
             self._settle()
             return
@@ -993,7 +968,6 @@ class BudgetController:
                 # fits to run (too_small set, nothing judges it again)
                 self.too_small = self._raise_next = str(e)
         fitting = self._fitting()
-        within = bool(fitting)  # (the least memory runs over the budget by the model)
         if not fitting:
             chosen = self._least_memory()
         else:
@@ -1007,9 +981,8 @@ class BudgetController:
                 # budget where the least memory ran 130)
                 least = self._least_memory()
                 if least.key not in self._went_over and self._pace(least) < self._pace(chosen):
-                    chosen, within = least, False
+                    chosen = least
         self._plan = next(p for p in self._plans if p.key == chosen.key)
-        self._within = within
         self._reserve_judged, self._trims_judged = self._reserve.bytes, self._reserve.trims
         self._settle()
 
@@ -1376,8 +1349,6 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,
-                               "allocator_held": self._held if cuda else None,
-                               "held_back_steps": self._reserve.held_back if cuda else None,
                                "planning_s": self.planning_s,
                                "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,

@@ -17,10 +17,6 @@ import torch
 from ..hostmem import exact_host_allocator
 
 _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
-# per device index: the memory fraction a probe holds the allocator to now (none: never held), and
-# the program's own fraction and the device's memory, read as it was first held (Probe.hold)
-_HELD: dict[int, float] = {}
-_PROGRAM: dict[int, tuple[float, int]] = {}
 
 
 class Probe:
@@ -77,49 +73,6 @@ class Probe:
             return 0
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         return int(stats.get(kind, {}).get("all", {}).get(field, 0))
-
-    def retries(self) -> int:
-        """How many times the allocator has given its cached blocks back to the device and tried
-        an allocation again (``num_alloc_retries``): where a step ran into its limit (:meth:`hold`)."""
-        if not self.cuda:
-            return 0
-        return int(torch.cuda.memory_stats_as_nested_dict(self.device).get("num_alloc_retries", 0))
-
-    def peak_split(self) -> int:
-        """The most bytes the allocator held free inside blocks it had split for what is still
-        allocated (``inactive_split_bytes``) since the last :meth:`reset_peak`: cache it cannot
-        give back while those allocations live."""
-        return self._stat("inactive_split_bytes", "peak")
-
-    def hold(self, limit: int | None) -> None:
-        """Hold the caching allocator to ``limit`` bytes reserved (``torch.cuda.set_per_process_memory_fraction``):
-        where a request would take it past them, it gives its cached blocks back to the device and
-        tries again, as on a card of that size. What it cannot give back (what is allocated, and
-        free bytes inside blocks split for it) can still take it past: an out-of-memory error, so
-        hold only where those fit. ``None``: the fraction set before the first hold (the
-        program's own, else all of the device), for every probe of the device: a step that
-        raised may have left it held. A limit above the program's own is held to the program's.
-
-        Example::
-
-            probe.hold(budget)   # a step whose plan fits the budget
-            ...
-            probe.hold(None)     # outside steps, the program's setting again
-        """
-        if not self.cuda:
-            return
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        held = _HELD.get(index)
-        if limit is None and held is None:
-            return
-        if held is None:
-            get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # (not in every torch)
-            _PROGRAM[index] = (float(get(index)) if get is not None else 1.0, torch.cuda.mem_get_info(index)[1])
-        own, total = _PROGRAM[index]
-        fraction = own if limit is None else min(own, limit / total)
-        if fraction != held:
-            torch.cuda.set_per_process_memory_fraction(fraction, index)
-            _HELD[index] = fraction
 
     def trim(self) -> None:
         """Give the allocator's cached blocks back to the device (``torch.cuda.empty_cache``)."""

@@ -68,10 +68,6 @@ class AllocatorReserve:
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
-        self.held_back = 0  # steps in which the allocator gave its cache back to stay within its limit
-        self.split = 0  # the most free bytes seen inside split blocks during a step (Probe.peak_split)
-        self.judged_peak = 0  # the latest step's reserved peak as judged (see step_ended)
-        self._retries = 0  # the allocator's retries as the latest step began
 
     def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
@@ -93,36 +89,13 @@ class AllocatorReserve:
             self._give_back(probe, why)
         self._over = False
         self._start = probe.reserved()
-        self._retries = _retries(probe)
-
-    def hold(self, probe: Any, limit: int | None) -> None:
-        """Hold the allocator to ``limit`` bytes for the step beginning (the budget, where its plan
-        and what the allocator cannot give back fit it), or lift the hold (``None``: as a step's
-        backward pass ends, so that the optimizer's step and evaluation between steps are not
-        held). Held, a step whose cache would take it over the budget gives the cache back
-        instead (``Probe.hold``)."""
-        hold = getattr(probe, "hold", None)  # (a probe of one's own may have none)
-        if hold is not None:
-            hold(limit)
-
 
     def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
         """A step's backward pass ended with these peaks so far (bytes; a step of several
-        backward passes calls this at each): whether the reserve grew. A step in which the
-        allocator gave its cache back to stay within its limit would have reserved more than
-        the budget: it is judged as over it (:attr:`judged_peak`: at least a byte over)."""
-        self.judged_peak = reserved_peak
+        backward passes calls this at each): whether the reserve grew."""
         if self._start is None:
             return False
-        self._last_peak = reserved_peak
-        peak_split = getattr(probe, "peak_split", None)  # (a probe of one's own may have none)
-        self.split = max(self.split, peak_split() if peak_split is not None else 0)
-        retries = _retries(probe)
-        if retries > self._retries:
-            self.held_back += 1
-            reserved_peak = max(reserved_peak, budget + 1)
-        self._retries = retries
-        self.judged_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
+        self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
@@ -140,9 +113,3 @@ class AllocatorReserve:
         self.trims += 1
         self.trims_by[why] += 1
         self._trimmed = True
-
-
-def _retries(probe: Any) -> int:
-    """The allocator's retries so far (``Probe.retries``; 0 for a probe of one's own without it)."""
-    retries = getattr(probe, "retries", None)
-    return retries() if retries is not None else 0

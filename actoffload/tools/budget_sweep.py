@@ -141,8 +141,7 @@ class _Runner:
             return None
         return {"ran": self._trace.ran(plan), "state": plan.get("state"),
                 "actions": [g["action"] for g in plan.get("groups", [])],
-                "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
-                "allocator_held": plan.get("allocator_held"), "held_back_steps": plan.get("held_back_steps")}
+                "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims")}
 
     def warming_up(self) -> bool:
         """Whether the offloader still recomputes while it pins (its warm-up on CUDA)."""

@@ -338,8 +338,7 @@ def _plan_reading(off: ao.Offloader, trace: PlanTrace) -> dict[str, Any]:
             "measured_peak_bytes": plan.get("measured_peak_bytes"),
             "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes"),
             "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
-            "cache_trims_by": plan.get("cache_trims_by"), "allocator_held": plan.get("allocator_held"),
-            "held_back_steps": plan.get("held_back_steps"),
+            "cache_trims_by": plan.get("cache_trims_by"),
             "planning_s_all": workload.get("planning_s_all"), "planning_by_all": workload.get("planning_by_all"),
             "background_planning_s_all": workload.get("background_planning_s_all"),
             "host_allocations": stats.get("host_allocations")}
