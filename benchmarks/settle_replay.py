@@ -94,16 +94,21 @@ class ReplayProbe:
 
 
 _GROUP_FIELDS = {f.name for f in dataclasses.fields(GroupProfile)}
+_TUPLE_FIELDS = {f.name for f in dataclasses.fields(GroupProfile) if str(f.type).startswith("tuple")}
 
 
 def profile_of(stats: dict[str, Any]) -> Profile:
     """The :class:`Profile` a cell's ``stats()["plan"]["profile"]`` describes, as any committed
     result recorded one: its lists as tuples, its modules of parts as mappings or as lists, a field
-    the profile no longer has left out (one it has since gained and the record lacks raises
-    ``TypeError``)."""
+    the profile no longer has left out (one it has since gained and the record lacks, or one
+    recorded in an earlier form, a number where the profile takes a tuple, raises ``TypeError``:
+    the planner would fail on it later)."""
     groups = []
     for g in stats["groups"]:
         g = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k in _GROUP_FIELDS}
+        old = sorted(k for k in _TUPLE_FIELDS & g.keys() if g[k] is not None and not isinstance(g[k], tuple))
+        if old:
+            raise TypeError(f"group {g.get('name')!r} records {', '.join(old)} in an earlier form (not a list)")
         groups.append(GroupProfile(**g))
     wholes = tuple(Whole(*w) if isinstance(w, list) else Whole(**w) for w in stats.get("wholes", ()))
     return Profile(tuple(groups), stats["base"], stats["outside_s"], stats["d2h_bps"], stats["h2d_bps"],
