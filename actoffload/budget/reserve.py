@@ -17,12 +17,7 @@ loop's: before the first step (a loader's blocks), and before a step that begins
 reserved than the last step's peak (beyond the base tolerance: something between the steps grew
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
-for it; and before a step that outgrows the cache (:meth:`AllocatorReserve.step_begins`'s
-``needs``: its plan, judged within the budget, allocates more than any step on this cache did,
-and the cache's idle blocks, were none of them of use to it, would take it over the budget: on
-the GPT-MoE the first full-length step, on a cache its shorter steps had built, reserved 18.00
-GiB for 15.79 allocated, over a 16.94 GiB budget; its next step, on a cache given back before
-it, 15.22 for 14.56); and before a step whose plan is judged within the budget (or is being profiled), where
+for it; and before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
@@ -64,8 +59,8 @@ class AllocatorReserve:
     def __init__(self) -> None:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back
-        # ... by why: "first" (before the first step), "grown between steps", "over the budget",
-        # "outgrown" (as a step began: see step_begins), "plan changed" (after a step over the budget)
+        # ... by why: "first" (before the first step), "grown between steps", "over the budget"
+        # (as a step began: see step_begins), "plan changed" (after a step over the budget)
         self.trims_by: collections.Counter[str] = collections.Counter()
         self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
         self._start: int | None = None  # reserved when the latest step began
@@ -73,15 +68,11 @@ class AllocatorReserve:
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
-        self._served_most = 0  # the most a step allocated at its peak since the cache was given back
 
-    def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True,
-                    needs: Callable[[], tuple[int, int] | None] = lambda: None) -> None:
+    def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
         step's plan may be within it on a cache of its own (``reachable()``, asked only then: see
-        the module), or one the step outgrows (``needs()``: the plan's allocated peak and the
-        reserved peak it is judged by, bytes, where it is judged within the budget and has not run
-        on the cache as it stands; else ``None``), and note what is reserved now."""
+        the module), and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
@@ -91,8 +82,6 @@ class AllocatorReserve:
             why = "grown between steps"
         elif now > budget and reachable():
             why = "over the budget"
-        elif not self._trimmed and self._outgrown(probe, budget, now, needs()):
-            why = "outgrown"
         else:
             why = None
         self.fresh = why is not None
@@ -107,7 +96,6 @@ class AllocatorReserve:
         if self._start is None:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
-        self._served_most = max(self._served_most, allocated_peak)
         self.cache_grew = reserved_peak > self._start
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
@@ -120,19 +108,8 @@ class AllocatorReserve:
         if self._over and not self._trimmed:
             self._give_back(probe, "plan changed")
 
-    def _outgrown(self, probe: Any, budget: int, now: int, needs: tuple[int, int] | None) -> bool:
-        """Whether a step whose plan ``needs`` (allocated, judged reserved peak) outgrows the cache
-        as it stands: it allocates more than any step on it did, so it must grow it, and the
-        cache's idle blocks (reserved, not allocated: ``now`` less what is allocated), were none of
-        them to serve it, would take it over the budget. A cache built by shorter steps has such
-        blocks in sizes a longer step cannot use (see the module); one given back holds none."""
-        if needs is None or needs[0] <= self._served_most:
-            return False
-        return now - probe.allocated() + needs[1] > budget
-
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
-        self._served_most = 0
         self.trims += 1
         self.trims_by[why] += 1
         self._trimmed = True
