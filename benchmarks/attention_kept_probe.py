@@ -30,13 +30,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from forced_llama import ForcedLlama
 
-from actoffload.budget.actions import Action
+from actoffload.budget.actions import Action, GroupDecision
 from actoffload.tools.budget_sweep import _checkpointed
 from actoffload.tools.determinism import use_deterministic
 from actoffload.tools.provenance import describe, results_json
@@ -45,9 +45,17 @@ from actoffload.tools.sweep_models import plain
 # none twice: where its two runs differ, the attention's backward is not deterministic here and
 # no method's gradients can be compared bit for bit
 METHODS = ("none", "none_again", "checkpoint", "sac", "attention")
-# fast, made to run one action on every layer, with this copy window
-FAST = {"fast_recompute": (Action.RECOMPUTE, 0, 0), "fast_attention": (Action.RECOMPUTE_ATTENTION, 0, 0),
-        "fast_attention_offload": (Action.RECOMPUTE_ATTENTION_OFFLOAD, 1, 1)}
+# fast, made to run one decision on every layer, with this copy window; ``--fast`` runs the
+# first three, ``--fast-plans`` names others
+FAST = {"fast_recompute": (GroupDecision(Action.RECOMPUTE), 0, 0),
+        "fast_attention": (GroupDecision(Action.RECOMPUTE_ATTENTION), 0, 0),
+        "fast_attention_offload": (GroupDecision(Action.RECOMPUTE_ATTENTION_OFFLOAD), 1, 1),
+        "fast_selective": (GroupDecision(Action.RECOMPUTE_SELECTIVE), 0, 0),
+        # what selective recomputation keeps, all of it (or its largest half) moved to host memory
+        "fast_selective_offload": (GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0), 1, 1),
+        "fast_selective_offload_w2": (GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0), 2, 2),
+        "fast_selective_offload_half": (GroupDecision(Action.RECOMPUTE_SELECTIVE_OFFLOAD, 0.5), 1, 1)}
+DEFAULT_FAST = ("fast_recompute", "fast_attention", "fast_attention_offload")
 
 
 def _call(method: str, layers: int) -> Any:
@@ -97,8 +105,9 @@ def _measured(w: Any, call: Any, device: torch.device) -> dict[str, Any]:
     return {"allocated_peak_bytes": peaks[0], "reserved_peak_bytes": peaks[1], "grad_fingerprint": fp, "steps_ms": []}
 
 
-def probe(name: str, device: torch.device, rounds: int, steps: int, fast: bool = False) -> dict[str, Any]:
-    """One workload: each method's peaks, median step ms and gradient fingerprint."""
+def probe(name: str, device: torch.device, rounds: int, steps: int, fast: Sequence[str] = ()) -> dict[str, Any]:
+    """One workload: each method's peaks, median step ms and gradient fingerprint (and those of
+    the ``fast`` plans named, of :data:`FAST`)."""
     rig = ForcedLlama(device, name)
     w = rig.workload
     n = len(w.blocks)
@@ -111,8 +120,9 @@ def probe(name: str, device: torch.device, rounds: int, steps: int, fast: bool =
             for i in range(steps):
                 out["methods"][m]["steps_ms"].append(_step(w, calls[m], i, device))
                 _clear(w)
-    for m, (action, max_inflight, prefetch) in FAST.items() if fast else ():
-        handle = rig.forced(action, max_inflight, prefetch)  # (two steps in: its host memory pinned)
+    for m in fast:
+        decision, max_inflight, prefetch = FAST[m]
+        handle = rig.forced(decision, max_inflight, prefetch)  # (two steps in: its host memory pinned)
         out["methods"][m] = _measured(w, plain, device)
         for i in range(rounds * steps):
             out["methods"][m]["steps_ms"].append(_step(w, plain, i, device))
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each method per round")
     p.add_argument("--fast", action="store_true", help="also fast, made to run one plan on every layer")
+    p.add_argument("--fast-plans", default=None, metavar="NAMES",
+                   help=f"fast's plans, comma-separated, of {', '.join(FAST)} (implies --fast)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     a = p.parse_args(argv)
     use_deterministic(True)  # before the first matmul
@@ -143,10 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("attention_kept_probe: no CUDA device here; --device cpu runs the tiny models", file=sys.stderr)
         return 2
+    fast = tuple(a.fast_plans.split(",")) if a.fast_plans else DEFAULT_FAST if a.fast else ()
+    unknown = [m for m in fast if m not in FAST]
+    if unknown:
+        print(f"attention_kept_probe: --fast-plans {', '.join(unknown)}: not one of {', '.join(FAST)}", file=sys.stderr)
+        return 2
     doc: dict[str, Any] = {"env": describe(device), "rounds": a.rounds, "steps": a.steps, "workloads": []}
     print(f"attention_kept_probe on {doc['env']['gpu']}, torch {torch.__version__}")
     for name in a.workloads.split(","):
-        r = probe(name, device, a.rounds, a.steps, a.fast)
+        r = probe(name, device, a.rounds, a.steps, fast)
         doc["workloads"].append(r)
         for m, x in r["methods"].items():
             gib = [f"{v / 2**30:6.2f}" if v is not None else "     -" for v in

@@ -64,12 +64,16 @@ class ForcedLlama:
             q.grad = None
         return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
-    def forced(self, action: Action | Sequence[Action], max_inflight: int = 0, prefetch: int = 0) -> Any:
+    def forced(self, action: Action | GroupDecision | Sequence[Action | GroupDecision], max_inflight: int = 0,
+               prefetch: int = 0) -> Any:
         """The layers wrapped again, the controller made to run ``action`` everywhere (or each
-        layer its own of a sequence) with this copy window (two steps in); the wrap's handle."""
-        actions = [action] * len(self.workload.blocks) if isinstance(action, Action) else list(action)
+        layer its own of a sequence; a decision where a fraction is wanted) with this copy window
+        (two steps in); the wrap's handle."""
+        one = isinstance(action, (Action, GroupDecision))
+        actions = [action] * len(self.workload.blocks) if one else list(action)  # type: ignore[arg-type]
         handle = ao.wrap(self.workload.blocks, self.offloader)
-        self._controller.force([GroupDecision(a) for a in actions], max_inflight, prefetch)
+        self._controller.force([a if isinstance(a, GroupDecision) else GroupDecision(a) for a in actions],
+                               max_inflight, prefetch)
         self.step(plain, 0)
         self.step(plain, 1)
         return handle
