@@ -69,11 +69,10 @@ class ForcedLlama:
         """The layers wrapped again, the controller made to run ``action`` everywhere (or each
         layer its own of a sequence; a decision where a fraction is wanted) with this copy window
         (two steps in); the wrap's handle."""
-        one = isinstance(action, (Action, GroupDecision))
-        actions = [action] * len(self.workload.blocks) if one else list(action)  # type: ignore[arg-type]
+        each = [action] * len(self.workload.blocks) if isinstance(action, (Action, GroupDecision)) else list(action)
+        decisions = [a if isinstance(a, GroupDecision) else GroupDecision(a) for a in each]
         handle = ao.wrap(self.workload.blocks, self.offloader)
-        self._controller.force([a if isinstance(a, GroupDecision) else GroupDecision(a) for a in actions],
-                               max_inflight, prefetch)
+        self._controller.force(decisions, max_inflight, prefetch)
         self.step(plain, 0)
         self.step(plain, 1)
         return handle
