@@ -4,7 +4,8 @@ a test): the host's ms to issue a step and its full ms, median of ``--steps``, f
 offloading, torch's checkpoint, fast keeping everything, fast recomputing every block whole,
 and fast recomputing every part; then torch's checkpoint, fast's whole blocks and fast keeping
 everything, five steps each, the host's part under cProfile (``--cprofile N`` functions, at
-``--profile-length``).
+``--profile-length``); with ``--trace``, three steps of torch's checkpoint, whole blocks and every
+part under ``torch.profiler`` (the ops and CUDA calls by device time and by count).
 
     PYTHONPATH=.:benchmarks python benchmarks/whole_vs_checkpoint_probe.py [--device cpu]
 """
@@ -19,6 +20,7 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import actoffload as ao
 from actoffload.budget.actions import Action
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cprofile", type=int, default=20)
     p.add_argument("--profile-length", type=int, default=0, help="the length profiled (default: the full one)")
+    p.add_argument("--trace", action="store_true",
+                   help="also three steps of each under torch.profiler: the ops and CUDA calls of most device and host time")
+    p.add_argument("--skip-timing", action="store_true", help="only what --cprofile and --trace ask")
     a = p.parse_args(argv)
     w = loop_decoder(a.device, "whole_vs_checkpoint_probe")
     device = w.device
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(PROFILE_STEPS + 1):
             step(loop_sweep._plain, length, i)
     handle.remove()
-    for length in lengths:
+    for length in [] if a.skip_timing else lengths:
         print(f"length {length}:")
         print(f"  no offloading          {timed(loop_sweep._plain, length)}")
         print(f"  torch checkpoint       {timed(loop_sweep._checkpointed, length)}")
@@ -77,6 +82,27 @@ def main(argv: list[str] | None = None) -> int:
             force_every_workload(off, action)
             print(f"  {name:22s} {timed(loop_sweep._plain, length)}")
         handle.remove()
+    if a.trace:
+        length = a.profile_length or w.seq_len
+        for name, action in (("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
+                             ("fast every part", Action.RECOMPUTE)):
+            handle = ao.wrap(w.blocks, off, parts=block_parts) if action is not None else None
+            if action is not None:
+                force_every_workload(off, action)
+            call = loop_sweep._checkpointed if action is None else loop_sweep._plain
+            for i in range(3):
+                step(call, length, i)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                for i in range(3):
+                    step(call, length, i)
+            by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(f"{name}, three steps at {length} under torch.profiler, by {by}:")
+            print(prof.key_averages().table(sort_by=by, row_limit=25))
+            print(f"{name}, the same by calls (CUDA API calls and ops):")
+            print(prof.key_averages().table(sort_by="count", row_limit=25))
+            if handle is not None:
+                handle.remove()
     if a.cprofile:
         length = a.profile_length or w.seq_len
         for name, action in (("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
