@@ -18,6 +18,8 @@ fraction of checkpointing's cost, at nearly checkpointing's memory. This measure
 
     PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --out probe.json     # CUDA: hf_8b_32k, hf_llama_sdpa
     PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --workloads hf_8b_32k --fast
+    PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --workloads hf_8b_32k --rounds 2 \
+        --fast-plans fast_selective,fast_selective_offload,fast_selective_offload_half   # others of FAST
     PYTHONPATH=.:benchmarks python benchmarks/attention_kept_probe.py --device cpu         # tiny models, a smoke run
 """
 
