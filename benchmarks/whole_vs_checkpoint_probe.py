@@ -18,6 +18,7 @@ import io
 import pstats
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -82,14 +83,21 @@ def main(argv: list[str] | None = None) -> int:
             force_every_workload(off, action)
             print(f"  {name:22s} {timed(loop_sweep._plain, length)}")
         handle.remove()
+    def method(action: Action | None) -> tuple[Any, Any]:
+        """The wrap's handle (``None``: torch's checkpoint, nothing wrapped) and the layers' call,
+        fast forced to ``action`` on every group."""
+        if action is None:
+            return None, loop_sweep._checkpointed
+        handle = ao.wrap(w.blocks, off, parts=block_parts)
+        force_every_workload(off, action)
+        return handle, loop_sweep._plain
+
     if a.trace:
         length = a.profile_length or w.seq_len
-        for name, action in (("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
-                             ("fast every part", Action.RECOMPUTE)):
-            handle = ao.wrap(w.blocks, off, parts=block_parts) if action is not None else None
-            if action is not None:
-                force_every_workload(off, action)
-            call = loop_sweep._checkpointed if action is None else loop_sweep._plain
+        traced: tuple[tuple[str, Action | None], ...] = (
+            ("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE), ("fast every part", Action.RECOMPUTE))
+        for name, chosen in traced:
+            handle, call = method(chosen)
             for i in range(3):
                 step(call, length, i)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -105,13 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                 handle.remove()
     if a.cprofile:
         length = a.profile_length or w.seq_len
-        for name, action in (("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
-                             ("fast keep", Action.KEEP)):
-            handle = ao.wrap(w.blocks, off, parts=block_parts) if action is not None else None
-            if action is not None:
-                force_every_workload(off, action)
-                step(loop_sweep._plain, length, 0)
-            call = loop_sweep._checkpointed if action is None else loop_sweep._plain
+        profiled: tuple[tuple[str, Action | None], ...] = (
+            ("torch checkpoint", None), ("fast whole blocks", Action.RECOMPUTE_WHOLE), ("fast keep", Action.KEEP))
+        for name, chosen in profiled:
+            handle, call = method(chosen)
+            if chosen is not None:
+                step(call, length, 0)
             prof = cProfile.Profile()
             sync()
             prof.enable()  # the host's part only: it stops where backward() returns
