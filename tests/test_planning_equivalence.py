@@ -5,8 +5,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 from actoffload.tools.provenance import write_results
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "planning_equivalence.py"
@@ -41,19 +39,3 @@ def test_the_planner_says_the_same_twice_and_a_changed_plan_is_found(tmp_path, c
     assert "differs: random (candidates)" in capsys.readouterr().out
     _write(b, {"synthetic": cases["synthetic"]})
     assert eq.compare(str(a), str(b)) == 2  # another corpus
-
-
-def test_a_recorded_profile_in_an_earlier_form_is_refused_not_planned_on():
-    """An early result recorded a group's costly ops as one number of bytes where a profile now
-    takes them one by one: the reader refuses it (TypeError, which the corpus skips), where the
-    planner would have failed on it midway through a dump."""
-    import sys
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    from settle_replay import profile_of
-
-    group = {"name": "0", "spans": [4096], "kept": 0, "inputs": 1024, "forward_s": 1e-3, "backward_s": 2e-3}
-    record = {"groups": [group], "base": 0, "outside_s": 0.0, "d2h_bps": 1e9, "h2d_bps": 1e9, "wholes": []}
-    assert profile_of(record).groups[0].spans == (4096,)
-    with pytest.raises(TypeError, match="costly"):
-        profile_of({**record, "groups": [{**group, "costly": 2048}]})

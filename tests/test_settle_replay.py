@@ -26,6 +26,17 @@ def test_a_cells_profile_is_read_back_whole(cells):
     assert profile.groups[1].spans == tuple(stats["groups"][1]["spans"]) and profile.base == stats["base"]
 
 
+
+def test_a_recorded_profile_in_an_earlier_form_is_refused_not_planned_on():
+    """An early result recorded a group's costly ops as one number of bytes where a profile now
+    takes them one by one: the reader refuses it (TypeError, which planning_equivalence's corpus
+    skips), where the planner would have failed on it midway through a dump."""
+    group = {"name": "0", "spans": [4096], "kept": 0, "inputs": 1024, "forward_s": 1e-3, "backward_s": 2e-3}
+    record = {"groups": [group], "base": 0, "outside_s": 0.0, "d2h_bps": 1e9, "h2d_bps": 1e9, "wholes": []}
+    assert settle_replay.profile_of(record).groups[0].spans == (4096,)
+    with pytest.raises(TypeError, match="costly"):
+        settle_replay.profile_of({**record, "groups": [{**group, "costly": 2048}]})
+
 def test_a_cell_replayed_settles_and_counts_its_profiling_steps(cells):
     # steps that take no host time plan in this process (a helper process would not answer within them)
     steps = settle_replay.replay(cells[1], sleep=False)
