@@ -6,7 +6,7 @@ recomputing it selectively); and the quick search a CUDA step makes while the wh
 in the planning process (docs/budgets.md, "What planning costs"). Prints seconds per size;
 asserts nothing.
 
-    .venv/bin/python benchmarks/bench_planning.py [--parts] [--selective] [--sizes 24,96,128,192,384] [--repeat 3]
+    .venv/bin/python benchmarks/bench_planning.py [--parts] [--selective] [--sizes 24,96,128,192,384] [--repeat 3] [--processes 2]
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ def synthetic(n: int, parts: bool = False, seed: int = 0, selective: bool = Fals
                    outside_extra=256 << 20, wholes=wholes)
 
 
-def planning_seconds(profile: Profile, budget: int, quick: bool = False) -> float:
+def planning_seconds(profile: Profile, budget: int, quick: bool = False, processes: int = 1) -> float:
     """One pass: the whole search, with the fastest plan within the budget improved group by
-    group as a controller asks it (``quick``: the quick search a CUDA step makes while the whole
-    one runs in the planning process), and the choice."""
+    group as a controller asks it, in ``processes`` processes (``quick``: the quick search a CUDA
+    step makes while the whole one runs in the planning process), and the choice."""
     start = time.perf_counter()
-    plans = search.quick_candidates(profile) if quick else search.candidates(profile, limits=[budget])
+    plans = (search.quick_candidates(profile) if quick
+             else search.candidates(profile, limits=[budget], processes=processes))
     search.choose(profile, budget, plans)
     return time.perf_counter() - start
 
@@ -57,14 +58,17 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="every three groups the parts of a block")
     ap.add_argument("--selective", action="store_true", help="costly ops measured: selective recomputation tried")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="search in up to this many processes side by side, as the planning process does")
     args = ap.parse_args()
     for n in (int(s) for s in args.sizes.split(",")):
         profile = synthetic(n, args.parts, selective=args.selective)
         keep_all = sum(g.offloadable + g.kept for g in profile.groups) + profile.base
         budget = profile.base + (keep_all - profile.base) // 3  # a third of the activations fit
-        best = min(planning_seconds(profile, budget) for _ in range(args.repeat))
+        best = min(planning_seconds(profile, budget, processes=args.processes) for _ in range(args.repeat))
         quick = min(planning_seconds(profile, budget, quick=True) for _ in range(args.repeat))
-        print(f"{n:4d} groups{' (parts)' if args.parts else ''}{' (selective)' if args.selective else ''}: {best:.3f} s"
+        print(f"{n:4d} groups{' (parts)' if args.parts else ''}{' (selective)' if args.selective else ''}"
+              f"{f' ({args.processes} processes)' if args.processes > 1 else ''}: {best:.3f} s"
               f" (the quick search a CUDA step makes: {quick:.3f} s)", flush=True)
 
 

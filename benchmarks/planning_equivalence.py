@@ -10,7 +10,8 @@ The corpus: ``benchmarks/bench_planning.py``'s synthetic profiles (3 to 384 grou
 without parts and costly ops), small random ones (costly ops and attention, ``min_move``, host
 pace, modules of parts, a bus from 10^2 to 10^12 bytes/s), ones of identical groups (scores
 tied), and every ``--every``-th profile recorded in ``benchmarks/results``. ``--quick``: a
-small corpus, a minute or so.
+small corpus, a minute or so. ``dump --processes 3``: the search side by side in three
+processes (to compare with a dump of one).
 
     git worktree add /tmp/before <rev>
     (cd /tmp/before && PYTHONPATH=. python /path/to/benchmarks/planning_equivalence.py dump /tmp/a.json.gz)
@@ -62,14 +63,15 @@ def _choice(profile: Profile, budget: int, plans: list[MemoryPlan]) -> Any:
         return ["too small", str(e)]
 
 
-def measured(profile: Profile, grid: int = 10) -> dict[str, Any]:
-    """What the planner makes of ``profile``: candidates, improvements, quick search, choices.
+def measured(profile: Profile, grid: int = 10, processes: int = 1) -> dict[str, Any]:
+    """What the planner makes of ``profile``: candidates, improvements, quick search, choices
+    (the whole search in up to ``processes`` processes).
 
     Example::
 
         record = measured(synthetic(24))   # comparable with a record made by another tree
     """
-    plans = search.candidates(profile)
+    plans = search.candidates(profile, processes=processes)
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
     limits = sorted({least - 1, least, plans[0].peak} | {least + (most - least) * k // grid for k in range(grid + 1)})
     improved = []
@@ -81,7 +83,7 @@ def measured(profile: Profile, grid: int = 10) -> dict[str, Any]:
     return {
         "candidates": _plans(plans),
         "improved": improved,
-        "with_limits": _plans(search.candidates(profile, limits=limits[-2:])),
+        "with_limits": _plans(search.candidates(profile, limits=limits[-2:], processes=processes)),
         "quick": _plans(search.quick_candidates(profile)),
         "quick_one_window": _plans(search.quick_candidates(profile, (0, 0))),
         "choices": [_choice(profile, b, plans) for b in sorted({least - 1, plans[0].peak, plans[0].peak + 1}
@@ -180,10 +182,10 @@ def corpus(quick: bool, every: int) -> Iterator[Case]:
     yield from _recorded(every * (10 if quick else 1))
 
 
-def dump(path: str, quick: bool, every: int) -> int:
+def dump(path: str, quick: bool, every: int, processes: int = 1) -> int:
     start, out = time.perf_counter(), {}
     for name, make in corpus(quick, every):
-        out[name] = measured(make())
+        out[name] = measured(make(), processes=processes)
     write_results(path, {"tree": os.path.dirname(actoffload.__path__[0]), "cases": out})
     print(f"{len(out)} profiles in {time.perf_counter() - start:.0f} s: {path}")
     return 0
@@ -212,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("out", help="a .json.gz to write")
     d.add_argument("--quick", action="store_true", help="a small corpus")
     d.add_argument("--every", type=int, default=3, help="every how many recorded profiles one is taken")
+    d.add_argument("--processes", type=int, default=1, help="search in up to this many processes side by side")
     c = sub.add_parser("compare", help="two dumps: every plan and choice the same?")
     c.add_argument("a")
     c.add_argument("b")
     a = p.parse_args(argv)
-    return dump(a.out, a.quick, a.every) if a.what == "dump" else compare(a.a, a.b)
+    return dump(a.out, a.quick, a.every, a.processes) if a.what == "dump" else compare(a.a, a.b)
 
 
 if __name__ == "__main__":

@@ -445,3 +445,31 @@ def test_search_candidates_for_a_limit_add_the_fastest_plan_within_it_improved()
     better = improved_within(profile, best, limit)
     assert better.step_s < 0.95 * best.step_s
     assert with_limit == plans + [better] and choose(profile, limit, with_limit) == better
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="the search runs side by side in forked processes")
+@pytest.mark.parametrize("processes", [2, 3, 5])
+def test_search_in_several_processes_makes_the_same_plans_in_the_same_order(processes):
+    """The paths of different copy windows apart, in forked processes: every plan, its modelled
+    peak and time to the last bit, in the order one process makes them, and with them what a
+    budget improves and chooses."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_planning import synthetic
+    for profile in PROFILES[::5] + [synthetic(12, parts=True, selective=True)]:
+        plans = candidates(profile)
+        peaks = sorted({p.peak for p in plans})
+        limit = peaks[min(2, len(peaks) - 1)]
+        alone = candidates(profile, limits=[limit])
+        apart = candidates(profile, limits=[limit], processes=processes)
+        assert [(p.key, p.peak, p.step_s) for p in apart] == [(p.key, p.peak, p.step_s) for p in alone]
+        assert choose(profile, limit, apart) == choose(profile, limit, alone)
+
+
+def test_search_shares_keep_a_max_inflights_windows_together_and_the_families_last():
+    windows = [(w, pf) for w in search.WINDOWS for pf in search.PREFETCHES]
+    assert search.shares(windows, 1) == [windows]
+    assert search.shares(windows, 2) == [windows[:3], windows[3:]]
+    assert search.shares(windows, 3) == search.shares(windows, 8) == [windows[:3], windows[3:6], windows[6:]]
+    assert search.shares([(1, 1)], 4) == [[(1, 1)]]
+    with pytest.raises(ValueError, match="processes must be at least 1"):
+        candidates(PROFILES[0], processes=0)

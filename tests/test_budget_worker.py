@@ -613,3 +613,10 @@ def test_a_predicted_profile_whose_quick_plan_was_timed_before_the_answer_still_
         cases += 1
         assert first in tried and len(tried) == 3, (tried, first)
     assert cases >= 3
+
+
+@pytest.mark.parametrize("cores,processes", [(1, 1), (2, 1), (3, 2), (4, 3), (64, 3)])
+def test_the_planning_process_searches_in_its_cores_less_one_at_most_one_per_max_inflight(monkeypatch, cores,
+                                                                                         processes):
+    monkeypatch.setattr(planning.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert planning.search_processes() == processes

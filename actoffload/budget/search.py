@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import fanout
 from .actions import Action, GroupDecision
 from .costmodel import Change, GroupProfile, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
 from .tolerances import alike
@@ -47,21 +48,37 @@ def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight:
 
 
 def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = None,
-               families: bool = True, limits: Sequence[int] = ()) -> list[MemoryPlan]:
+               families: bool = True, limits: Sequence[int] = (), processes: int = 1) -> list[MemoryPlan]:
     """Plans from keeping everything down to the least memory, for every window and
     prefetch (``windows``: only these ``(max_inflight, prefetch)``; the hand-written families
     keep theirs, left out without ``families``): the path that at each step takes the move
     saving the most modelled peak memory per modelled second added. Independent of any budget,
     but for ``limits`` (modelled peaks a budget allows): for each, the fastest plan within it,
-    improved group by group within it (:func:`improved_within`), where that is faster."""
-    n = len(profile.groups)
-    keep_all = (KEEP,) * n
+    improved group by group within it (:func:`improved_within`), where that is faster.
+
+    ``processes``: up to this many processes search side by side, the paths of different copy
+    windows apart (:func:`shares`; :mod:`~.fanout` forks them, so only a caller without
+    threads, as the planning process, asks for more than one). The plans are the same.
+
+    Example::
+
+        plans = candidates(profile, limits=[budget], processes=3)
+    """
+    windows = list(windows) if windows is not None else [(w, pf) for w in WINDOWS for pf in PREFETCHES]
+    keep_all = (KEEP,) * len(profile.groups)
+
+    def share(ws: Sequence[tuple[int, int]], with_families: bool) -> Callable[[], list[MemoryPlan]]:
+        def plans() -> list[MemoryPlan]:
+            shared, out = _Shared(), []
+            for w, pf in ws:
+                out += _greedy_path(profile, keep_all, w, pf, shared)
+            return out + (_families(profile) if with_families else [])
+        return plans
+
+    pieces = shares(windows, processes)
     out = [evaluated(profile, keep_all, 0, 0)]
-    shared = _Shared()
-    for w, pf in windows if windows is not None else [(w, pf) for w in WINDOWS for pf in PREFETCHES]:
-        out += _greedy_path(profile, keep_all, w, pf, shared)
-    if families:
-        out += _families(profile)
+    for plans in fanout.run([share(ws, families and k == len(pieces) - 1) for k, ws in enumerate(pieces)]):
+        out += plans
     for limit in limits:
         within = [p for p in out if p.peak <= limit]
         if within:
@@ -70,6 +87,29 @@ def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = Non
             if better.step_s < best.step_s:
                 out.append(better)
     return out
+
+
+def shares(windows: Sequence[tuple[int, int]], processes: int) -> list[list[tuple[int, int]]]:
+    """``windows`` cut into at most ``processes`` runs, in order, each process's paths: the
+    windows of one ``max_inflight`` go together (their paths score many moves for one
+    another: apart, the nine paths of 128 synthetic groups cost a third more), and where there
+    are more such runs than processes, the last ones go together (with the families, which
+    come last: on the planning benchmark that evens the two processes' times).
+
+    >>> shares([(0, 0), (0, 1), (1, 1), (2, 2)], 2)
+    [[(0, 0), (0, 1)], [(1, 1), (2, 2)]]
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    runs: list[list[tuple[int, int]]] = []
+    for window in windows:
+        if runs and runs[-1][-1][0] == window[0]:
+            runs[-1].append(window)
+        else:
+            runs.append([window])
+    while len(runs) > processes:
+        runs[-2:] = [runs[-2] + runs[-1]]
+    return runs or [[]]
 
 
 def _alternatives(g: GroupProfile) -> list[GroupDecision]:

@@ -31,6 +31,7 @@ import time
 import warnings
 from typing import IO, Any, Sequence
 
+from . import search
 from .costmodel import MemoryPlan, Profile
 
 # The helper's first lines, run isolated (-I: no working directory, user site or PYTHON*
@@ -63,8 +64,7 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
     """The helper's loop: each request ``(ticket, profile, windows, limits)`` is answered with
     ``(ticket, plans, seconds)``, or ``(ticket, None, error)`` where the search raised, until
     the parent closes the pipe (or is gone)."""
-    from . import search
-
+    processes = search_processes()
     try:
         while True:
             try:
@@ -73,7 +73,8 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
                 return
             started = time.perf_counter()
             try:
-                answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows, limits=limits),
+                answer: tuple[int, Any, Any] = (ticket, search.candidates(profile, windows, limits=limits,
+                                                                          processes=processes),
                                                 time.perf_counter() - started)
             except Exception as e:  # the parent searches itself, and raises it there
                 answer = (ticket, None, repr(e))
@@ -89,6 +90,17 @@ def serve(requests: IO[bytes], answers_fd: int) -> None:
             os.close(answers_fd)
         except OSError:
             pass
+
+
+def search_processes() -> int:
+    """How many processes the helper searches in (:func:`~.search.candidates`): the cores this
+    process may run on, less one for the training process's own host work, and no more than
+    the search has pieces for (one per copy window's ``max_inflight``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores - 1, len(search.WINDOWS)))
 
 
 class PlanWorker:

@@ -1,0 +1,56 @@
+"""Pieces of a search run side by side in forked processes: their results come back in order,
+and a child that fails or dies leaves its piece to this process, so the result is the same
+(CPU only)."""
+
+import os
+
+import pytest
+
+from actoffload.budget import fanout
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="pieces run in forked children only where os.fork is")
+
+
+def test_pieces_run_in_children_and_their_results_come_back_in_order():
+    here = os.getpid()
+    results = fanout.run([lambda k=k: (k, os.getpid()) for k in range(4)])
+    assert [k for k, _ in results] == [0, 1, 2, 3]
+    assert results[0][1] == here and all(pid != here for _, pid in results[1:])
+    assert len({pid for _, pid in results}) == 4
+    assert fanout.run([]) == []
+
+
+def test_a_large_result_comes_back_whole():
+    big = list(range(2_000_000))  # far beyond a pipe's buffer
+    assert fanout.run([lambda: 0, lambda: big]) == [0, big]
+
+
+def test_a_piece_that_raises_in_its_child_raises_here():
+    def piece():
+        raise KeyError("no such group")
+    with pytest.raises(KeyError, match="no such group"):
+        fanout.run([lambda: 0, piece])
+
+
+def test_a_child_that_dies_leaves_its_piece_to_this_process():
+    here = os.getpid()
+
+    def piece():
+        if os.getpid() != here:
+            os._exit(3)  # the child dies without a word
+        return "made here"
+    assert fanout.run([lambda: 0, piece]) == [0, "made here"]
+
+
+def test_without_fork_every_piece_runs_here(monkeypatch):
+    here = os.getpid()
+    monkeypatch.delattr(os, "fork")
+    assert fanout.run([os.getpid, os.getpid]) == [here, here]
+
+
+def test_a_fork_that_fails_leaves_the_piece_to_this_process(monkeypatch):
+    def refused():
+        raise OSError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", refused)
+    here = os.getpid()
+    assert fanout.run([os.getpid, os.getpid]) == [here, here]
