@@ -3,6 +3,10 @@ and a child that fails or dies leaves its piece to this process, so the result i
 (CPU only)."""
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -11,13 +15,25 @@ from actoffload.budget import fanout
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="pieces run in forked children only where os.fork is")
 
 
+def in_a_fresh_process(code: str) -> None:
+    """``code`` run in a Python of its own: no thread another test left running keeps it from forking."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def test_pieces_run_in_children_and_their_results_come_back_in_order():
-    here = os.getpid()
-    results = fanout.run([lambda k=k: (k, os.getpid()) for k in range(4)])
-    assert [k for k, _ in results] == [0, 1, 2, 3]
-    assert results[0][1] == here and all(pid != here for _, pid in results[1:])
-    assert len({pid for _, pid in results}) == 4
-    assert fanout.run([]) == []
+    in_a_fresh_process("""
+        import os
+        from actoffload.budget import fanout
+        here = os.getpid()
+        results = fanout.run([lambda k=k: (k, os.getpid()) for k in range(4)])
+        assert [k for k, _ in results] == [0, 1, 2, 3]
+        assert results[0][1] == here and all(pid != here for _, pid in results[1:])
+        assert len({pid for _, pid in results}) == 4
+        assert fanout.run([]) == []
+    """)
 
 
 def test_a_large_result_comes_back_whole():
@@ -54,3 +70,15 @@ def test_a_fork_that_fails_leaves_the_piece_to_this_process(monkeypatch):
     monkeypatch.setattr(os, "fork", refused)
     here = os.getpid()
     assert fanout.run([os.getpid, os.getpid]) == [here, here]
+
+
+def test_with_another_thread_running_every_piece_runs_here():
+    import threading
+    here, stop = os.getpid(), threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert fanout.run([os.getpid, os.getpid]) == [here, here]
+    finally:
+        stop.set()
+        other.join()

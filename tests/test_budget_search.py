@@ -448,21 +448,36 @@ def test_search_candidates_for_a_limit_add_the_fastest_plan_within_it_improved()
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="the search runs side by side in forked processes")
-@pytest.mark.parametrize("processes", [2, 3, 5])
-def test_search_in_several_processes_makes_the_same_plans_in_the_same_order(processes):
+def test_search_in_several_processes_makes_the_same_plans_in_the_same_order():
     """The paths of different copy windows apart, in forked processes: every plan, its modelled
     peak and time to the last bit, in the order one process makes them, and with them what a
-    budget improves and chooses."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_planning import synthetic
-    for profile in PROFILES[::5] + [synthetic(12, parts=True, selective=True)]:
-        plans = candidates(profile)
-        peaks = sorted({p.peak for p in plans})
-        limit = peaks[min(2, len(peaks) - 1)]
-        alone = candidates(profile, limits=[limit])
-        apart = candidates(profile, limits=[limit], processes=processes)
-        assert [(p.key, p.peak, p.step_s) for p in apart] == [(p.key, p.peak, p.step_s) for p in alone]
-        assert choose(profile, limit, apart) == choose(profile, limit, alone)
+    budget improves and chooses (in a Python of its own, where no other test's thread keeps
+    it from forking; that it forked, its children's process ids say)."""
+    from test_budget_fanout import in_a_fresh_process
+    in_a_fresh_process("""
+        import os, sys
+        sys.path[:0] = ["tests", "benchmarks"]
+        from bench_planning import synthetic
+        from test_budget_search import PROFILES
+        from actoffload.budget import fanout, search
+        forked, run = set(), fanout.run
+        def watched(pieces):  # each piece's plans, and the process that made them
+            results = run([lambda piece=piece: (os.getpid(), piece()) for piece in pieces])
+            forked.update(pid for pid, _ in results)
+            return [plans for _, plans in results]
+        for profile in PROFILES[::5] + [synthetic(12, parts=True, selective=True)]:
+            plans = search.candidates(profile)
+            peaks = sorted({p.peak for p in plans})
+            limit = peaks[min(2, len(peaks) - 1)]
+            alone = search.candidates(profile, limits=[limit])
+            for processes in (2, 3, 5):
+                fanout.run = watched
+                apart = search.candidates(profile, limits=[limit], processes=processes)
+                fanout.run = run
+                assert [(p.key, p.peak, p.step_s) for p in apart] == [(p.key, p.peak, p.step_s) for p in alone]
+                assert search.choose(profile, limit, apart) == search.choose(profile, limit, alone)
+        assert len(forked - {os.getpid()}) >= 2, forked
+    """)
 
 
 def test_search_shares_keep_a_max_inflights_windows_together_and_the_families_last():

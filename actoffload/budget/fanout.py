@@ -5,17 +5,19 @@ The search's greedy paths share nothing across copy windows but what they could 
 another, so the paths of different windows can run in different processes and give the same
 plans. A child is forked (it has the profile and the code already, nothing is sent to it),
 runs its piece, and sends the plans back pickled over a pipe; this process runs the first
-piece meanwhile. Forking is safe where the caller has no threads that hold locks the child
-would need: the planning process (:mod:`~.worker`), which imports neither torch nor anything
-that starts threads, and a script that asks for it. A controller in the training process
-never asks. Where a child cannot be forked, dies or fails, its piece runs in this process: the
-plans are the same either way, only later.
+piece meanwhile. Forking is safe where no other thread may hold a lock the child would need:
+the planning process (:mod:`~.worker`), which imports neither torch nor anything that starts
+threads, and a script that asks for it. A controller in the training process never asks, and
+a process running Python threads besides the caller's runs every piece itself. Where a child
+cannot be forked, dies or fails, its piece runs in this process: the plans are the same either
+way, only later.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -23,13 +25,16 @@ T = TypeVar("T")
 
 def run(pieces: Sequence[Callable[[], T]]) -> list[T]:
     """Each of ``pieces`` called, all but the first in forked children, the first here; their
-    results in order. Without ``os.fork`` (Windows) they all run here, one after the other.
+    results in order. Without ``os.fork`` (Windows), or with other Python threads running (a
+    child would have only the caller's, and any lock another held stays held), they all run
+    here, one after the other.
 
     Example::
 
         evens, odds = run([lambda: sum(range(0, 10**6, 2)), lambda: sum(range(1, 10**6, 2))])
     """
-    children = [_fork(piece) for piece in pieces[1:]] if hasattr(os, "fork") else [None] * (len(pieces) - 1)
+    apart = hasattr(os, "fork") and threading.active_count() == 1
+    children = [_fork(piece) if apart else None for piece in pieces[1:]]
     results = [pieces[0]()] if pieces else []
     for piece, child in zip(pieces[1:], children):
         results.append(_collect(child, piece))
