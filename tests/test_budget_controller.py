@@ -869,13 +869,12 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
 @pytest.mark.parametrize("room", [30 * MiB, 80 * MiB])
 def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_step_whose_idle_blocks_could_take_it_over(
         room: int):
-    """A shorter workload's step grew the cache; the longer one's plan, judged within the budget
-    with ``room`` to spare, allocates more than any step on it did, so its step must grow it.
-    Where the cache's idle blocks, should none serve it, would take the step over the budget, the
-    cache is given back before it (on the GPT-MoE the first full-length step after a 768-token one
-    reserved 12.40 GiB for 10.78 allocated, over 11.80); with room for them, it stays. Neither the
-    longer step's next step (its own cache) nor a shorter step after it (a cache a longer step
-    served) gives it back."""
+    """A shorter workload's step built the cache; the longer one's plan is judged within the
+    budget with ``room`` to spare. Where the cache's idle blocks, should none serve it, would take
+    the step over the budget, the cache is given back before it (on the GPT-MoE the first
+    full-length step after a 768-token one reserved 12.40 GiB for 10.78 allocated, over 11.80);
+    with room for them, it stays. Neither the longer step's next step (its own cache) nor a shorter
+    step after it (a cache a longer step served) gives it back."""
     probe, reserve = FakeProbe(), AllocatorReserve()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + room
@@ -904,11 +903,32 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     assert probe.trims == 1 + int(outgrown)
 
 
+def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_step_that_allocates_no_more():
+    """The longer step's plan allocates what the shorter step did: the shorter step's blocks are
+    still cut too small for its tensors (on the loop sweep's decoder a 2048-token step allocating
+    what the 1536-token step before it had reserved 8.97 GiB for 5.04 on that step's cache), so
+    where the idle blocks could take it over the budget, the cache is given back."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    long.adopt_profile(_profile())
+    short.adopt_profile(_small_profile())
+    for c, tokens in ((short, 1536), (long, 2048)):
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = keep_all.peak, 20 * MiB  # within the budget
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = keep_all.peak + 20 * MiB
+    assert reserve.trims_by == {"first": 1, "outgrown": 1}
+
+
 @pytest.mark.parametrize("first_tokens", [2048, None])
-def test_controller_a_cache_no_shorter_step_grew_is_kept_for_a_step_that_allocates_more(first_tokens):
+def test_controller_a_cache_a_step_as_long_ran_on_is_kept_for_a_step_that_allocates_more(first_tokens):
     """The same steps, the cache built by a step as long as the one that follows (or of tokens
-    not known): its blocks are cut to sizes the longer step can use, and a cache given back would
-    be built again, its own way, by whichever step came next, so it is kept."""
+    not known): its blocks are cut to sizes the step can use, and a cache given back would be
+    built again, its own way, by whichever step came next, so it is kept."""
     probe, reserve = FakeProbe(), AllocatorReserve()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
     budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
