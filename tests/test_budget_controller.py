@@ -924,8 +924,33 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     assert reserve.trims_by == {"first": 1, "outgrown": 1}
 
 
+def test_controller_a_cache_a_longer_step_built_and_a_shorter_one_grew_is_given_back_before_the_longer_plan():
+    """The longer workload's least memory built the cache (profiling), a shorter step grew it, and
+    the longer workload's next plan (keeping more) has not run on it: given back (the GPT-MoE's
+    first full-length planned step after a 768-token one, on the profiling steps' cache)."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    short.adopt_profile(_small_profile())
+    reserve.step_of(2048)
+    long.step_begins()  # profiling: its own cache
+    probe.peak_bytes, probe.cached_bytes = BASE + 20 * MiB, 5 * MiB
+    long.backward_ends()
+    probe.reserved_bytes = BASE + 25 * MiB
+    long.adopt_profile(_profile())
+    for c, tokens, peak in ((short, 768, BASE + 60 * MiB), (long, 2048, keep_all.peak)):
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = peak, 5 * MiB
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = peak + 5 * MiB
+    assert reserve.trims_by == {"first": 1, "outgrown": 1}
+
+
 @pytest.mark.parametrize("first_tokens", [2048, None])
-def test_controller_a_cache_a_step_as_long_ran_on_is_kept_for_a_step_that_allocates_more(first_tokens):
+def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allocates_more(first_tokens):
     """The same steps, the cache built by a step as long as the one that follows (or of tokens
     not known): its blocks are cut to sizes the step can use, and a cache given back would be
     built again, its own way, by whichever step came next, so it is kept."""

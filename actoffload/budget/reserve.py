@@ -18,11 +18,11 @@ reserved than the last step's peak (beyond the base tolerance: something between
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
 for it; and before a step that outgrows a cache shorter steps built (:meth:`AllocatorReserve.step_begins`'s
-``needs``: every step on the cache since it was given back had fewer tokens, this step's plan is
+``needs``: a step of fewer tokens grew the cache since it was given back, this step's plan is
 judged within the budget, and the cache's idle blocks, were none of them of use to it, would take
 it over the budget: on the GPT-MoE the first full-length step after a 768-token one reserved 12.40
-GiB for 10.78 allocated, over 11.80, in every run; a cache a step as long built serves the step,
-and shorter ones, and is kept); and before a step whose plan is judged within the budget (or is being profiled), where
+GiB for 10.78 allocated, over 11.80, in every run; a cache only steps as long or longer grew
+serves the step, and is kept); and before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
@@ -74,7 +74,7 @@ class AllocatorReserve:
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
         self._tokens: int | None = None  # the tokens of the step beginning or running (None: not known)
-        self._longest: int | None = None  # the most tokens of a step on the cache since it was given back
+        self._grown_by: int | None = None  # the fewest tokens of a step that grew the cache since it was given back
 
     def step_of(self, tokens: int | None) -> None:
         """The step about to begin has this many tokens (its signature's; None: not known)."""
@@ -113,8 +113,8 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
-        if self._tokens is not None:
-            self._longest = self._tokens if self._longest is None else max(self._longest, self._tokens)
+        if self.cache_grew and self._tokens is not None:
+            self._grown_by = self._tokens if self._grown_by is None else min(self._grown_by, self._tokens)
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
         self.bytes = reserved_peak - allocated_peak
@@ -127,20 +127,22 @@ class AllocatorReserve:
             self._give_back(probe, "plan changed")
 
     def _outgrown(self, probe: Any, budget: int, now: int, needs: Callable[[], tuple[int, int] | None]) -> bool:
-        """Whether this step outgrows a cache shorter steps built: every step on it since it was
-        given back had fewer tokens (its blocks are cut to their sizes, too small for this step's
-        tensors, whatever it allocates in all: on the loop sweep's decoder a 2048-token step
-        allocating what the 1536-token step before it had, on the cache that step built, reserved
-        8.97 GiB for 5.04 allocated), and the idle blocks (``now`` less what is allocated), were
-        none of them of use to it, would take it over the budget."""
-        if self._tokens is None or self._longest is None or self._longest >= self._tokens:
+        """Whether this step outgrows a cache shorter steps built: a step of fewer tokens grew it
+        since it was given back (the blocks it added are cut to that step's sizes, too small for
+        this step's tensors, whatever this step allocates in all: on the loop sweep's decoder a
+        2048-token step allocating what the 1536-token step before it had, on the cache that step
+        built, reserved 8.97 GiB for 5.04 allocated; the GPT-MoE's first full-length step after a
+        768-token step had grown the full-length profiling steps' cache reserved 12.40 GiB for
+        10.78), and the idle blocks (``now`` less what is allocated), were none of them of use to
+        it, would take it over the budget."""
+        if self._tokens is None or self._grown_by is None or self._grown_by >= self._tokens:
             return False
         need = needs()
         return need is not None and now - probe.allocated() + need[1] > budget
 
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
-        self._longest = None
+        self._grown_by = None
         self.trims += 1
         self.trims_by[why] += 1
         self._trimmed = True
