@@ -17,12 +17,7 @@ loop's: before the first step (a loader's blocks), and before a step that begins
 reserved than the last step's peak (beyond the base tolerance: something between the steps grew
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
-for it; and before a step that outgrows a cache shorter steps built (:meth:`AllocatorReserve.step_begins`'s
-``needs``: a step of fewer tokens grew the cache since it was given back, this step's plan is
-judged within the budget, and the cache's idle blocks, were none of them of use to it, would take
-it over the budget: on the GPT-MoE the first full-length step after a 768-token one reserved 12.40
-GiB for 10.78 allocated, over 11.80, in every run; a cache only steps as long or longer grew
-serves the step, and is kept); and before a step whose plan is judged within the budget (or is being profiled), where
+for it; and before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
@@ -64,8 +59,8 @@ class AllocatorReserve:
     def __init__(self) -> None:
         self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
         self.trims = 0  # times the cache was given back
-        # ... by why: "first" (before the first step), "grown between steps", "over the budget",
-        # "outgrown" (as a step began: see step_begins), "plan changed" (after a step over the budget)
+        # ... by why: "first" (before the first step), "grown between steps", "over the budget"
+        # (as a step began: see step_begins), "plan changed" (after a step over the budget)
         self.trims_by: collections.Counter[str] = collections.Counter()
         self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
         self._start: int | None = None  # reserved when the latest step began
@@ -73,20 +68,11 @@ class AllocatorReserve:
         self._over = False  # the latest step's reserved peak is over the budget
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
-        self._tokens: int | None = None  # the tokens of the step beginning or running (None: not known)
-        self._grown_by: int | None = None  # the fewest tokens of a step that grew the cache since it was given back
 
-    def step_of(self, tokens: int | None) -> None:
-        """The step about to begin has this many tokens (its signature's; None: not known)."""
-        self._tokens = tokens
-
-    def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True,
-                    needs: Callable[[], tuple[int, int] | None] = lambda: None) -> None:
+    def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
         step's plan may be within it on a cache of its own (``reachable()``, asked only then: see
-        the module), or one shorter steps built that the step outgrows (``needs()``: the plan's
-        allocated peak and the reserved peak it is judged by, bytes, where it is judged within the
-        budget; else ``None``), and note what is reserved now."""
+        the module), and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
@@ -96,8 +82,6 @@ class AllocatorReserve:
             why = "grown between steps"
         elif now > budget and reachable():
             why = "over the budget"
-        elif not self._trimmed and self._outgrown(probe, budget, now, needs):
-            why = "outgrown"
         else:
             why = None
         self.fresh = why is not None
@@ -113,8 +97,6 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
-        if self.cache_grew and self._tokens is not None:
-            self._grown_by = self._tokens if self._grown_by is None else min(self._grown_by, self._tokens)
         if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
             return False  # its cache served it, or it adds nothing
         self.bytes = reserved_peak - allocated_peak
@@ -126,23 +108,8 @@ class AllocatorReserve:
         if self._over and not self._trimmed:
             self._give_back(probe, "plan changed")
 
-    def _outgrown(self, probe: Any, budget: int, now: int, needs: Callable[[], tuple[int, int] | None]) -> bool:
-        """Whether this step outgrows a cache shorter steps built: a step of fewer tokens grew it
-        since it was given back (the blocks it added are cut to that step's sizes, too small for
-        this step's tensors, whatever this step allocates in all: on the loop sweep's decoder a
-        2048-token step allocating what the 1536-token step before it had, on the cache that step
-        built, reserved 8.97 GiB for 5.04 allocated; the GPT-MoE's first full-length step after a
-        768-token step had grown the full-length profiling steps' cache reserved 12.40 GiB for
-        10.78), and the idle blocks (``now`` less what is allocated), were none of them of use to
-        it, would take it over the budget."""
-        if self._tokens is None or self._grown_by is None or self._grown_by >= self._tokens:
-            return False
-        need = needs()
-        return need is not None and now - probe.allocated() + need[1] > budget
-
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
-        self._grown_by = None
         self.trims += 1
         self.trims_by[why] += 1
         self._trimmed = True
