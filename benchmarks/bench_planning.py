@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1,
                     help="search in up to this many processes side by side, as the planning process does")
     args = ap.parse_args()
+    if args.processes < 1 or args.repeat < 1:
+        ap.error("--processes and --repeat take a count of at least 1")
     for n in (int(s) for s in args.sizes.split(",")):
         profile = synthetic(n, args.parts, selective=args.selective)
         keep_all = sum(g.offloadable + g.kept for g in profile.groups) + profile.base

@@ -82,3 +82,24 @@ def test_with_another_thread_running_every_piece_runs_here():
     finally:
         stop.set()
         other.join()
+
+
+def test_a_piece_that_raises_here_leaves_no_child_behind():
+    in_a_fresh_process("""
+        import os, time
+        from actoffload.budget import fanout
+        def here():
+            raise ValueError("the first piece failed")
+        try:
+            fanout.run([here, lambda: time.sleep(60)])
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("the first piece's error was not raised")
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # none left: the sleeping child was ended and reaped
+            pass
+        else:
+            raise AssertionError("a child was left behind")
+    """)

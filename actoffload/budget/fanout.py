@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 from typing import Callable, Sequence, TypeVar
 
@@ -35,9 +36,19 @@ def run(pieces: Sequence[Callable[[], T]]) -> list[T]:
     """
     apart = hasattr(os, "fork") and threading.active_count() == 1
     children = [_fork(piece) if apart else None for piece in pieces[1:]]
-    results = [pieces[0]()] if pieces else []
-    for piece, child in zip(pieces[1:], children):
-        results.append(_collect(child, piece))
+    try:
+        results = [pieces[0]()] if pieces else []
+    except BaseException:  # no child left behind, running or unreaped
+        for child in children:
+            _abandon(child)
+        raise
+    for k, (piece, child) in enumerate(zip(pieces[1:], children)):
+        try:
+            results.append(_collect(child, piece))
+        except BaseException:
+            for later in children[k + 1:]:
+                _abandon(later)
+            raise
     return results
 
 
@@ -73,6 +84,19 @@ def _fork(piece: Callable[[], object]) -> _Child | None:
             os._exit(status)
     os.close(write)
     return pid, read
+
+
+def _abandon(child: _Child | None) -> None:
+    """A child whose result is no longer wanted: ended, its pipe closed, reaped."""
+    if child is None:
+        return
+    pid, read = child
+    os.close(read)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 def _collect(child: _Child | None, piece: Callable[[], T]) -> T:

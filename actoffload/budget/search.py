@@ -74,10 +74,8 @@ def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = Non
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while the search runs: the search makes hundreds of
     thousands of objects that live until it ends (moves' scores, plans), and each of the
-    collector's full passes goes over every one of them and the program's other objects (on the
-    planning benchmark, a tenth of a pass at 384 groups on the CPU machine; on the GPU machine's
-    Python the paths of one process took 1.23 s together against 0.77 s one at a time). The
-    little it leaves in cycles (a path's closures) is collected after."""
+    collector's passes over them finds nothing to free (docs/budgets.md, "What planning costs").
+    The little it leaves in cycles (a path's closures) is collected after."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -116,10 +114,9 @@ def _candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None, fam
 
 def shares(windows: Sequence[tuple[int, int]], processes: int) -> list[list[tuple[int, int]]]:
     """``windows`` cut into at most ``processes`` runs, in order, each process's paths: the
-    windows of one ``max_inflight`` go together (their paths score many moves for one
-    another: apart, the nine paths of 128 synthetic groups cost a third more), and where there
-    are more such runs than processes, the last ones go together (with the families, which
-    come last: on the planning benchmark that evens the two processes' times).
+    windows of one ``max_inflight`` go together (their paths score many moves for one another),
+    and where there are more such runs than processes, the last ones go together (the families
+    go with the last share: the paths without a copy window, the first share, take the longest).
 
     >>> shares([(0, 0), (0, 1), (1, 1), (2, 2)], 2)
     [[(0, 0), (0, 1)], [(1, 1), (2, 2)]]
