@@ -103,3 +103,48 @@ def test_a_piece_that_raises_here_leaves_no_child_behind():
         else:
             raise AssertionError("a child was left behind")
     """)
+
+
+def test_a_spare_piece_goes_to_the_process_done_first_and_comes_back_after_the_pieces():
+    in_a_fresh_process("""
+        import os, time
+        from actoffload.budget import fanout
+        here = os.getpid()
+        def slow():
+            time.sleep(1.0)  # the child is done first, and claims the spare piece
+            return ("piece", os.getpid())
+        results = fanout.run([slow, lambda: ("piece", os.getpid())], spare=[lambda: ("spare", os.getpid())])
+        assert [kind for kind, _ in results] == ["piece", "piece", "spare"]
+        (_, first), (_, child), (_, spare) = results
+        assert first == here and child != here and spare == child
+        def quick():
+            return ("piece", os.getpid())
+        def late():
+            time.sleep(1.0)
+            return ("piece", os.getpid())
+        results = fanout.run([quick, late], spare=[lambda: ("spare", os.getpid())])
+        assert results[2] == ("spare", here)  # this process was done first
+    """)
+
+
+def test_a_spare_piece_a_child_claimed_and_died_in_runs_here():
+    in_a_fresh_process("""
+        import os, time
+        from actoffload.budget import fanout
+        here = os.getpid()
+        def slow():
+            time.sleep(1.0)
+            return 0
+        def spare():
+            if os.getpid() != here:
+                os._exit(3)  # the child claimed it, and dies
+            return "made here"
+        assert fanout.run([slow, lambda: 1], spare=[spare, lambda: 2]) == [0, 1, "made here", 2]
+    """)
+
+
+def test_without_fork_the_spare_pieces_run_here_after_the_pieces(monkeypatch):
+    monkeypatch.delattr(os, "fork")
+    order = []
+    pieces = [lambda k=k: order.append(k) or k for k in range(4)]
+    assert fanout.run(pieces[:2], spare=pieces[2:]) == [0, 1, 2, 3] and order == [0, 1, 2, 3]

@@ -461,8 +461,8 @@ def test_search_in_several_processes_makes_the_same_plans_in_the_same_order():
         from test_budget_search import PROFILES
         from actoffload.budget import fanout, search
         forked, run = set(), fanout.run
-        def watched(pieces):  # each piece's plans, and the process that made them
-            results = run([lambda piece=piece: (os.getpid(), piece()) for piece in pieces])
+        def watched(pieces, spare=()):  # each piece's plans, and the process that made them
+            results = run(*([lambda piece=piece: (os.getpid(), piece()) for piece in some] for some in (pieces, spare)))
             forked.update(pid for pid, _ in results)
             return [plans for _, plans in results]
         for profile in PROFILES[::5] + [synthetic(12, parts=True, selective=True)]:

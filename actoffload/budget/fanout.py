@@ -5,12 +5,14 @@ The search's greedy paths share nothing across copy windows but what they could 
 another, so the paths of different windows can run in different processes and give the same
 plans. A child is forked (it has the profile and the code already, nothing is sent to it),
 runs its piece, and sends the plans back pickled over a pipe; this process runs the first
-piece meanwhile. Forking is safe where no other thread may hold a lock the child would need:
-the planning process (:mod:`~.worker`), which imports neither torch nor anything that starts
-threads, and a script that asks for it. A controller in the training process never asks, and
-a process running Python threads besides the caller's runs every piece itself. Where a child
-cannot be forked, dies or fails, its piece runs in this process: the plans are the same either
-way, only later.
+piece meanwhile. Spare pieces (the search's hand-written families) go to whichever process is
+done with its piece first: which share of the paths takes longest depends on the profile.
+Forking is safe where no other thread may hold a lock the child would need: the planning
+process (:mod:`~.worker`), which imports neither torch nor anything that starts threads, and a
+script that asks for it. A controller in the training process never asks, and a process
+running Python threads besides the caller's runs every piece itself. Where a child cannot be
+forked, dies or fails, its pieces run in this process: the plans are the same either way, only
+later.
 """
 
 from __future__ import annotations
@@ -23,41 +25,78 @@ from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
-
-def run(pieces: Sequence[Callable[[], T]]) -> list[T]:
-    """Each of ``pieces`` called, all but the first in forked children, the first here; their
-    results in order. Without ``os.fork`` (Windows), or with other Python threads running (a
-    child would have only the caller's, and any lock another held stays held), they all run
-    here, one after the other.
-
-    Example::
-
-        evens, odds = run([lambda: sum(range(0, 10**6, 2)), lambda: sum(range(1, 10**6, 2))])
-    """
-    apart = hasattr(os, "fork") and threading.active_count() == 1
-    children = [_fork(piece) if apart else None for piece in pieces[1:]]
-    try:
-        results = [pieces[0]()] if pieces else []
-    except BaseException:  # no child left behind, running or unreaped
-        for child in children:
-            _abandon(child)
-        raise
-    for k, (piece, child) in enumerate(zip(pieces[1:], children)):
-        try:
-            results.append(_collect(child, piece))
-        except BaseException:
-            for later in children[k + 1:]:
-                _abandon(later)
-            raise
-    return results
-
-
 _Child = tuple[int, int]  # process id, the read end of its pipe
 
 
-def _fork(piece: Callable[[], object]) -> _Child | None:
-    """A child running ``piece`` and writing its pickled result (or None where it raised) to a
-    pipe; None where it could not be forked."""
+def run(pieces: Sequence[Callable[[], T]], spare: Sequence[Callable[[], T]] = ()) -> list[T]:
+    """Each of ``pieces`` called, all but the first in forked children, the first here, and each
+    of ``spare`` by whichever process is done with its piece first; the results of ``pieces``
+    then of ``spare``, in order. Without ``os.fork`` (Windows), or with other Python threads
+    running (a child would have only the caller's, and any lock another held stays held), they
+    all run here, one after the other.
+
+    Example::
+
+        evens, odds, total = run([lambda: sum(range(0, 10**6, 2)), lambda: sum(range(1, 10**6, 2))],
+                                 spare=[lambda: sum(range(10**6))])
+    """
+    if not (hasattr(os, "fork") and threading.active_count() == 1 and len(pieces) > 1):
+        return [piece() for piece in pieces] + [piece() for piece in spare]
+    if len(spare) > 256:
+        raise ValueError(f"at most 256 spare pieces (one byte each), got {len(spare)}")
+    claims = _claims(len(spare))
+    pending: list[_Child | None] = []  # forked, not yet collected
+    try:
+        pending = [_fork(piece, spare, claims) for piece in pieces[1:]]
+        results = [pieces[0]()]
+        spares = _claimed(spare, claims)
+        for piece in pieces[1:]:
+            result, theirs = _collect(pending.pop(0), piece)
+            results.append(result)
+            spares.update(theirs)
+    except BaseException:  # no child left behind, running or unreaped
+        for child in pending:
+            _abandon(child)
+        raise
+    finally:
+        if claims is not None:
+            os.close(claims)
+    # a spare piece a child claimed and did not send back (it died) runs here
+    return results + [spares[i] if i in spares else piece() for i, piece in enumerate(spare)]
+
+
+def _claims(n: int) -> int | None:
+    """The read end of a pipe holding ``n`` bytes, one per spare piece, its write end closed: a
+    process claims a piece by reading its byte (a pipe's read of one byte is atomic), and finds
+    none left when the read returns nothing. None where there are no spare pieces."""
+    if not n:
+        return None
+    read, write = os.pipe()
+    try:
+        os.write(write, bytes(range(n)))
+    finally:
+        os.close(write)
+    os.set_blocking(read, False)
+    return read
+
+
+def _claimed(spare: Sequence[Callable[[], T]], claims: int | None) -> dict[int, T]:
+    """The spare pieces this process claims, one after another until none is left, run."""
+    done: dict[int, T] = {}
+    while claims is not None:
+        try:
+            byte = os.read(claims, 1)
+        except BlockingIOError:
+            break
+        if not byte:
+            break
+        done[byte[0]] = spare[byte[0]]()
+    return done
+
+
+def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], claims: int | None) -> _Child | None:
+    """A child running ``piece`` and then the spare pieces it claims, writing its pickled results
+    (or a failure, where one raised) to a pipe; None where it could not be forked."""
     try:
         read, write = os.pipe()
     except OSError:
@@ -73,9 +112,10 @@ def _fork(piece: Callable[[], object]) -> _Child | None:
         try:
             os.close(read)
             try:
-                data = pickle.dumps((True, piece()), protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException:  # this process runs the piece again and raises it there
-                data = pickle.dumps((False, None))
+                result = piece()
+                data = pickle.dumps((True, result, _claimed(spare, claims)), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException:  # this process runs its pieces again and raises it there
+                data = pickle.dumps((False, None, {}))
             view = memoryview(data)
             while view:
                 view = view[os.write(write, view):]
@@ -87,7 +127,7 @@ def _fork(piece: Callable[[], object]) -> _Child | None:
 
 
 def _abandon(child: _Child | None) -> None:
-    """A child whose result is no longer wanted: ended, its pipe closed, reaped."""
+    """A child whose results are no longer wanted: ended, its pipe closed, reaped."""
     if child is None:
         return
     pid, read = child
@@ -99,11 +139,11 @@ def _abandon(child: _Child | None) -> None:
         pass
 
 
-def _collect(child: _Child | None, piece: Callable[[], T]) -> T:
-    """The child's result, read off its pipe; ``piece`` run here where there is none (not forked,
-    died, or raised)."""
+def _collect(child: _Child | None, piece: Callable[[], T]) -> tuple[T, dict[int, T]]:
+    """The child's result and the spare pieces' it ran, read off its pipe; ``piece`` run here
+    where there is none (not forked, died, or raised)."""
     if child is None:
-        return piece()
+        return piece(), {}
     pid, read = child
     chunks = []
     try:
@@ -121,7 +161,7 @@ def _collect(child: _Child | None, piece: Callable[[], T]) -> T:
         except ChildProcessError:  # reaped by the caller's own handler
             pass
     try:
-        done, result = pickle.loads(b"".join(chunks))
+        done, result, spares = pickle.loads(b"".join(chunks))
     except Exception:  # cut short: the child died
-        done, result = False, None
-    return result if done else piece()
+        done, result, spares = False, None, {}
+    return (result, spares) if done else (piece(), spares)

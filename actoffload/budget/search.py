@@ -90,17 +90,18 @@ def _candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None, fam
     windows = list(windows) if windows is not None else [(w, pf) for w in WINDOWS for pf in PREFETCHES]
     keep_all = (KEEP,) * len(profile.groups)
 
-    def share(ws: Sequence[tuple[int, int]], with_families: bool) -> Callable[[], list[MemoryPlan]]:
+    def share(ws: Sequence[tuple[int, int]]) -> Callable[[], list[MemoryPlan]]:
         def plans() -> list[MemoryPlan]:
             shared, out = _Shared(), []
             for w, pf in ws:
                 out += _greedy_path(profile, keep_all, w, pf, shared)
-            return out + (_families(profile) if with_families else [])
+            return out
         return plans
 
-    pieces = shares(windows, processes)
     out = [evaluated(profile, keep_all, 0, 0)]
-    for plans in fanout.run([share(ws, families and k == len(pieces) - 1) for k, ws in enumerate(pieces)]):
+    # the families go to the process done with its paths first
+    for plans in fanout.run([share(ws) for ws in shares(windows, processes)],
+                            spare=[partial(_families, profile)] if families else []):
         out += plans
     for limit in limits:
         within = [p for p in out if p.peak <= limit]
@@ -115,8 +116,8 @@ def _candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None, fam
 def shares(windows: Sequence[tuple[int, int]], processes: int) -> list[list[tuple[int, int]]]:
     """``windows`` cut into at most ``processes`` runs, in order, each process's paths: the
     windows of one ``max_inflight`` go together (their paths score many moves for one another),
-    and where there are more such runs than processes, the last ones go together (the families
-    go with the last share: the paths without a copy window, the first share, take the longest).
+    and where there are more such runs than processes, the last ones go together (the paths
+    without a copy window, the first run, take longest on their own).
 
     >>> shares([(0, 0), (0, 1), (1, 1), (2, 2)], 2)
     [[(0, 0), (0, 1)], [(1, 1), (2, 2)]]
