@@ -47,7 +47,8 @@ def run(pieces: Sequence[Callable[[], T]], spare: Sequence[Callable[[], T]] = ()
     claims = _claims(len(spare))
     pending: list[_Child | None] = []  # forked, not yet collected
     try:
-        pending = [_fork(piece, spare, claims) for piece in pieces[1:]]
+        for piece in pieces[1:]:
+            pending.append(_fork(piece, spare, claims))
         results = [pieces[0]()]
         spares = _claimed(spare, claims)
         for piece in pieces[1:]:
