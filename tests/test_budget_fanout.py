@@ -148,3 +148,58 @@ def test_without_fork_the_spare_pieces_run_here_after_the_pieces(monkeypatch):
     order = []
     pieces = [lambda k=k: order.append(k) or k for k in range(4)]
     assert fanout.run(pieces[:2], spare=pieces[2:]) == [0, 1, 2, 3] and order == [0, 1, 2, 3]
+
+
+def test_interrupted_while_a_child_runs_the_child_is_ended_at_once():
+    in_a_fresh_process("""
+        import os, signal, time
+        from actoffload.budget import fanout
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        started = time.monotonic()
+        try:
+            fanout.run([lambda: 0, lambda: time.sleep(30)])
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("not interrupted")
+        assert time.monotonic() - started < 10, "the child was waited for"
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        else:
+            raise AssertionError("a child was left behind")
+    """)
+
+
+def test_the_planning_process_searches_side_by_side_where_it_has_the_cores():
+    in_a_fresh_process("""
+        import os, pickle, sys, threading
+        os.sched_getaffinity = lambda pid: set(range(8))  # as on a GPU machine's host
+        sys.path[:0] = ["tests"]
+        from actoffload.budget import fanout, search, worker
+        from test_budget_search import PROFILES
+        forked, run = set(), fanout.run
+        def watched(pieces, spare=()):
+            results = run(*([lambda piece=piece: (os.getpid(), piece()) for piece in some] for some in (pieces, spare)))
+            forked.update(pid for pid, _ in results)
+            return [plans for _, plans in results]
+        fanout.run = watched
+        requests_in, requests_out = os.pipe()
+        answers_in, answers_out = os.pipe()
+        with os.fdopen(requests_out, "wb") as out:
+            pickle.dump((7, PROFILES[3], None, ()), out)
+        with os.fdopen(requests_in, "rb") as requests:
+            worker.serve(requests, answers_out)
+        data = b""
+        while chunk := os.read(answers_in, 1 << 20):
+            data += chunk
+        ticket, plans, seconds = pickle.loads(data[worker._HEADER.size:])
+        fanout.run = run
+        alone = search.candidates(PROFILES[3])
+        assert ticket == 7 and [(p.key, p.peak, p.step_s) for p in plans] == [(p.key, p.peak, p.step_s) for p in alone]
+        assert len(forked - {os.getpid()}) == worker.search_processes() - 1 == 2, forked
+    """)

@@ -8,9 +8,11 @@ runs its piece, and sends the plans back pickled over a pipe; this process runs 
 piece meanwhile. Spare pieces (the search's hand-written families) go to whichever process is
 done with its piece first: which share of the paths takes longest depends on the profile.
 Forking is safe where no other thread may hold a lock the child would need: the planning
-process (:mod:`~.worker`), which imports neither torch nor anything that starts threads, and a
-script that asks for it. A controller in the training process never asks, and a process
-running Python threads besides the caller's runs every piece itself. Where a child cannot be
+process (:mod:`~.worker`), which imports neither torch nor the training program's modules, and
+whose numerical libraries' thread pools are held to one thread (numpy's BLAS, which the search
+does not call, would start one a core), and a script that asks for it. A controller in the
+training process never asks, and a process running Python threads besides the caller's runs
+every piece itself (the guard sees Python's threads only). Where a child cannot be
 forked, dies or fails, its pieces run in this process: the plans are the same either way, only
 later.
 """
@@ -21,7 +23,8 @@ import os
 import pickle
 import signal
 import threading
-from typing import Callable, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -48,7 +51,8 @@ def run(pieces: Sequence[Callable[[], T]], spare: Sequence[Callable[[], T]] = ()
     pending: list[_Child | None] = []  # forked, not yet collected
     try:
         for piece in pieces[1:]:
-            pending.append(_fork(piece, spare, claims))
+            with _signals_held():  # no interruption between the fork and the child's record
+                pending.append(_fork(piece, spare, claims))
         results = [pieces[0]()]
         spares = _claimed(spare, claims)
         for piece in pieces[1:]:
@@ -111,6 +115,7 @@ def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], cl
     if pid == 0:  # the child: never returns into the caller's code, nor runs its exit handlers
         status = 1
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, _HELD_BEFORE[-1])
             os.close(read)
             try:
                 result = piece()
@@ -125,6 +130,21 @@ def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], cl
             os._exit(status)
     os.close(write)
     return pid, read
+
+
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP}
+_HELD_BEFORE: list[set[int | signal.Signals]] = []  # the signal masks _signals_held replaced, innermost last
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """The signals a program interrupts with, held back (delivered when the block ends) while a
+    child is forked and recorded: interrupted between the two, it would be left running."""
+    _HELD_BEFORE.append(signal.pthread_sigmask(signal.SIG_BLOCK, _HELD))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _HELD_BEFORE.pop())
 
 
 def _abandon(child: _Child | None) -> None:
@@ -155,12 +175,14 @@ def _collect(child: _Child | None, piece: Callable[[], T]) -> tuple[T, dict[int,
             chunks.append(chunk)
     except OSError:
         chunks = []
-    finally:
-        os.close(read)
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:  # reaped by the caller's own handler
-            pass
+    except BaseException:  # interrupted while the child runs: it is ended, not waited for
+        _abandon(child)
+        raise
+    os.close(read)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped by the caller's own handler
+        pass
     try:
         done, result, spares = pickle.loads(b"".join(chunks))
     except Exception:  # cut short: the child died
