@@ -51,8 +51,8 @@ def run(pieces: Sequence[Callable[[], T]], spare: Sequence[Callable[[], T]] = ()
     pending: list[_Child | None] = []  # forked, not yet collected
     try:
         for piece in pieces[1:]:
-            with _signals_held():  # no interruption between the fork and the child's record
-                pending.append(_fork(piece, spare, claims))
+            with _signals_held() as mask:  # no interruption between the fork and the child's record
+                pending.append(_fork(piece, spare, claims, mask))
         results = [pieces[0]()]
         spares = _claimed(spare, claims)
         for piece in pieces[1:]:
@@ -99,9 +99,11 @@ def _claimed(spare: Sequence[Callable[[], T]], claims: int | None) -> dict[int, 
     return done
 
 
-def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], claims: int | None) -> _Child | None:
+def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], claims: int | None,
+          mask: set[int | signal.Signals]) -> _Child | None:
     """A child running ``piece`` and then the spare pieces it claims, writing its pickled results
-    (or a failure, where one raised) to a pipe; None where it could not be forked."""
+    (or a failure, where one raised) to a pipe, with the signal ``mask`` the caller had; None
+    where it could not be forked."""
     try:
         read, write = os.pipe()
     except OSError:
@@ -115,7 +117,7 @@ def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], cl
     if pid == 0:  # the child: never returns into the caller's code, nor runs its exit handlers
         status = 1
         try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, _HELD_BEFORE[-1])
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(read)
             try:
                 result = piece()
@@ -133,18 +135,18 @@ def _fork(piece: Callable[[], object], spare: Sequence[Callable[[], object]], cl
 
 
 _HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP}
-_HELD_BEFORE: list[set[int | signal.Signals]] = []  # the signal masks _signals_held replaced, innermost last
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
+def _signals_held() -> Iterator[set[int | signal.Signals]]:
     """The signals a program interrupts with, held back (delivered when the block ends) while a
-    child is forked and recorded: interrupted between the two, it would be left running."""
-    _HELD_BEFORE.append(signal.pthread_sigmask(signal.SIG_BLOCK, _HELD))
+    child is forked and recorded: interrupted between the two, it would be left running. Gives
+    the mask before, the child's to restore."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
-        yield
+        yield before
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _HELD_BEFORE.pop())
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _abandon(child: _Child | None) -> None:
