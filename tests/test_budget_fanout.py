@@ -15,12 +15,26 @@ from actoffload.budget import fanout
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="pieces run in forked children only where os.fork is")
 
 
-def in_a_fresh_process(code: str) -> None:
-    """``code`` run in a Python of its own: no thread another test left running keeps it from forking."""
+def in_a_fresh_process(*code: str) -> None:
+    """``code``'s parts, one after the other, run in a Python of its own: no thread another test
+    left running keeps it from forking."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    done = subprocess.run([sys.executable, "-c", "\n".join(textwrap.dedent(c) for c in code)], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+# code for in_a_fresh_process: ``watched``, fanout.run recording in ``forked`` the processes its
+# pieces ran in (``run``: fanout.run itself)
+WATCH_FORKS = """
+    import os
+    from actoffload.budget import fanout
+    forked, run = set(), fanout.run
+    def watched(pieces, spare=()):  # each piece's result, and the process that made it
+        results = run(*([lambda piece=piece: (os.getpid(), piece()) for piece in some] for some in (pieces, spare)))
+        forked.update(pid for pid, _ in results)
+        return [result for _, result in results]
+"""
 
 
 def test_pieces_run_in_children_and_their_results_come_back_in_order():
@@ -176,17 +190,12 @@ def test_interrupted_while_a_child_runs_the_child_is_ended_at_once():
 
 
 def test_the_planning_process_searches_side_by_side_where_it_has_the_cores():
-    in_a_fresh_process("""
-        import os, pickle, sys, threading
+    in_a_fresh_process(WATCH_FORKS, """
+        import os, pickle, sys
         os.sched_getaffinity = lambda pid: set(range(8))  # as on a GPU machine's host
         sys.path[:0] = ["tests"]
-        from actoffload.budget import fanout, search, worker
+        from actoffload.budget import search, worker
         from test_budget_search import PROFILES
-        forked, run = set(), fanout.run
-        def watched(pieces, spare=()):
-            results = run(*([lambda piece=piece: (os.getpid(), piece()) for piece in some] for some in (pieces, spare)))
-            forked.update(pid for pid, _ in results)
-            return [plans for _, plans in results]
         fanout.run = watched
         requests_in, requests_out = os.pipe()
         answers_in, answers_out = os.pipe()

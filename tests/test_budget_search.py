@@ -453,18 +453,13 @@ def test_search_in_several_processes_makes_the_same_plans_in_the_same_order():
     peak and time to the last bit, in the order one process makes them, and with them what a
     budget improves and chooses (in a Python of its own, where no other test's thread keeps
     it from forking; that it forked, its children's process ids say)."""
-    from test_budget_fanout import in_a_fresh_process
-    in_a_fresh_process("""
-        import os, sys
+    from test_budget_fanout import WATCH_FORKS, in_a_fresh_process
+    in_a_fresh_process(WATCH_FORKS, """
+        import sys
         sys.path[:0] = ["tests", "benchmarks"]
         from bench_planning import synthetic
         from test_budget_search import PROFILES
-        from actoffload.budget import fanout, search
-        forked, run = set(), fanout.run
-        def watched(pieces, spare=()):  # each piece's plans, and the process that made them
-            results = run(*([lambda piece=piece: (os.getpid(), piece()) for piece in some] for some in (pieces, spare)))
-            forked.update(pid for pid, _ in results)
-            return [plans for _, plans in results]
+        from actoffload.budget import search
         for profile in PROFILES[::5] + [synthetic(12, parts=True, selective=True)]:
             plans = search.candidates(profile)
             peaks = sorted({p.peak for p in plans})
