@@ -1395,27 +1395,28 @@ def test_controller_a_measuring_step_that_found_another_workload_is_not_timed_an
     assert c.settled and _measured(c)[plan.key].times == pytest.approx((plan.step_s,) * TIMINGS)
 
 
-@pytest.mark.parametrize("still_faster", [True, False])
-def test_controller_a_predicted_profile_tries_only_the_plan_moving_no_bytes_beyond_its_first_choice(still_faster):
+@pytest.mark.parametrize("still_s,first_s", [(0.9, 1.1), (1.3, 1.1), (1.3, 1.5)])
+def test_controller_a_predicted_profile_runs_the_plan_moving_no_bytes_before_its_first_choice(still_s, first_s):
     """A profile predicted from another workload's (explored and calibrated already, but not its
-    bus) runs the model's first choice; where that moves bytes, the fastest plan moving none
-    too, whatever the model says of it, and no other; it settles on the faster of the two, and
-    the model is not corrected (docs/budgets.md: exploring)."""
+    bus, and its times scaled) whose first choice moves bytes runs the fastest plan moving none
+    first; then its first choice only where the model rates it faster than that plan ran, and
+    no other plan; it settles on the faster of those that ran, and the model is not corrected
+    (docs/budgets.md: exploring). Times are in the first choice's modelled step time."""
     profile, budget, _ = _moving_preferred()
     c = BudgetController(budget, CPU, probe=FakeProbe())
     assert c.adopt_prediction(profile)
-    first = c.plan
-    assert moves_bytes(profile, first.groups)
-
-    def seconds_of(plan):  # the first slower than modelled; the still one faster or slower than it
-        return 3.0 * first.step_s if plan.key == first.key else (2.0 if still_faster else 4.0) * first.step_s
-
-    _run(c, TIMINGS + 2, seconds_of)
+    first = c._first_choice(c._fitting())
     still = c.plan
-    assert still.key != first.key and not moves_bytes(profile, still.groups)
-    _run(c, 4 * (TIMINGS + 1), seconds_of)
-    assert c.settled and set(_measured(c)) == {first.key, still.key}
-    assert c.plan.key == (still.key if still_faster else first.key)
+    assert moves_bytes(profile, first.groups) and not moves_bytes(profile, still.groups)
+    assert still.key == search.fastest(profile, [p for p in c._fitting() if not moves_bytes(profile, p.groups)]).key
+
+    def seconds_of(plan):
+        return (still_s if plan.key == still.key else first_s) * first.step_s
+
+    _run(c, 6 * (TIMINGS + 1), seconds_of)
+    tried = {still.key} if still_s < 1 else {still.key, first.key}  # ran faster than the first's model: no try
+    assert c.settled and set(_measured(c)) == tried
+    assert c.plan.key == (still.key if still_s < first_s else first.key)
     assert c.profile is profile  # not calibrated
 
 
