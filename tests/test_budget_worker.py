@@ -566,7 +566,7 @@ def test_a_predicted_profile_runs_the_whole_searchs_plan_moving_none_before_its_
     three times slower than modelled: every such profile settles on a plan moving nothing."""
     from actoffload.budget.costmodel import moves_bytes
 
-    cases = 0
+    cases = quick_was_first = 0
     for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=2):
         ran, answered = [], None
         for step in range(8 * TIMINGS):
@@ -584,11 +584,12 @@ def test_a_predicted_profile_runs_the_whole_searchs_plan_moving_none_before_its_
             continue  # not the case: the first choice moves nothing, or no plan moving nothing fits
         cases += 1
         after = list(dict.fromkeys(ran[answered:]))
-        assert after[0] == still.key or (after[0] in ran[:answered] and after[1] == still.key), after
+        assert after[0] == still.key, after  # (also where the quick plan was the first choice)
         assert set(after) <= set(ran[:answered]) | {still.key, first.key}
+        quick_was_first += first.key in ran[:answered]
         assert still.key in {m.plan.key for m in c.measured_plans()}
         assert not moves_bytes(profile, c.plan.groups) and c.settled
-    assert cases >= 3
+    assert cases >= 3 and quick_was_first >= 1
 
 
 def test_a_predicted_profile_whose_quick_plan_was_timed_before_the_answer_still_runs_its_first_choice(monkeypatch):

@@ -904,16 +904,16 @@ class BudgetController:
             # EXPLORE more, may still run (a predicted profile's plan moving nothing and its first
             # choice, as they would have: counted as tries, the quick plans had left a predicted
             # profile on two plans moving bytes, the bus modelled from another workload's, never
-            # trying one that moves none); the whole search's opening plans that ran among them
-            # stay held
+            # trying one that moves none); the plan the whole search opens with, where it ran
+            # among them, stays held
             with self.planning_time("choosing"):
                 fitting = self._fitting()
-                opening: set[PlanKey] = set()
+                opening: PlanKey | None = None  # what the whole search runs first (_fastest)
                 if fitting:
                     first = self._first_choice(fitting)
                     still = self._still_to_try(fitting, first, None)
-                    opening = {first.key} | ({still.key} if still is not None else set())
-            quick = set(self._runs) - opening
+                    opening = (first if still is None else still).key
+            quick = set(self._runs) - {opening}
             self._unheld |= quick
             self._explore += len(quick)
         if self._state is State.SETTLED:
@@ -1209,6 +1209,8 @@ class BudgetController:
         # workload's), after one being measured
         if still is None:
             ahead: tuple[MemoryPlan, ...] = (first,)
+        elif self.predicted and best is None:
+            ahead = (still, first)  # (its first choice may have run as a quick plan: not measured, not held)
         else:
             ahead = (first, still) if first.key in self._runs else (still, first)
         excess = self._bus_excess() if best is not None and not self._moved(best) else 0.0  # (as _promises asks)
