@@ -866,6 +866,115 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
     assert probe.trims == trims and probe.reserved_bytes == budget + 300 * MiB  # kept: it would change nothing
 
 
+@pytest.mark.parametrize("room", [30 * MiB, 80 * MiB])
+def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_step_whose_idle_blocks_could_take_it_over(
+        room: int):
+    """A shorter workload's step built the cache; the longer one's plan is judged within the
+    budget with ``room`` to spare. Where the cache's idle blocks, should none serve it, would take
+    the step over the budget, the cache is given back before it (on the GPT-MoE the first
+    full-length step after a 768-token one reserved 12.40 GiB for 10.78 allocated, over 11.80);
+    with room for them, it stays. Neither the longer step's next step (its own cache) nor a shorter
+    step after it (a cache a longer step served) gives it back."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + room
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    long.adopt_profile(_profile())
+    short.adopt_profile(_small_profile())
+    assert long.plan.key == keep_all.key
+
+    def step(c: BudgetController, allocated_peak: int, cached: int) -> None:
+        reserve.step_of(2048 if c is long else 512)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = allocated_peak, cached
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = allocated_peak + cached  # what the step leaves cached
+
+    step(short, BASE + 40 * MiB, 5 * MiB)  # idle as the longer step begins: 45 MiB, and the reserve 5
+    assert probe.trims == 1  # the first
+    step(long, keep_all.peak, 5 * MiB)
+    outgrown = room < 45 * MiB + 5 * MiB
+    assert reserve.trims_by["outgrown"] == int(outgrown) and probe.trims == 1 + int(outgrown)
+    assert probe.reserved_bytes <= budget and reserve.bytes == 5 * MiB
+    step(long, keep_all.peak, 5 * MiB)
+    step(short, BASE + 40 * MiB, 0)
+    step(long, keep_all.peak, 5 * MiB)
+    assert probe.trims == 1 + int(outgrown)
+
+
+def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_step_that_allocates_no_more():
+    """The longer step's plan allocates what the shorter step did: the shorter step's blocks are
+    still cut too small for its tensors (on the loop sweep's decoder a 2048-token step allocating
+    what the 1536-token step before it had reserved 8.97 GiB for 5.04 on that step's cache), so
+    where the idle blocks could take it over the budget, the cache is given back."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    long.adopt_profile(_profile())
+    short.adopt_profile(_small_profile())
+    for c, tokens in ((short, 1536), (long, 2048)):
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = keep_all.peak, 20 * MiB  # within the budget
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = keep_all.peak + 20 * MiB
+    assert reserve.trims_by == {"first": 1, "outgrown": 1}
+
+
+@pytest.mark.parametrize("short_peak,given_back", [(BASE + 60 * MiB, True), (BASE + 21 * MiB, False)])
+def test_controller_a_cache_a_shorter_step_grew_is_given_back_before_the_longer_plan_where_its_growth_could_take_it_over(
+        short_peak, given_back):
+    """The longer workload's least memory built the cache (profiling), a shorter step grew it, and
+    the longer workload's next plan (keeping more) has not run on it: given back where the blocks
+    the shorter step added, were none of them of use, would take the plan over the budget (the
+    GPT-MoE's first full-length planned step after a 768-token one grew the profiling steps'
+    cache by 5.2 GiB); kept where the shorter step added a few MiB (the decoder's 512 tokens, 8
+    MiB on its 2048-token profiling cache)."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    short.adopt_profile(_small_profile())
+    reserve.step_of(2048)
+    long.step_begins()  # profiling: its own cache
+    probe.peak_bytes, probe.cached_bytes = BASE + 20 * MiB, 5 * MiB
+    long.backward_ends()
+    probe.reserved_bytes = BASE + 25 * MiB
+    long.adopt_profile(_profile())
+    for c, tokens, peak in ((short, 768, short_peak), (long, 2048, keep_all.peak)):
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = peak, 5 * MiB
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = peak + 5 * MiB
+    assert reserve.trims_by == ({"first": 1, "outgrown": 1} if given_back else {"first": 1})
+
+
+@pytest.mark.parametrize("first_tokens", [2048, None])
+def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allocates_more(first_tokens):
+    """The same steps, the cache built by a step as long as the one that follows (or of tokens
+    not known): its blocks are cut to sizes the step can use, and a cache given back would be
+    built again, its own way, by whichever step came next, so it is kept."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
+    long, first = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    long.adopt_profile(_profile())
+    first.adopt_profile(_small_profile())
+    for c, tokens, peak in ((first, first_tokens, BASE + 40 * MiB), (long, 2048, keep_all.peak)):
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = peak, 5 * MiB
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = peak + 5 * MiB
+    assert probe.trims == 1 and reserve.trims_by == {"first": 1}
+
+
 def test_controller_a_plan_that_runs_over_the_budget_anyway_keeps_its_cache_from_step_to_step():
     """Where the margins rule out every plan without the budget itself being out of reach (no
     BudgetTooSmall), the least memory runs, over the budget: its cache is not given back at every

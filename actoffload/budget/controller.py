@@ -455,7 +455,8 @@ class BudgetController:
                 self._choose_before_step()
         if self._beginning:
             self._raise_found()  # found choosing above, or where raising would have broken a pass
-        self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget)
+        self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget,
+                                  needs=self._needs_on_a_new_cache)
         if (self._reserve.trims != self._trims_judged and self._step is None and self._plan is not None
                 and self._forced is None and self._plan.key in self._served):
             # it may have been judged on a cache given back since (as this step began, or in another
@@ -488,6 +489,24 @@ class BudgetController:
         if self.too_small is None and self._forced is None and self._fits_now(self._plan):
             return True
         return self._plan.key not in self._over_on_own_cache
+
+    def _needs_on_a_new_cache(self) -> tuple[int, int] | None:
+        """This step's plan's allocated peak and the reserved peak it is judged by (bytes), as
+        :meth:`_fitting` judges it on a cache of its own, where it is judged within the budget and
+        has not run on the cache as it stands (one that served it serves it again); else ``None``
+        (profiling, a forced plan, one over the budget by the model)."""
+        plan, profile = self._plan, self._profile
+        if plan is None or profile is None or self._step is not None or self._forced is not None:
+            return None
+        if self.too_small is not None or plan.key in self._served_now():
+            return None
+        measured = self._peaks.get(plan.key)
+        if measured is not None:
+            allocated = judged = measured + profile.base
+        else:
+            allocated, judged = plan.peak, plan.peak + self._margin + least_margin(self._budget)
+        judged += self._reserve.bytes
+        return (allocated, judged) if judged <= self._budget else None
 
     def _raise_found(self) -> None:
         """Raise the :class:`BudgetTooSmall` choosing found (having chosen the least memory) since

@@ -144,6 +144,7 @@ class Workloads:
         self.current = entry
         entry.base = base
         self._state_before = entry.controller.state
+        self.reserve.step_of(signature.tokens)
         entry.controller.step_begins(may_raise)  # may raise: the step is begun again at its next group
         entry.steps += 1
         self._open = True
