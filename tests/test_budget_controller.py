@@ -975,6 +975,41 @@ def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allo
     assert probe.trims == 1 and reserve.trims_by == {"first": 1}
 
 
+@pytest.mark.parametrize("over_on_its_own", [False, True])
+def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_step_no_plan_fits(over_on_its_own):
+    """No plan reaches the budget by the model, and the least memory runs; its steps may still
+    stay within the budget on a cache of their own, and not on one steps of fewer tokens built:
+    that cache is given back before its step (on an H200 the decoder's 2048 tokens at
+    checkpointing's peak reserved 5.67 GiB on caches of their own steps and 7.86 on one
+    1536-token steps had built, 1.70 over), unless a step of it went over on a cache of its own
+    already (giving it back would change nothing)."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    profile = _blocks_peaking_in_the_loss()
+    profiled = _controller(1 << 40, profile=profile).plans[-1]  # the profiled plan comes last
+    budget = profiled.peak - 64 * MiB
+    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    with pytest.raises(BudgetTooSmall):
+        long.adopt_profile(profile, profiled.peak)
+    short.adopt_profile(_small_profile())
+
+    def step(c: BudgetController, tokens: int, allocated_peak: int, cached: int) -> None:
+        reserve.step_of(tokens)
+        c.step_begins()
+        probe.peak_bytes, probe.cached_bytes = allocated_peak, cached
+        probe.advance(c.plan.step_s)
+        c.backward_ends()
+        probe.reserved_bytes = allocated_peak + cached
+
+    if over_on_its_own:
+        step(long, 2048, long.plan.peak, 100 * MiB)  # on the first step's cache, given back before it
+        assert probe.peak_reserved() > budget and probe.trims == 1
+    step(short, 1536, BASE + 40 * MiB, 5 * MiB)
+    trims = probe.trims
+    step(long, 2048, long.plan.peak, 5 * MiB)
+    assert long.too_small is not None
+    assert reserve.trims_by["outgrown"] == (0 if over_on_its_own else 1) and probe.trims == trims + (not over_on_its_own)
+
+
 def test_controller_a_plan_that_runs_over_the_budget_anyway_keeps_its_cache_from_step_to_step():
     """Where the margins rule out every plan without the budget itself being out of reach (no
     BudgetTooSmall), the least memory runs, over the budget: its cache is not given back at every

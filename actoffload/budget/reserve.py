@@ -18,9 +18,10 @@ reserved than the last step's peak (beyond the base tolerance: something between
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
 for it; and before a step that outgrows a cache shorter steps built (:meth:`AllocatorReserve.step_begins`'s
-``needs``: its plan is judged within the budget, and were the blocks that steps of fewer tokens
-added to the cache since it was given back of no use to it, it would go over: on the GPT-MoE the
-first full-length step after a 768-token one had grown the cache by 5.2 GiB reserved 12.40 GiB
+``needs``: its plan has not run on the cache, and were the blocks that steps of fewer tokens
+added to it since it was given back of no use to it, the plan, judged within the budget, would go
+over, or, over it by the model, could not stay within it as on a cache of its own: on the GPT-MoE
+the first full-length step after a 768-token one had grown the cache by 5.2 GiB reserved 12.40 GiB
 for 10.78 allocated, over 11.80, in every run; blocks only steps as long or longer added serve
 the step, and a few MiB a short step added take none over); and before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
@@ -87,8 +88,9 @@ class AllocatorReserve:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
         step's plan may be within it on a cache of its own (``reachable()``, asked only then: see
         the module), or one shorter steps built that the step outgrows (``needs()``: the plan's
-        allocated peak and the reserved peak it is judged by, bytes, where it is judged within the
-        budget; else ``None``), and note what is reserved now."""
+        allocated peak and the reserved peak it is judged by, bytes, where it has not run on the
+        cache and may stay within the budget on a cache of its own; else ``None``), and note what
+        is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
