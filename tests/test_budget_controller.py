@@ -866,6 +866,30 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
     assert probe.trims == trims and probe.reserved_bytes == budget + 300 * MiB  # kept: it would change nothing
 
 
+def _step_of(c: BudgetController, reserve: AllocatorReserve, tokens: int | None, allocated_peak: int,
+             cached: int) -> None:
+    """A step of ``tokens`` tokens (``None``: not known) run by ``c`` on the cache ``reserve``
+    counts: its allocated peak, and the bytes it leaves cached beside it."""
+    reserve.step_of(tokens)
+    c.step_begins()
+    c.probe.peak_bytes, c.probe.cached_bytes = allocated_peak, cached
+    c.probe.advance(c.plan.step_s)
+    c.backward_ends()
+    c.probe.reserved_bytes = allocated_peak + cached
+
+
+def _sharing_a_cache(room: int = 30 * MiB) -> tuple[FakeProbe, AllocatorReserve, MemoryPlan, BudgetController,
+                                                      BudgetController]:
+    """A probe, one cache (``reserve``), the plan keeping all of :func:`_profile`, and two
+    controllers sharing the cache, budgeted so that that plan fits with ``room`` to spare (no
+    profile adopted yet)."""
+    probe, reserve = FakeProbe(), AllocatorReserve()
+    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
+    budget = keep_all.peak + least_margin(keep_all.peak) + room
+    first, second = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    return probe, reserve, keep_all, first, second
+
+
 @pytest.mark.parametrize("room", [30 * MiB, 80 * MiB])
 def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_step_whose_idle_blocks_could_take_it_over(
         room: int):
@@ -875,28 +899,20 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     full-length step after a 768-token one reserved 12.40 GiB for 10.78 allocated, over 11.80);
     with room for them, it stays. Neither the longer step's next step (its own cache) nor a shorter
     step after it (a cache a longer step served) gives it back."""
-    probe, reserve = FakeProbe(), AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + room
-    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    probe, reserve, keep_all, long, short = _sharing_a_cache(room)
     long.adopt_profile(_profile())
     short.adopt_profile(_small_profile())
     assert long.plan.key == keep_all.key
 
     def step(c: BudgetController, allocated_peak: int, cached: int) -> None:
-        reserve.step_of(2048 if c is long else 512)
-        c.step_begins()
-        probe.peak_bytes, probe.cached_bytes = allocated_peak, cached
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = allocated_peak + cached  # what the step leaves cached
+        _step_of(c, reserve, 2048 if c is long else 512, allocated_peak, cached)
 
     step(short, BASE + 40 * MiB, 5 * MiB)  # idle as the longer step begins: 45 MiB, and the reserve 5
     assert probe.trims == 1  # the first
     step(long, keep_all.peak, 5 * MiB)
     outgrown = room < 45 * MiB + 5 * MiB
     assert reserve.trims_by["outgrown"] == int(outgrown) and probe.trims == 1 + int(outgrown)
-    assert probe.reserved_bytes <= budget and reserve.bytes == 5 * MiB
+    assert probe.reserved_bytes <= long.budget and reserve.bytes == 5 * MiB
     step(long, keep_all.peak, 5 * MiB)
     step(short, BASE + 40 * MiB, 0)
     step(long, keep_all.peak, 5 * MiB)
@@ -908,19 +924,11 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     still cut too small for its tensors (on the loop sweep's decoder a 2048-token step allocating
     what the 1536-token step before it had reserved 8.97 GiB for 5.04 on that step's cache), so
     where the idle blocks could take it over the budget, the cache is given back."""
-    probe, reserve = FakeProbe(), AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
-    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    probe, reserve, keep_all, long, short = _sharing_a_cache()
     long.adopt_profile(_profile())
     short.adopt_profile(_small_profile())
     for c, tokens in ((short, 1536), (long, 2048)):
-        reserve.step_of(tokens)
-        c.step_begins()
-        probe.peak_bytes, probe.cached_bytes = keep_all.peak, 20 * MiB  # within the budget
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = keep_all.peak + 20 * MiB
+        _step_of(c, reserve, tokens, keep_all.peak, 20 * MiB)  # within the budget
     assert reserve.trims_by == {"first": 1, "outgrown": 1}
 
 
@@ -933,10 +941,7 @@ def test_controller_a_cache_a_shorter_step_grew_is_given_back_before_the_longer_
     GPT-MoE's first full-length planned step after a 768-token one grew the profiling steps'
     cache by 5.2 GiB); kept where the shorter step added a few MiB (the decoder's 512 tokens, 8
     MiB on its 2048-token profiling cache)."""
-    probe, reserve = FakeProbe(), AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
-    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    probe, reserve, keep_all, long, short = _sharing_a_cache()
     short.adopt_profile(_small_profile())
     reserve.step_of(2048)
     long.step_begins()  # profiling: its own cache
@@ -945,12 +950,7 @@ def test_controller_a_cache_a_shorter_step_grew_is_given_back_before_the_longer_
     probe.reserved_bytes = BASE + 25 * MiB
     long.adopt_profile(_profile())
     for c, tokens, peak in ((short, 768, short_peak), (long, 2048, keep_all.peak)):
-        reserve.step_of(tokens)
-        c.step_begins()
-        probe.peak_bytes, probe.cached_bytes = peak, 5 * MiB
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = peak + 5 * MiB
+        _step_of(c, reserve, tokens, peak, 5 * MiB)
     assert reserve.trims_by == ({"first": 1, "outgrown": 1} if given_back else {"first": 1})
 
 
@@ -959,19 +959,11 @@ def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allo
     """The same steps, the cache built by a step as long as the one that follows (or of tokens
     not known): its blocks are cut to sizes the step can use, and a cache given back would be
     built again, its own way, by whichever step came next, so it is kept."""
-    probe, reserve = FakeProbe(), AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 30 * MiB
-    long, first = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
+    probe, reserve, keep_all, long, first = _sharing_a_cache()
     long.adopt_profile(_profile())
     first.adopt_profile(_small_profile())
     for c, tokens, peak in ((first, first_tokens, BASE + 40 * MiB), (long, 2048, keep_all.peak)):
-        reserve.step_of(tokens)
-        c.step_begins()
-        probe.peak_bytes, probe.cached_bytes = peak, 5 * MiB
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = peak + 5 * MiB
+        _step_of(c, reserve, tokens, peak, 5 * MiB)
     assert probe.trims == 1 and reserve.trims_by == {"first": 1}
 
 
@@ -992,22 +984,15 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_step_no_p
         long.adopt_profile(profile, profiled.peak)
     short.adopt_profile(_small_profile())
 
-    def step(c: BudgetController, tokens: int, allocated_peak: int, cached: int) -> None:
-        reserve.step_of(tokens)
-        c.step_begins()
-        probe.peak_bytes, probe.cached_bytes = allocated_peak, cached
-        probe.advance(c.plan.step_s)
-        c.backward_ends()
-        probe.reserved_bytes = allocated_peak + cached
-
     if over_on_its_own:
-        step(long, 2048, long.plan.peak, 100 * MiB)  # on the first step's cache, given back before it
+        _step_of(long, reserve, 2048, long.plan.peak, 100 * MiB)  # on a cache given back before it
         assert probe.peak_reserved() > budget and probe.trims == 1
-    step(short, 1536, BASE + 40 * MiB, 5 * MiB)
+    _step_of(short, reserve, 1536, BASE + 40 * MiB, 5 * MiB)
     trims = probe.trims
-    step(long, 2048, long.plan.peak, 5 * MiB)
+    _step_of(long, reserve, 2048, long.plan.peak, 5 * MiB)
     assert long.too_small is not None
-    assert reserve.trims_by["outgrown"] == (0 if over_on_its_own else 1) and probe.trims == trims + (not over_on_its_own)
+    assert reserve.trims_by["outgrown"] == (0 if over_on_its_own else 1)
+    assert probe.trims == trims + (not over_on_its_own)
 
 
 def test_controller_a_plan_that_runs_over_the_budget_anyway_keeps_its_cache_from_step_to_step():

@@ -490,26 +490,23 @@ class BudgetController:
             return True
         return self._plan.key not in self._over_on_own_cache
 
-    def _needs_on_a_new_cache(self) -> tuple[int, int] | None:
-        """This step's plan's allocated peak and the reserved peak it is judged by (bytes), as
-        :meth:`_fitting` judges it on a cache of its own, where it has not run on the cache as it
+    def _needs_on_a_new_cache(self) -> int | None:
+        """The reserved peak this step's plan is judged by (bytes), as :meth:`_fitting` judges it
+        on a cache of its own, where it has not run on the cache as it
         stands (one that served it serves it again) and may stay within the budget on a cache of
         its own (:meth:`_reaches_budget`: also a plan over it by the model, the least memory where
         no plan fits, until it went over on such a cache); else ``None`` (profiling, a forced
         plan). On an H200 the decoder's 2048 tokens at checkpointing's peak, the least memory
         there, reserved 5.67 GiB on caches their own steps built, and 7.86 on one 1536-token steps
         had built after the cache was given back: 1.70 over."""
-        plan, profile = self._plan, self._profile
-        if plan is None or profile is None or self._step is not None or self._forced is not None:
+        plan = self._plan
+        if plan is None or self._profile is None or self._step is not None or self._forced is not None:
             return None
         if plan.key in self._served_now() or not self._reaches_budget():
             return None
-        measured = self._peaks.get(plan.key)
-        if measured is not None:
-            allocated = judged = measured + profile.base
-        else:
-            allocated, judged = plan.peak, plan.peak + self._margin + least_margin(self._budget)
-        return allocated, judged + self._reserve.bytes
+        with self.planning_time("choosing"):  # (asked only where shorter steps grew the cache)
+            judged = self._judged_peaks(True, by_cache=False)
+            return min((q for p, q in zip(self._plans, judged) if p.key == plan.key), default=None)
 
     def _raise_found(self) -> None:
         """Raise the :class:`BudgetTooSmall` choosing found (having chosen the least memory) since

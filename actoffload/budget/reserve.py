@@ -17,13 +17,14 @@ loop's: before the first step (a loader's blocks), and before a step that begins
 reserved than the last step's peak (beyond the base tolerance: something between the steps grew
 it, an evaluation forward say), so that no such idle blocks are counted into the reserve; and at
 the end of a step over the budget when the plan changes, so that the new plan's blocks are made
-for it; and before a step that outgrows a cache shorter steps built (:meth:`AllocatorReserve.step_begins`'s
-``needs``: its plan has not run on the cache, and were the blocks that steps of fewer tokens
-added to it since it was given back of no use to it, the plan, judged within the budget, would go
-over, or, over it by the model, could not stay within it as on a cache of its own: on the GPT-MoE
-the first full-length step after a 768-token one had grown the cache by 5.2 GiB reserved 12.40 GiB
-for 10.78 allocated, over 11.80, in every run; blocks only steps as long or longer added serve
-the step, and a few MiB a short step added take none over); and before a step whose plan is judged within the budget (or is being profiled), where
+for it; and before a step that outgrows a cache shorter steps built
+(:meth:`AllocatorReserve.step_begins`'s ``needs``: its plan has not run on the cache, and were
+the blocks that steps of fewer tokens added to it since it was given back of no use to it, the
+plan, judged within the budget, would go over, or, over it by the model, could not stay within it
+as on a cache of its own: on the GPT-MoE the first full-length step after a 768-token one had
+grown the cache by 5.2 GiB reserved 12.40 GiB for 10.78 allocated, over 11.80, in every run;
+blocks only steps as long or longer added serve the step, and a few MiB a short step added take
+none over); and before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
@@ -84,13 +85,12 @@ class AllocatorReserve:
         self._tokens = tokens
 
     def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True,
-                    needs: Callable[[], tuple[int, int] | None] = lambda: None) -> None:
+                    needs: Callable[[], int | None] = lambda: None) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
         step's plan may be within it on a cache of its own (``reachable()``, asked only then: see
-        the module), or one shorter steps built that the step outgrows (``needs()``: the plan's
-        allocated peak and the reserved peak it is judged by, bytes, where it has not run on the
-        cache and may stay within the budget on a cache of its own; else ``None``), and note what
-        is reserved now."""
+        the module), or one shorter steps built that the step outgrows (``needs()``: the reserved
+        peak the plan is judged by, bytes, where it has not run on the cache and may stay within
+        the budget on a cache of its own; else ``None``), and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
@@ -132,7 +132,7 @@ class AllocatorReserve:
         if self._over and not self._trimmed:
             self._give_back(probe, "plan changed")
 
-    def _outgrown(self, budget: int, needs: Callable[[], tuple[int, int] | None]) -> bool:
+    def _outgrown(self, budget: int, needs: Callable[[], int | None]) -> bool:
         """Whether this step outgrows a cache shorter steps grew: were the blocks that steps of
         fewer tokens added since it was given back of no use to it (cut to their sizes, too small
         for this step's tensors, whatever this step allocates in all), the step would go over the
@@ -146,7 +146,7 @@ class AllocatorReserve:
         if not shorter:
             return False
         need = needs()
-        return need is not None and need[1] + shorter > budget
+        return need is not None and need + shorter > budget
 
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
