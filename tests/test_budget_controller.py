@@ -967,6 +967,42 @@ def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allo
     assert probe.trims == 1 and reserve.trims_by == {"first": 1}
 
 
+def test_controller_a_cache_that_served_the_longer_plan_is_kept_though_a_shorter_step_grew_it_since():
+    """The longer plan ran on the cache, then a shorter step grew it (by more than the room the
+    plan leaves): a cache that served the plan serves it again, and is kept."""
+    probe, reserve, keep_all, long, short = _sharing_a_cache()
+    long.adopt_profile(_profile())
+    short.adopt_profile(_small_profile())
+    _step_of(long, reserve, 2048, keep_all.peak, MiB)
+    _step_of(short, reserve, 512, keep_all.peak + 2 * MiB, 25 * MiB)  # grows it: blocks of other sizes
+    assert reserve._growth[512] > 0 and long.plan.key in long._served_now()
+    _step_of(long, reserve, 2048, keep_all.peak, MiB)
+    assert reserve.trims_by == {"first": 1}
+
+
+def test_reserve_counts_what_a_step_of_several_backward_passes_grew_once():
+    """A step's backward passes each report the step's peaks so far: the cache's growth is what
+    the step's reserved peak passed what it began on, counted once for the step."""
+
+    class Cache:
+        cuda = True
+        reserved_bytes = 0
+
+        def reserved(self) -> int:
+            return self.reserved_bytes
+
+        def trim(self) -> None:
+            self.reserved_bytes = 0
+
+    reserve, cache, budget = AllocatorReserve(), Cache(), 1 << 40
+    reserve.step_of(512)
+    reserve.step_begins(cache, budget)  # the first: given back
+    for allocated, reserved in ((90, 100), (90, 100), (140, 150)):
+        cache.reserved_bytes = reserved
+        reserve.step_ended(cache, budget, allocated, reserved)
+    assert reserve._growth == {512: 150}
+
+
 @pytest.mark.parametrize("over_on_its_own", [False, True])
 def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_step_no_plan_fits(over_on_its_own):
     """No plan reaches the budget by the model, and the least memory runs; its steps may still
@@ -1547,6 +1583,42 @@ def test_controller_a_predicted_profile_runs_the_plan_moving_no_bytes_before_its
     assert c.settled and set(_measured(c)) == tried
     assert c.plan.key == (still.key if still_s < first_s else first.key)
     assert c.profile is profile  # not calibrated
+
+
+def test_controller_a_predicted_profiles_first_choice_runs_though_its_plan_moving_nothing_went_over_the_budget():
+    """The predicted profile's plan moving nothing went over the budget in its first step, before
+    it was measured (the margin widens; it no longer fits): the next plan moving nothing runs, and
+    then the first choice where the model rates it faster than that one ran; no other plan."""
+    from test_budget_search import PROFILES
+
+    cases = 0
+    for profile in PROFILES[:16]:
+        peaks = sorted({p.peak for p in search.candidates(profile)})
+        for peak in peaks[1::max(1, len(peaks) // 8)]:
+            budget = peak + least_margin(peak) + 1
+            c = BudgetController(budget, CPU, probe=FakeProbe(allocated=profile.base))
+            if not c.adopt_prediction(profile) or not moves_bytes(profile, c._first_choice(c._fitting()).groups):
+                continue  # no prediction fits, or the first choice moves nothing
+            went_over = c.plan
+            if moves_bytes(profile, went_over.groups):
+                continue  # no plan moving nothing fits
+            ran = []
+            for _ in range(8 * TIMINGS):
+                c.step_begins(may_raise=False)
+                ran.append(c.plan.key)
+                c.probe.peak_bytes = budget + MiB if c.plan.key == went_over.key else c.plan.peak
+                c.probe.advance(c.plan.step_s * (2.0 if c.plan.key != went_over.key and len(set(ran)) == 2 else 1.0))
+                c.backward_ends()
+            tried = list(dict.fromkeys(ran))
+            if len(tried) < 2 or moves_bytes(profile, tried[1][0]):
+                continue  # not the case: no other plan moving nothing fitted
+            fitting = c._fitting()
+            first, second = c._first_choice(fitting), next(p for p in fitting if p.key == tried[1])
+            if not moves_bytes(profile, first.groups) or not c._promises(first, second):
+                continue
+            cases += 1
+            assert tried[2:] == [first.key], tried  # (the second plan moving nothing ran twice its model's time)
+    assert cases >= 3
 
 
 def test_controller_a_predicted_profile_whose_first_choice_moves_nothing_tries_no_other():

@@ -1247,10 +1247,12 @@ class BudgetController:
                     break
                 continue  # measured, or the model promises nothing faster than what was
             # a predicted profile tries no plan beyond the one moving nothing and its first
-            # choice, that one where the model rates it faster than the other ran (above); it
-            # runs even where a quick plan, timed before the whole search answered, ran first
-            tries = self._explore + (self.predicted and (p is still or p is first))
-            if p.key in self._runs or len(self._runs) <= tries:  # running, or one more may
+            # choice, that one where the model rates it faster than the other ran (above), each
+            # whatever ran before it: a quick plan, timed before the whole search answered, or a
+            # plan moving nothing that went over the budget before it was measured (the next one
+            # moving nothing runs then, and would have left the first choice no try)
+            opener = self.predicted and (p is still or p is first)
+            if p.key in self._runs or opener or len(self._runs) <= self._explore:  # running, or one more may
                 return p
             break
         return best if best is not None else first
