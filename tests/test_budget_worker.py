@@ -592,6 +592,34 @@ def test_a_predicted_profile_runs_the_whole_searchs_plan_moving_none_before_its_
     assert cases >= 3 and quick_was_first >= 1
 
 
+def test_a_predicted_profile_runs_no_plan_but_its_quick_plans_its_plan_moving_none_and_its_first_choice(monkeypatch):
+    """Whatever the quick plans were, once the planning process answered a predicted profile runs
+    no plan but those, the whole search's first choice and, where that moves bytes, its plan
+    moving nothing: here the recomputation runs slower than modelled, so a first choice moving
+    bytes is tried after the plan moving nothing (a quick plan that the whole search opens with
+    stays held until timed, else a third plan would be tried)."""
+    from actoffload.budget.costmodel import moves_bytes
+
+    cases = 0
+    for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=2):
+        ran, answered = [], None
+        for step in range(10 * TIMINGS):
+            c.step_begins()
+            if answered is None and c._pending is None:
+                answered = step
+            ran.append(c.plan.key)
+            c.probe.advance(c.plan.step_s * (1.0 if moves_bytes(profile, c.plan.groups) else 1.3))
+            c.backward_ends()
+        if answered is None:
+            continue
+        fitting = c._fitting()
+        first = c._first_choice(fitting)
+        still = c._still_to_try(fitting, first, None)
+        cases += 1
+        assert set(ran[answered:]) <= set(ran[:answered]) | {first.key} | ({still.key} if still else set())
+    assert cases >= 5
+
+
 def test_a_predicted_profile_whose_quick_plan_was_timed_before_the_answer_still_runs_its_first_choice(monkeypatch):
     """The planning process answered late: the predicted profile's quick plan (moving bytes)
     was timed already, so the plan moving nothing ran next; the whole search's first choice,
