@@ -492,13 +492,13 @@ class BudgetController:
 
     def _needs_on_a_new_cache(self) -> int | None:
         """The reserved peak this step's plan is judged by (bytes), as :meth:`_fitting` judges it
-        on a cache of its own, where it has not run on the cache as it
-        stands (one that served it serves it again) and may stay within the budget on a cache of
-        its own (:meth:`_reaches_budget`: also a plan over it by the model, the least memory where
-        no plan fits, until it went over on such a cache); else ``None`` (profiling, a forced
-        plan). On an H200 the decoder's 2048 tokens at checkpointing's peak, the least memory
-        there, reserved 5.67 GiB on caches their own steps built, and 7.86 on one 1536-token steps
-        had built after the cache was given back: 1.70 over."""
+        on a cache of its own, where it has not run on the cache as it stands (one that served it
+        serves it again) and may stay within the budget on a cache of its own
+        (:meth:`_reaches_budget`: also a plan over it by the model, the least memory where no plan
+        fits, until it went over on such a cache); else ``None`` (profiling, a forced plan). On an
+        H200 the decoder's 2048 tokens at checkpointing's peak, the least memory there, reserved
+        5.67 GiB on caches their own steps built, and 7.86 on one 1536-token steps had built after
+        the cache was given back: 1.70 over."""
         plan = self._plan
         if plan is None or self._profile is None or self._step is not None or self._forced is not None:
             return None

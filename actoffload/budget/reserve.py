@@ -100,7 +100,7 @@ class AllocatorReserve:
             why = "grown between steps"
         elif now > budget and reachable():
             why = "over the budget"
-        elif not self._trimmed and self._outgrown(budget, needs):
+        elif self._outgrown(budget, needs):
             why = "outgrown"
         else:
             why = None
@@ -117,6 +117,8 @@ class AllocatorReserve:
             return False
         self._last_peak, self._over, self._trimmed = reserved_peak, reserved_peak > budget, False
         self.cache_grew = reserved_peak > self._start
+        # (where the cache was given back between its backward passes, what the later ones built
+        # is not counted: the peak read is the whole step's, from before the give-back)
         grown = max(reserved_peak - self._start, 0)
         if self._tokens is not None and grown > self._grown_this_step:
             self._growth[self._tokens] += grown - self._grown_this_step
