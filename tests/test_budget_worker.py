@@ -539,6 +539,20 @@ def _predicted_controllers(monkeypatch, profiles: int, budgets: int, after: int)
                 yield profile, c
 
 
+def _steps_until_answered(c: BudgetController, steps: int, pace) -> tuple[list, int | None]:
+    """Run ``steps`` steps, each ``pace(plan)`` times its plan's modelled time: the plans they ran,
+    and the first step that began with the planning process's answer taken (``None``: none did)."""
+    ran, answered = [], None
+    for step in range(steps):
+        c.step_begins()
+        if answered is None and c._pending is None:
+            answered = step
+        ran.append(c.plan.key)
+        c.probe.advance(c.plan.step_s * pace(c.plan))
+        c.backward_ends()
+    return ran, answered
+
+
 def test_a_predicted_profile_runs_the_whole_searchs_first_choice_when_it_answers(monkeypatch):
     """A predicted profile's quick plan runs until the planning process answers; where the whole
     search's first choice is another plan, that plan runs then (the quick one is not held until
@@ -568,15 +582,8 @@ def test_a_predicted_profile_runs_the_whole_searchs_plan_moving_none_before_its_
 
     cases = quick_was_first = 0
     for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=2):
-        ran, answered = [], None
-        for step in range(8 * TIMINGS):
-            c.step_begins()
-            if answered is None and c._pending is None:
-                answered = step
-            ran.append(c.plan.key)
-            moving = moves_bytes(profile, c.plan.groups)
-            c.probe.advance(c.plan.step_s * (3.0 if moving else 1.0))  # the bus slower than modelled
-            c.backward_ends()
+        # the bus slower than modelled
+        ran, answered = _steps_until_answered(c, 8 * TIMINGS, lambda p: 3.0 if moves_bytes(profile, p.groups) else 1.0)
         fitting = c._fitting()
         first = c._first_choice(fitting)
         still = c._still_to_try(fitting, first, None)
@@ -602,14 +609,7 @@ def test_a_predicted_profile_runs_no_plan_but_its_quick_plans_its_plan_moving_no
 
     cases = 0
     for profile, c in _predicted_controllers(monkeypatch, 16, 6, after=2):
-        ran, answered = [], None
-        for step in range(10 * TIMINGS):
-            c.step_begins()
-            if answered is None and c._pending is None:
-                answered = step
-            ran.append(c.plan.key)
-            c.probe.advance(c.plan.step_s * (1.0 if moves_bytes(profile, c.plan.groups) else 1.3))
-            c.backward_ends()
+        ran, answered = _steps_until_answered(c, 10 * TIMINGS, lambda p: 1.0 if moves_bytes(profile, p.groups) else 1.3)
         if answered is None:
             continue
         fitting = c._fitting()
