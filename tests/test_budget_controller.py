@@ -697,7 +697,8 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "cache_trims_by", "planning_s", "planning_by", "background_planning_s", "planning_in_background"}
+                      "cache_trims_by", "cache_bound", "planning_s", "planning_by", "background_planning_s",
+                      "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
     # every planning second is counted by what it was spent on, choosing at least once
     assert s["planning_by"]["choosing"] > 0
@@ -864,6 +865,34 @@ def test_controller_a_cache_others_grew_over_the_budget_is_given_back_before_a_p
     trims = probe.trims
     long.step_begins()
     assert probe.trims == trims and probe.reserved_bytes == budget + 300 * MiB  # kept: it would change nothing
+
+
+def test_controller_keeps_the_plan_it_ran_while_another_workload_is_bound_to_the_cache():
+    """Two workloads on one allocator: the longer has no plan within the budget by the model, so
+    the least memory runs, within the budget (if at all) only on the cache as it stands: it is
+    bound to that cache. The other workload, profiled, then keeps the plan it ran (its profiled
+    plan) rather than its model's first choice: a plan new to the cache may lay out what its step
+    leaves allocated (the first micro-batch's gradients) so that the bound workload's next step
+    goes over. With no workload bound, the same profile gets the first choice; on the CPU (no
+    cache) no workload is bound."""
+    small = _small_profile()
+    alone = _controller(1 << 40, profile=small)
+    profiled = alone.plans[-1]
+    assert alone.plan.key != profiled.key  # its first choice is not the plan profiling ran
+    long_least = min(p.peak for p in _controller(1 << 40).plans)
+    budget = long_least - 20 * MiB
+    for cuda in (True, False):
+        probe, reserve = FakeProbe(cuda=cuda), AllocatorReserve()
+        long, short, later = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(3))
+        with pytest.raises(BudgetTooSmall):
+            long.adopt_profile(_profile())
+        assert reserve.is_bound(long) == cuda and long.stats()["cache_bound"] == (True if cuda else None)
+        short.adopt_profile(small, profiled_peak=profiled.peak)
+        assert short.plan.key == (profiled.key if cuda else alone.plan.key)
+        assert not reserve.is_bound(short)
+        reserve.bind(long, False)  # (as where its workload is dropped)
+        later.adopt_profile(small, profiled_peak=profiled.peak)
+        assert later.plan.key == alone.plan.key
 
 
 def _step_of(c: BudgetController, reserve: AllocatorReserve, tokens: int | None, allocated_peak: int,

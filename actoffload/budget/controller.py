@@ -199,6 +199,7 @@ class BudgetController:
         self._step_start: Any = None
         self._step_number = 0
         self._step_key: PlanKey | None = None  # the plan the latest step began with (None: profiling)
+        self._last_run: PlanKey | None = None  # the plan this workload's latest step ran (profiling: the profiled plan)
         self._step_backwards = 0  # backward passes of the latest step that ended
         # a step of this workload ended more than one backward pass (pipelined micro-batches,
         # losses backwarded one by one): only the next step's beginning knows it is over
@@ -381,8 +382,10 @@ class BudgetController:
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
         self._plan_all(plans, fresh=True)
+        self._last_run = None
         if profiled_peak is not None:  # it ran: its peak is known
             self._peaks[self._plans[-1].key] = profiled_peak - profile.base
+            self._last_run = self._plans[-1].key
         self._plan, self._state = None, State.EXPLORING
 
     def force(self, groups: Sequence[GroupDecision] | None, max_inflight: int = 0, prefetch: int = 0) -> None:
@@ -444,6 +447,7 @@ class BudgetController:
                 # before a profiling step is set up: the step begun again would finish it, empty
                 self._raise_found()
             self._state = State.PROFILING
+            self._reserve.bind(self, False)  # no plan of its runs: it binds no other workload's
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
             self._choose()  # no plan was chosen (no plan fitted the budget where it was raised)
@@ -476,6 +480,7 @@ class BudgetController:
         self._step_key = self._plan.key if self._step is None and self._plan is not None else None
         if self._step_key is not None:
             self._runs[self._step_key] = self._runs.get(self._step_key, 0) + 1
+            self._last_run = self._step_key
 
     def _reaches_budget(self) -> bool:
         """Whether this step's plan may stay within the budget on a cache of its own: a cache
@@ -981,6 +986,7 @@ class BudgetController:
         if self._forced is not None:
             self._plan = self._forced_plan(*self._forced)
             self._unheld.add(self._plan.key)  # run as told: once let go, not held until timed
+            self._reserve.bind(self, False)
             self._settle()
             return
         if self.too_small is None and all(q > self._budget for q in self._judged_peaks(False)):
@@ -1008,6 +1014,9 @@ class BudgetController:
                     chosen = least
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._reserve_judged, self._trims_judged = self._reserve.bytes, self._reserve.trims
+        # within the budget, if at all, only on the cache as it stands (a GPU's): the other
+        # workloads keep the plans that built it (_fastest)
+        self._reserve.bind(self, self._probe.cuda and (not fitting or self._fits_only_on_its_cache(chosen.key)))
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
@@ -1217,6 +1226,13 @@ class BudgetController:
             for p in fitting:
                 if p.key == running.key:
                     return p
+        if self._pending is None and self._last_run not in self._unheld and self._reserve.bound_besides(self):
+            # another workload sharing the allocator stays within the budget only on the cache as
+            # it stands: a plan new to it may take that workload over (below), so the plan this
+            # workload ran last runs on, while it fits
+            for p in fitting:
+                if p.key == self._last_run:
+                    return p
         by_model = search.simplest_first(profile, fitting)
         first = next(by_model)  # the model's choice, should nothing be measured (_first_choice)
         measured = self._measured_keys()
@@ -1402,7 +1418,9 @@ class BudgetController:
                                "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,
                                "planning_in_background": self._pending is not None,
-                               "state": self._state.value, "settled": self.settled}
+                               "state": self._state.value, "settled": self.settled,
+                               # its plan stays within the budget only on the cache as it stands
+                               "cache_bound": self._reserve.is_bound(self) if cuda else None}
         if self.too_small is not None:
             out["budget_too_small"] = self.too_small
         if self._plan is not None and self._profile is not None:

@@ -270,6 +270,7 @@ class Workloads:
         while len(self._entries) > self.capacity:
             old = next(e for e in self._entries if e is not keep)
             self._entries.remove(old)
+            self.reserve.bind(old.controller, False)
             self._planning_dropped += old.controller.planning_s
             for what, seconds in old.controller.planning_by.items():
                 self._planning_by_dropped[what] += seconds
