@@ -19,7 +19,6 @@ Example (a GPU)::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, Callable
@@ -27,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from actoffload.tools import loop_sweep as ls
-from actoffload.tools.provenance import git_commit
+from actoffload.tools.provenance import git_commit, write_results
 
 GiB = 1 << 30
 
@@ -150,8 +149,7 @@ def main() -> int:
                                "unbound": a.unbound, "runs": []}
 
     def save() -> None:
-        with open(a.out, "w") as f:
-            json.dump(results, f)
+        write_results(a.out, results)
 
     with loop.peaks:
         ls._warm_up(loop, [w.seq_len])

@@ -1209,7 +1209,9 @@ class BudgetController:
         choice is being measured: the bus and recomputation are both modelled from the profiling
         steps, and an error in either must not keep the slower. A predicted profile whose first
         choice moves bytes runs that plan moving nothing before it (:meth:`_still_to_try`).
-        Then a plan the model rates faster than the fastest measured (:meth:`_promises`). The model misses costs
+        Then a plan the model rates faster than the fastest measured (:meth:`_promises`). While
+        another workload is bound to the cache (:meth:`~.reserve.AllocatorReserve.bind`), none of
+        this: the plan this workload ran last (after profiling, its profiled plan). The model misses costs
         it cannot see (hooks, packing, contention, a step that waits on the host); measuring
         finds them, and few tries keep the first steps few."""
         assert self._profile is not None
@@ -1228,8 +1230,8 @@ class BudgetController:
                     return p
         if self._pending is None and self._last_run not in self._unheld and self._reserve.bound_besides(self):
             # another workload sharing the allocator stays within the budget only on the cache as
-            # it stands: a plan new to it may take that workload over (below), so the plan this
-            # workload ran last runs on, while it fits
+            # it stands (bound to it: see reserve.py), and what this workload's plan leaves allocated
+            # shapes that cache: the plan it ran last runs on while it fits, none new is tried
             for p in fitting:
                 if p.key == self._last_run:
                     return p

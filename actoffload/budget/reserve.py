@@ -47,11 +47,12 @@ where no plan fits, or a plan judged within it only by what it reserved there) i
 that cache (:meth:`AllocatorReserve.bind`). What a step allocates and leaves allocated, and
 where, shapes the blocks the next steps find: in gradient accumulation the first micro-batch's
 backward lays out the gradients the others run beside. While a workload is bound, the others
-keep the plans they ran (the controller's ``_fastest``): on an H200 the loop sweep's decoder at
-checkpointing's peak, its later micro-batches bound on a 7.90 GiB cache under 8.37, went over
-in 4 runs of 4 (8.87-8.89 GiB for the same 6.75 allocated) at the micro-batch after the first
-micro-batch ran a plan new to that cache, and the caches rebuilt after it was given back held
-8.39-8.89.
+keep the plan they ran last (the controller's ``_fastest``). On an H200 the loop sweep's decoder
+at checkpointing's peak, its later micro-batches bound on a 7.90 GiB cache under 8.37, went over
+in 59 of 80 micro-batches in two of three runs, from the micro-batch right after the first
+micro-batch ran a plan keeping more than its profiled one (8.87 GiB reserved for the same 6.75
+allocated; given back, the cache was rebuilt at 8.39-8.89); with the others keeping their plans,
+in none (but a first step, before any workload was bound, in one run of three).
 """
 
 from __future__ import annotations
