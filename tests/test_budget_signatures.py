@@ -129,10 +129,15 @@ def test_workloads_are_bounded_least_recently_used_first():
     off = ao.Offloader(device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
     blocks = _blocks(2)
     lengths = [8 * (i + 1) for i in range(CAPACITY + 2)]
-    _run(off, blocks, lengths)
-    kept = [w.signature.tokens for w in off.plan.workloads.workloads]
+    _run(off, blocks, lengths[:1])
+    workloads = off.plan.workloads
+    first = workloads.workloads[0].controller
+    workloads.reserve.bind(first, True)  # (bound to the cache, as on a GPU): dropped with its workload
+    _run(off, blocks, lengths[1:])
+    kept = [w.signature.tokens for w in workloads.workloads]
     assert kept == lengths[-CAPACITY:]
     assert off.stats()["plan"]["workload"]["kept"] == CAPACITY
+    assert not workloads.reserve.is_bound(first)
 
 
 def test_the_signature_is_the_first_inputs_shapes_dtypes_and_devices():
