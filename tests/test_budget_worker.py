@@ -211,6 +211,30 @@ def test_the_controller_runs_a_quick_searchs_plan_until_the_whole_search_answers
     assert c.settled and sync.settled and c.plan.key == sync.plan.key
 
 
+@pytest.mark.parametrize("after", [1, 100])
+def test_a_profile_made_as_another_workloads_step_begins_chooses_as_its_own_next_step_begins(monkeypatch, after):
+    """Profiling ends as the next step begins, of whatever workload: this workload's quick search
+    waits for its own next step, and where the planning process has answered by then, none runs
+    (on an H200 the loop sweep's decoder, profiled at full length, spent 25 ms of the 512-token
+    step that began next on quick plans the answer replaced before any ran)."""
+    w = _Worker(after=after)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    c = BudgetController(1 << 40, CPU, probe=probe)
+    c._adopt_measured(_profile(), BASE + 100 * MiB, defer=True)
+    assert c.plan is None and c._pending is not None and "quick search" not in c.planning_by
+    c.step_begins()
+    sync = _synchronous()
+    if after == 1:  # answered by the time it looks
+        assert "quick search" not in c.planning_by and _keys(c.plans) == _keys(sync.plans)
+    else:
+        assert c.planning_by["quick search"] > 0 and c._pending is not None
+        assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(_profile()))
+    assert c.plan.key == sync.plan.key
+
+
 def test_a_budget_the_known_plans_miss_waits_for_the_search_to_say_it_is_too_small(monkeypatch):
     """Only the search knows whether any plan fits: where the plans that ran do not, the
     controller waits for its answer, and raises BudgetTooSmall as it would have, naming the

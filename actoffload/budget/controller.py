@@ -225,6 +225,7 @@ class BudgetController:
         # work goes on while the host plans); until it answers, a quick one's plans (:meth:`_plan_all`)
         self._worker = _worker_for(self._probe)
         self._pending: tuple[int, Profile, bool] | None = None  # (ticket, the profile searched, just adopted)
+        self._quick_due = False  # a profile adopted as another step began: quick plans, if needed, as its own begins
         self._unwanted: Any = None  # lets the planning process drop the pending answer should this controller go
         self.background_planning_s = 0.0  # the helper's seconds searching for this workload
 
@@ -328,11 +329,18 @@ class BudgetController:
         this workload's own profiling, of one step. Should no plan fit, that is raised as this
         workload's next step begins."""
         self._measured_steps = steps
-        self._adopt_measured(profile, profiled_peak)
+        self._adopt_measured(profile, profiled_peak, defer=True)  # (as another workload's step begins)
 
-    def _adopt_measured(self, profile: Profile, profiled_peak: int | None) -> None:
+    def _adopt_measured(self, profile: Profile, profiled_peak: int | None, defer: bool = False) -> None:
+        """Plan from a measured profile; ``defer``: its first choice waits for this workload's
+        next step (:meth:`_choose_first`), where the planning process may have answered."""
         self.predicted, self._explore = False, EXPLORE
-        self._adopt(profile, profiled_peak)
+        self._adopt(profile, profiled_peak, defer=defer)
+        if not self._quick_due:
+            self._choose_first()
+
+    def _choose_first(self) -> None:
+        """The first choice under a profile measured."""
         if self._pending is not None and all(q > self._budget for q in self._judged_peaks(False)):
             self._collect(wait=True)  # whether the budget is too small is the search's to say
         else:
@@ -372,7 +380,8 @@ class BudgetController:
         self._choose()
         return True
 
-    def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None) -> None:
+    def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None,
+               defer: bool = False) -> None:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
@@ -381,7 +390,7 @@ class BudgetController:
         self._served, self._went_over = {}, set()
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
-        self._plan_all(plans, fresh=True)
+        self._plan_all(plans, fresh=True, defer=defer)
         self._last_run = None
         if profiled_peak is not None:  # it ran: its peak is known
             self._peaks[self._plans[-1].key] = profiled_peak - profile.base
@@ -442,12 +451,21 @@ class BudgetController:
             self._replan()
         if self._state in (State.EXPLORING, State.SETTLED):
             self._collect()
+        if self._quick_due and self._state in (State.EXPLORING, State.SETTLED):
+            # profiled as another workload's step began, and the planning process has not answered
+            # yet: its quick search's plans until it does (where it has, as on an H200 in the loop
+            # sweep's decoder, whose profile is made as a shorter step begins, no quick search ran)
+            with self.planning_time("quick search"):
+                quick = search.quick_candidates(self._profile)
+            self._plan_all(quick)
+            self._choose_first()
         if self._state in (State.PROFILING, State.REPLANNING):
             if self._beginning:
                 # before a profiling step is set up: the step begun again would finish it, empty
                 self._raise_found()
             self._state = State.PROFILING
             self._reserve.bind(self, False)  # no plan of its runs: it binds no other workload's
+            self._quick_due = False
             self._step = _Step(start=self._probe.mark(), base=base)
         elif self._plan is None and self._profile is not None:
             self._choose()  # no plan was chosen (no plan fitted the budget where it was raised)
@@ -814,7 +832,9 @@ class BudgetController:
             self._partial, self.profiled_peak = profile, peak
             return
         self._measured_steps, self._pending_steps = tuple(self._pending_steps), []
-        self._adopt_measured(profile, peak if self._probe.cuda else None)
+        # (made as the next step begins, of any workload: a workload never seen is predicted from
+        # it now, its own plans are chosen as its own next step begins)
+        self._adopt_measured(profile, peak if self._probe.cuda else None, defer=True)
 
     def _measured_step(self, step: _Step, end: Any) -> MeasuredStep:
         """What one profiling step's marks say, in seconds and bytes."""
@@ -846,17 +866,23 @@ class BudgetController:
             outside = seconds(step.last_exit, touches[-1])
         return MeasuredStep(step.base, tuple(groups), outside, step.outside_peak, d2h, h2d, tuple(step.wholes))
 
-    def _plan_all(self, plans: list[MemoryPlan] | None = None, fresh: bool = False) -> None:
+    def _plan_all(self, plans: list[MemoryPlan] | None = None, fresh: bool = False, defer: bool = False) -> None:
         """Every candidate plan under the current profile, the profiled plan last. ``plans``:
         the search's, made already; else searched here, or asked of the planning process
         (:meth:`_ask`), and until it answers (:meth:`_collect`) the candidates stay as they were,
-        or for a ``fresh`` profile are those of a quick search (:func:`~.search.quick_candidates`)."""
+        or for a ``fresh`` profile are those of a quick search (:func:`~.search.quick_candidates`);
+        ``defer``: made as this workload's next step begins, should the answer not be there by
+        then (:meth:`_step_begins`), the profiled plan alone until then."""
         assert self._profile is not None
+        self._quick_due = False
         if plans is None and self._ask(fresh=fresh):
             if not fresh:
                 return
-            with self.planning_time("quick search"):
-                plans = search.quick_candidates(self._profile)
+            if defer:
+                self._quick_due, plans = True, []
+            else:
+                with self.planning_time("quick search"):
+                    plans = search.quick_candidates(self._profile)
         with self.planning_time("search" if plans is None else "candidates"):
             self._plans = search.candidates(self._profile, limits=self._limits()) if plans is None else list(plans)
             self._index = None
