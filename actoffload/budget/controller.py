@@ -451,7 +451,7 @@ class BudgetController:
             self._replan()
         if self._state in (State.EXPLORING, State.SETTLED):
             self._collect()
-        if self._quick_due and self._state in (State.EXPLORING, State.SETTLED):
+        if self._quick_due and self._state in (State.EXPLORING, State.SETTLED) and self._profile is not None:
             # profiled as another workload's step began, and the planning process has not answered
             # yet: its quick search's plans until it does (where it has, as on an H200 in the loop
             # sweep's decoder, whose profile is made as a shorter step begins, no quick search ran)
