@@ -333,7 +333,7 @@ class BudgetController:
 
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None, defer: bool = False) -> None:
         """Plan from a measured profile; ``defer``: its first choice waits for this workload's
-        next step (:meth:`_choose_first`), where the planning process may have answered."""
+        next step to begin (:meth:`_step_begins`), by when the planning process may have answered."""
         self.predicted, self._explore = False, EXPLORE
         self._adopt(profile, profiled_peak, defer=defer)
         if not self._quick_due:
