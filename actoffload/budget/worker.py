@@ -122,10 +122,10 @@ class PlanWorker:
         requests_in, requests_out = os.pipe()
         answers_in, answers_out = os.pipe()
         try:
-            # its standard output and error are this process's, so that anything it says shows
-            # one thread: it forks to search side by side (fanout), and numpy's BLAS, which the
-            # search does not call, would start a thread pool a core
+            # its numerical libraries on one thread: it forks to search side by side (fanout), and
+            # numpy's BLAS, which the search does not call, would start a thread pool a core
             env = {**os.environ, **{v: "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}}
+            # its standard output and error are this process's, so that anything it says shows
             self._proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, str(answers_out)], stdin=requests_in,
                                           pass_fds=(answers_out,), close_fds=True, env=env)
         except BaseException:
