@@ -1024,6 +1024,9 @@ class BudgetController:
                 # fits to run (too_small set, nothing judges it again)
                 self.too_small = self._raise_next = str(e)
         fitting = self._fitting()
+        # within the budget, if at all, only on the cache as it stands: the other workloads then
+        # keep the plans that built it (_fastest)
+        bound = not fitting
         if not fitting:
             chosen = self._least_memory()
         else:
@@ -1038,11 +1041,10 @@ class BudgetController:
                 least = self._least_memory()
                 if least.key not in self._went_over and self._pace(least) < self._pace(chosen):
                     chosen = least
+            bound = self._fits_only_on_its_cache(chosen.key, served)
         self._plan = next(p for p in self._plans if p.key == chosen.key)
         self._reserve_judged, self._trims_judged = self._reserve.bytes, self._reserve.trims
-        # within the budget, if at all, only on the cache as it stands (a GPU's): the other
-        # workloads keep the plans that built it (_fastest)
-        self._reserve.bind(self, self._probe.cuda and (not fitting or self._fits_only_on_its_cache(chosen.key)))
+        self._reserve.bind(self, self._probe.cuda and bound)  # (a GPU's cache: on the CPU none is bound)
         self._settle()
 
     def _least_memory(self) -> MemoryPlan:
