@@ -15,8 +15,8 @@ import pytest
 
 from actoffload.budget import search
 from actoffload.budget.actions import Action, GroupDecision
-from actoffload.budget.costmodel import (GroupProfile, MemoryPlan, Profile, Simulation, Whole, moves_bytes, simulate,
-                                         simulate_each, unmodelled_work)
+from actoffload.budget.costmodel import (GroupProfile, MemoryPlan, Profile, Simulation, Whole, bus_bytes, host_bytes,
+                                         moves_bytes, simulate, simulate_each, unmodelled_work)
 from actoffload.budget.search import BudgetTooSmall, candidates, choose, fastest, simplest_first
 from actoffload.budget.tolerances import TIE
 
@@ -216,6 +216,21 @@ def test_search_tries_the_plan_with_fewer_groups_not_kept_among_those_the_model_
     parts = MemoryPlan((recompute, recompute, keep), 0, 0, peak=10, step_s=1.0)
     one = MemoryPlan((recompute, keep, keep), 0, 0, peak=20, step_s=1.0 + TIE / 2)
     assert list(simplest_first(profile, [parts, one])) == [one, parts]
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 4))
+def test_whether_a_plan_moves_bytes_is_whether_it_moves_a_byte_across_the_bus(seed):
+    # moves_bytes reads a plan group by group (the controller asks it of every candidate as a
+    # step begins); bus_bytes and host_bytes add up the whole plan, modules run whole made one group
+    profile = PROFILES[seed]
+    plans = [p.groups for p in candidates(profile)]
+    rng = random.Random(seed)
+    plain = [a for a in Action if not a.whole and a is not Action.INSIDE]
+    for _ in range(50):
+        plans.append(tuple(GroupDecision(rng.choice(plain), rng.choice((0.5, 1.0))) for _ in profile.groups))
+    assert any(moves_bytes(profile, g) for g in plans) and not all(moves_bytes(profile, g) for g in plans)
+    for groups in plans:
+        assert moves_bytes(profile, groups) == (bus_bytes(profile, groups) > 0) == (host_bytes(profile, groups) > 0)
 
 
 def test_search_a_decision_takes_a_plain_action_name():

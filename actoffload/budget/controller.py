@@ -166,6 +166,7 @@ class BudgetController:
         # its pool may round up: R9), set by the plan; None: no bound
         self.host_cap: int | None = None
         self._host_of: dict[PlanKey, int] = {}  # plan -> its host bytes (costmodel.host_bytes), as asked
+        self._moves_of: dict[PlanKey, bool] = {}  # plan -> whether it moves bytes (costmodel.moves_bytes), as asked
         self._host_bound: int | None = None  # costmodel.most_host_bytes of the profile
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
@@ -386,7 +387,7 @@ class BudgetController:
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
-        self._kept_first, self._host_of, self._host_bound = {}, {}, None
+        self._kept_first, self._host_of, self._moves_of, self._host_bound = {}, {}, {}, None
         self._served, self._went_over = {}, set()
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
@@ -1320,11 +1321,11 @@ class BudgetController:
         profile = self._profile
         assert profile is not None
         if best is not None:
-            if not moves_bytes(profile, best.groups):
+            if not self._moves(best):
                 return None
-        elif not (self.predicted and moves_bytes(profile, first.groups)):
+        elif not (self.predicted and self._moves(first)):
             return None
-        still_plans = [p for p in fitting if not moves_bytes(profile, p.groups)]
+        still_plans = [p for p in fitting if not self._moves(p)]
         return search.fastest(profile, still_plans) if still_plans else None
 
     def _promises(self, plan: MemoryPlan, best: MemoryPlan, excess: float | None = None) -> bool:
@@ -1363,6 +1364,15 @@ class BudgetController:
         held = self._host_of.get(plan.key)
         if held is None:
             held = self._host_of[plan.key] = costmodel.host_bytes(self._profile, plan.groups)
+        return held
+
+    def _moves(self, plan: MemoryPlan) -> bool:
+        """Whether a plan moves bytes (:func:`~.costmodel.moves_bytes`), worked out once: asked
+        of every candidate that fits while the fastest measured plan moves bytes."""
+        held = self._moves_of.get(plan.key)
+        if held is None:
+            assert self._profile is not None
+            held = self._moves_of[plan.key] = moves_bytes(self._profile, plan.groups)
         return held
 
     def _timed(self, plan: MemoryPlan) -> bool:
