@@ -167,6 +167,39 @@ def test_controller_a_changed_base_profiles_again():
     assert c.profiling and c.state is State.PROFILING and c.stats()["state"] == "profiling"
 
 
+@pytest.mark.parametrize("share, replans", [(0.75, False), (1.0, True)])
+def test_controller_a_predicted_group_saving_fewer_bytes_than_its_bound_stays_the_workload(share, replans):
+    """A prediction's bytes are a bound from above: scaled down to three quarters of the tokens,
+    a group saving attention scores (the square of the tokens) saves less than the bound. Down to
+    the least share the model allows (``least_share``) it is the workload predicted, and its plan
+    runs on; fewer than that, or more than the bound, it is profiled."""
+    c = BudgetController(1 << 40, CPU, probe=FakeProbe(cuda=False))
+    assert c.adopt_prediction(_profile(), least_share=share)
+    off = tuple(GroupDecision(Action.OFFLOAD) for _ in range(4))
+    c.force(off)
+
+    def step(moved: int) -> None:
+        c.step_begins()
+        for i in range(4):
+            c.action(True)
+            c.committed(i, False, policy.SavePlan([None], [policy.Span(0, 0, moved, [0])]), None)
+        c.backward_ends()
+
+    step(52 * MiB)  # 0.81 of the 64 MiB bound
+    assert (c.state is State.REPLANNING) is replans
+    if not replans:
+        step(20 * MiB)  # under what the model allows: not the workload predicted
+        assert c.state is State.REPLANNING
+    c2 = BudgetController(1 << 40, CPU, probe=FakeProbe(cuda=False))
+    assert c2.adopt_prediction(_profile(), least_share=share)
+    c2.force(off)
+    c2.step_begins()
+    for i in range(4):
+        c2.action(True)
+        c2.committed(i, False, policy.SavePlan([None], [policy.Span(0, 0, 72 * MiB, [0])]), None)
+    assert c2.state is State.REPLANNING  # more than the bound: profiled, whatever the share
+
+
 def test_controller_a_step_with_more_groups_than_planned_replans_at_the_next_step():
     c = _controller(1 << 40)
     c.step_begins()

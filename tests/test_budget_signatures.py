@@ -5,6 +5,7 @@ as a share of the device's memory; gradient accumulation and evaluation forwards
 
 import contextlib
 import dataclasses
+import doctest
 
 import pytest
 import torch
@@ -160,7 +161,8 @@ def _profile(spans, inputs=100, forward_s=1.0):
 @pytest.mark.parametrize("t_new", [32, 100, 300])
 def test_prediction_bounds_bytes_that_grow_linearly_and_with_the_square(linear, square, t_new):
     """From one profile: the bound (square up, linear down) is never below the true bytes, for
-    any mix of a part linear in the tokens and a part with their square (scores)."""
+    any mix of a part linear in the tokens and a part with their square (scores); scaled down, the
+    true bytes are no less than the least share of the bound that is still the workload predicted."""
     t_ref = 64
 
     def true(t):
@@ -169,6 +171,9 @@ def test_prediction_bounds_bytes_that_grow_linearly_and_with_the_square(linear, 
     p = predict.predicted(_profile([true(t_ref)]), t_ref, t_new, base=0)
     g = p.groups[0]
     assert g.offloadable >= true(t_new) and g.forward_extra >= true(t_new)
+    if t_new < t_ref:
+        assert true(t_new) >= predict.least_share(t_new / t_ref) * g.offloadable * (1 - 1e-9) - 1
+    assert doctest.testmod(predict).failed == 0
     assert g.forward_s == pytest.approx(t_new / t_ref) and g.grads == 7  # times linear, gradients fixed
     assert p.base == 1000  # the larger of the profiled base and the step's
 

@@ -235,7 +235,8 @@ class Workloads:
             guess = self._prediction(signature, base)
         if guess is not None:
             profile, source, window = guess
-            if entry.controller.adopt_prediction(profile, window):
+            share = predict.least_share((signature.tokens or 0) / (source.tokens or 1))
+            if entry.controller.adopt_prediction(profile, window, share):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
 
