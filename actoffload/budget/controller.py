@@ -41,7 +41,6 @@ other.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import enum
@@ -173,7 +172,6 @@ class BudgetController:
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
-        self._by_peak: tuple[list[int], list[int]] | None = None  # modelled peaks ascending, and their places
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
         self.measured_peak: int | None = None  # the latest step's
@@ -899,7 +897,7 @@ class BudgetController:
                     plans = search.quick_candidates(self._profile)
         with self.planning_time("search" if plans is None else "candidates"):
             self._plans = search.candidates(self._profile, limits=self._limits()) if plans is None else list(plans)
-            self._index = self._by_peak = None
+            self._index = None
             # a plan that ran stays a candidate, should the search no longer propose it (the
             # profile was calibrated): what it measured still stands
             profiled = costmodel.profiled_plan(self._profile)
@@ -1199,21 +1197,14 @@ class BudgetController:
         if not served:
             return served
         plans, index, tolerance = self._plans, self._indexed(), base_tolerance(self._budget)
-        if self._by_peak is None:  # (once per set of candidates: a choice reads this several times)
-            order = sorted(range(len(plans)), key=lambda i: plans[i].peak)
-            self._by_peak = [plans[i].peak for i in order], order
-        peaks, order = self._by_peak
+        anchors = [(plans[index[key][0]].peak, judged) for key, judged in served.items() if key in index]
         out = dict(served)
-        for key, judged in served.items():
-            if key not in index:
+        for p in plans:
+            if p.key in out or p.key in self._peaks or p.key in self._went_over:
                 continue
-            anchor = plans[index[key][0]].peak
-            for k in range(bisect.bisect_left(peaks, anchor), bisect.bisect_right(peaks, anchor + tolerance)):
-                p = plans[order[k]]
-                if p.key in served or p.key in self._peaks or p.key in self._went_over:
-                    continue
-                near = max(judged + p.peak - anchor, p.peak)  # (never less than it allocates)
-                out[p.key] = min(out.get(p.key, near), near)
+            near = [judged + p.peak - peak for peak, judged in anchors if 0 <= p.peak - peak <= tolerance]
+            if near:
+                out[p.key] = max(min(near), p.peak)  # (never less than it allocates)
         return out
 
     def _judged(self, with_margins: bool) -> list[MemoryPlan]:
@@ -1282,7 +1273,7 @@ class BudgetController:
                 return p
         plan = MemoryPlan(groups, max_inflight, prefetch, *simulate(self._profile, groups, max_inflight, prefetch))
         self._plans.insert(len(self._plans) - 1, plan)  # the profiled plan stays last
-        self._index = self._by_peak = None
+        self._index = None
         return plan
 
     def _fastest(self, fitting: list[MemoryPlan]) -> MemoryPlan:
