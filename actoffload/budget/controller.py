@@ -488,10 +488,9 @@ class BudgetController:
         self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget,
                                   needs=self._needs_on_a_new_cache)
         if (self._reserve.trims != self._trims_judged and self._step is None and self._plan is not None
-                and self._forced is None and (self._plan.key in self._served or self._plan.key not in self._peaks)):
+                and self._forced is None and self._plan.key in self._served):
             # it may have been judged on a cache given back since (as this step began, or in another
-            # workload's step: one it ran on, or one that served a plan near it, :meth:`_by_cache`):
-            # judged again as on a cache of its own
+            # workload's step): judged again as on a cache of its own
             self._trims_judged = self._reserve.trims
             if not self._fits_now(self._plan):
                 self._choose_before_step()
@@ -524,8 +523,8 @@ class BudgetController:
 
     def _needs_on_a_new_cache(self) -> int | None:
         """The reserved peak this step's plan is judged by (bytes), as :meth:`_fitting` judges it
-        on a cache of its own, where the cache as it stands does not judge it (one that served it,
-        or a plan near it, serves it again: :meth:`_by_cache`) and may stay within the budget on a cache of its own
+        on a cache of its own, where it has not run on the cache as it stands (one that served it
+        serves it again) and may stay within the budget on a cache of its own
         (:meth:`_reaches_budget`: also a plan over it by the model, the least memory where no plan
         fits, until it went over on such a cache); else ``None`` (profiling, a forced plan). On an
         H200 the decoder's 2048 tokens at checkpointing's peak, the least memory there, reserved
@@ -534,7 +533,7 @@ class BudgetController:
         plan = self._plan
         if plan is None or self._profile is None or self._step is not None or self._forced is not None:
             return None
-        if plan.key in self._by_cache() or not self._reaches_budget():
+        if plan.key in self._served_now() or not self._reaches_budget():
             return None
         with self.planning_time("choosing"):  # (asked only where shorter steps grew the cache)
             judged = self._judged_peaks(True, by_cache=False)
@@ -1043,7 +1042,7 @@ class BudgetController:
             chosen = self._least_memory()
         else:
             chosen = self._fastest(fitting)
-            served = self._by_cache()  # (a read of the allocator's counters: once, not per plan)
+            served = self._served_now()  # (a read of the allocator's counters: once, not per plan)
             if all(self._fits_only_on_its_cache(p.key, served) for p in fitting):
                 # only plans judged by the cache they ran on fit: where the least memory (over the
                 # budget by the model, as it ran before any did) is faster, it runs, and is judged
@@ -1112,30 +1111,20 @@ class BudgetController:
         cache as it stands reserved there (:meth:`_served_now`) where that is less."""
         assert self._profile is not None
         base, reserve = self._profile.base, self._reserve.bytes
-        margins = self._margin + least_margin(self._budget) if with_margins else 0
-        out = [p.peak + reserve + margins for p in self._plans]
-        index = self._indexed()
-        served = self._by_cache() if by_cache else {}
+        unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
+        out = [p.peak + unmeasured for p in self._plans]
+        if self._index is None:  # a plan's identity is hashed once per set of candidates, not per choice
+            self._index = {}
+            for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
+                self._index.setdefault(p.key, []).append(i)
+        served = self._served_now() if by_cache else {}
         for key, peak in self._peaks.items():
             judged = peak + base + reserve
             if key in served:
                 judged = min(judged, served[key])
-            for i in index.get(key, ()):
+            for i in self._index.get(key, ()):
                 out[i] = judged
-        for key, judged in served.items():
-            if key not in self._peaks:  # near a plan the cache served: its modelled bytes, with the margins
-                for i in index.get(key, ()):
-                    out[i] = min(out[i], judged + margins)
         return out
-
-    def _indexed(self) -> dict[PlanKey, list[int]]:
-        """Each candidate's places among the candidates, by its identity (hashed once per set of
-        candidates, not per choice; a plan may be a candidate twice: the profiled one, say)."""
-        if self._index is None:
-            self._index = {}
-            for i, p in enumerate(self._plans):
-                self._index.setdefault(p.key, []).append(i)
-        return self._index
 
     def _note_cache(self, key: PlanKey, reserved_peak: int) -> bool:
         """What a step of plan ``key`` reserved at most (bytes) on the cache it ran on: whether
@@ -1156,16 +1145,13 @@ class BudgetController:
         return False
 
     def _fits_only_on_its_cache(self, key: PlanKey, served: dict[PlanKey, int] | None = None) -> bool:
-        """Whether a plan fits the budget by what the cache as it stands says it will reserve
-        (``served``: :meth:`_by_cache`, read here if not given) but not by its allocated peak
-        (measured where it ran, else modelled) and the reserve."""
+        """Whether a plan fits the budget by what it reserved on the cache as it stands
+        (``served``: :meth:`_served_now`, read here if not given) but not by its measured
+        allocated peak and the reserve."""
         assert self._profile is not None
-        judged = (self._by_cache() if served is None else served).get(key)
-        if judged is None or judged > self._budget:
-            return False
-        if key in self._peaks:
-            return self._peaks[key] + self._profile.base + self._reserve.bytes > self._budget
-        return any(self._plans[i].peak + self._reserve.bytes > self._budget for i in self._indexed().get(key, ()))
+        judged = (self._served_now() if served is None else served).get(key)
+        return (judged is not None and judged <= self._budget and key in self._peaks
+                and self._peaks[key] + self._profile.base + self._reserve.bytes > self._budget)
 
     def _served_now(self) -> dict[PlanKey, int]:
         """What each plan that ran on the cache as it stands (none given back since) will reserve:
@@ -1183,29 +1169,6 @@ class BudgetController:
         slack = base_tolerance(self._budget)
         return {key: max(most, now) + slack for key, (at, most) in self._served.items()
                 if at == trims and now + slack >= most}
-
-    def _by_cache(self) -> dict[PlanKey, int]:
-        """What a plan will reserve where the cache as it stands says so: each plan that ran on it
-        (:meth:`_served_now`), and each not yet run whose modelled peak is at most the base
-        tolerance above that of one that ran there, that one's figure raised by the difference
-        (bytes that one allocation more, or a copy more in flight, adds: a block or two the cache
-        grows by, where the reserve, measured on other steps' caches, may leave no plan but the
-        least memory within the budget: on an H200 the loop sweep's decoder at 2048 tokens ran the
-        least memory at checkpointing's peak, 5.67 GiB reserved under 6.16 with the reserve at
-        2.47, where one more copy in flight, 32 MiB, is 124 ms a step by the model against 130)."""
-        served = self._served_now()
-        if not served:
-            return served
-        plans, index, tolerance = self._plans, self._indexed(), base_tolerance(self._budget)
-        anchors = [(plans[index[key][0]].peak, judged) for key, judged in served.items() if key in index]
-        out = dict(served)
-        for p in plans:
-            if p.key in out or p.key in self._peaks or p.key in self._went_over:
-                continue
-            near = [judged + p.peak - peak for peak, judged in anchors if 0 <= p.peak - peak <= tolerance]
-            if near:
-                out[p.key] = max(min(near), p.peak)  # (never less than it allocates)
-        return out
 
     def _judged(self, with_margins: bool) -> list[MemoryPlan]:
         """The candidates with their peaks as :meth:`_judged_peaks` gives them."""
