@@ -171,10 +171,11 @@ def test_controller_a_changed_base_profiles_again():
 def test_controller_a_predicted_group_saving_fewer_bytes_than_its_bound_stays_the_workload(share, replans):
     """A prediction's bytes are a bound from above: scaled down to three quarters of the tokens,
     a group saving attention scores (the square of the tokens) saves less than the bound. Down to
-    the least share the model allows (``least_share``) it is the workload predicted, and its plan
-    runs on; fewer than that, or more than the bound, it is profiled."""
+    the least share the model allows (``least_shares``) it is the workload predicted, and its plan
+    runs on; fewer than that, or more than the bound, it is profiled (and with a share of 1, bytes
+    fitted from two profiles, anything off by more than the tolerance)."""
     c = BudgetController(1 << 40, CPU, probe=FakeProbe(cuda=False))
-    assert c.adopt_prediction(_profile(), least_share=share)
+    assert c.adopt_prediction(_profile(), least_shares=(share,) * 4)
     off = tuple(GroupDecision(Action.OFFLOAD) for _ in range(4))
     c.force(off)
 
@@ -191,7 +192,7 @@ def test_controller_a_predicted_group_saving_fewer_bytes_than_its_bound_stays_th
         step(20 * MiB)  # under what the model allows: not the workload predicted
         assert c.state is State.REPLANNING
     c2 = BudgetController(1 << 40, CPU, probe=FakeProbe(cuda=False))
-    assert c2.adopt_prediction(_profile(), least_share=share)
+    assert c2.adopt_prediction(_profile(), least_shares=(share,) * 4)
     c2.force(off)
     c2.step_begins()
     for i in range(4):

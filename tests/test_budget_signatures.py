@@ -171,11 +171,24 @@ def test_prediction_bounds_bytes_that_grow_linearly_and_with_the_square(linear, 
     p = predict.predicted(_profile([true(t_ref)]), t_ref, t_new, base=0)
     g = p.groups[0]
     assert g.offloadable >= true(t_new) and g.forward_extra >= true(t_new)
-    if t_new < t_ref:
-        assert true(t_new) >= predict.least_share(t_new / t_ref) * g.offloadable * (1 - 1e-9) - 1
-    assert doctest.testmod(predict).failed == 0
+    if t_new < t_ref:  # down to the least share that is still the workload predicted
+        assert true(t_new) >= predict.least_shares(_profile([true(t_ref)]), t_ref, t_new)[0] * g.offloadable - 1
     assert g.forward_s == pytest.approx(t_new / t_ref) and g.grads == 7  # times linear, gradients fixed
     assert p.base == 1000  # the larger of the profiled base and the step's
+
+
+def test_prediction_says_how_far_under_its_bytes_a_group_may_save_and_be_the_workload():
+    """Scaled down from one profile, bytes down to the ratio of tokens times the bound (the bytes'
+    square part shrinks faster); fitted from two profiles, or scaled up, none beyond the
+    tolerance (a group off by more is profiled)."""
+    assert doctest.testmod(predict).failed == 0
+    one = _profile([100 * 64 + 64 * 64])
+    assert predict.least_shares(one, 64, 48) == (0.75,)
+    assert predict.least_shares(one, 64, 128) == (1.0,)
+    two = (_profile([100 * 32 + 32 * 32]), 32)  # the same a t + b t^2: the fit is exact
+    assert predict.least_shares(one, 64, 48, two) == (1.0,)
+    odd = (_profile([100 * 64 + 64 * 64 + 10_000]), 32)  # more bytes at fewer tokens: no fit, the bound
+    assert predict.least_shares(one, 64, 48, odd) == (0.75,)
 
 
 @pytest.mark.parametrize("t_new, host", [(16, 0.25), (32, 0.25), (128, 0.5), (256, 1.0)])

@@ -220,9 +220,9 @@ class BudgetController:
         self._raise_next: str | None = None  # found by choosing: raised where it may be (_raise_found)
         self._beginning = False  # inside a step_begins that may raise
         self.predicted = False  # the profile was predicted from another workload's, not measured
-        # the least share of a predicted group's bytes its own may be and still be the workload
-        # predicted (predict.least_share); 1 for a profile measured
-        self._least_share = 1.0
+        # per group, the least share of its predicted saved bytes that its own may be and still be
+        # the workload predicted (predict.least_shares); none for a profile measured (1)
+        self._least_shares: tuple[float, ...] = ()
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
         self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
         self.planning_by: collections.defaultdict[str, float] = collections.defaultdict(float)  # ... by what
@@ -339,7 +339,7 @@ class BudgetController:
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None, defer: bool = False) -> None:
         """Plan from a measured profile; ``defer``: its first choice waits for this workload's
         next step to begin (:meth:`_step_begins`), by when the planning process may have answered."""
-        self.predicted, self._explore, self._least_share = False, EXPLORE, 1.0
+        self.predicted, self._explore, self._least_shares = False, EXPLORE, ()
         self._adopt(profile, profiled_peak, defer=defer)
         if not self._quick_due:
             self._choose_first()
@@ -352,14 +352,15 @@ class BudgetController:
             self._choose()
 
     def adopt_prediction(self, profile: Profile, window: tuple[int, int] | None = None,
-                         least_share: float = 1.0) -> bool:
+                         least_shares: Sequence[float] = ()) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
         where a plan's modelled peak, with the least margin, fits the budget (else ``False``,
         and nothing changes: the step profiles, running the plan that needs the least memory).
         The plan chosen is the fastest that fits, as for a profile measured; ``window``: the
         ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs);
-        ``least_share``: the least share of a group's predicted bytes that its own may turn out to
-        be and still be this workload (:func:`~.predict.least_share`: fewer, it is profiled)."""
+        ``least_shares``: per group, the least share of its predicted saved bytes that its own may
+        turn out to be and still be this workload (:func:`~.predict.least_shares`: fewer, it is
+        profiled; a group not given, 1)."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         windows = None if window is None else [window]
@@ -381,7 +382,7 @@ class BudgetController:
         self._adopt(profile, None, plans)
         if quick and not self._ask(windows, fresh=True):
             self._plan_all(search.candidates(profile, windows, limits=self._limits()))
-        self.predicted, self._least_share = True, least_share
+        self.predicted, self._least_shares = True, tuple(least_shares)
         # the profile it was predicted from was explored and calibrated already: its model's
         # first choice runs, and is measured like any plan (its peak checked, its time taken)
         self._explore = 0
@@ -699,10 +700,11 @@ class BudgetController:
             then += g.kept_bytes(decision.action.attention_only)
         if decision is not None and decision.action.whole:
             then = self._profile.whole_at[position].inputs
-        # (a predicted group's bytes are a bound from above: fewer, as few as the model allows, are
-        # the workload predicted, and the plan made for more stays within the budget)
-        if new_workload(now, then) and not (self.predicted and then * self._least_share * (1 - WORKLOAD_CHANGE)
-                                            <= now < then):
+        # a predicted group's saved bytes, where they are the bound from above, may come in lower,
+        # as low as the model allows, and be the workload predicted (its plan, made for more, stays
+        # within the budget); its inputs are predicted as they are
+        least = self._least_shares[position] if not recomputed and position < len(self._least_shares) else 1.0
+        if new_workload(now, then) and not then * least * (1 - WORKLOAD_CHANGE) <= now < then:
             self._replan()
 
     def backward_reaches(self, position: int) -> None:

@@ -256,10 +256,10 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
 def host_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> int:
     """Bytes a plan holds in host memory when its forward ends: what every group moves (a whole
     module's inputs: those of its first part)."""
-    return sum(_moved_at(profile, i, d, g) for i, (d, g) in enumerate(zip(groups, profile.groups)))
+    return sum(_moved_by(profile, i, d, g) for i, (d, g) in enumerate(zip(groups, profile.groups)))
 
 
-def _moved_at(profile: Profile, i: int, d: GroupDecision, g: GroupProfile) -> int:
+def _moved_by(profile: Profile, i: int, d: GroupDecision, g: GroupProfile) -> int:
     """:func:`moved` for group ``i``, whose profile is ``g``: a whole module's inputs are those
     of its first part."""
     if d.action.whole:
@@ -1388,7 +1388,7 @@ def moves_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> bool:
     by group until one moves some, with no module run whole made into one group: the
     controller asks it of every candidate as a step begins, where adding up each one's
     :func:`bus_bytes` took 16-22 ms of host time for 330-575 candidates on the CPU)."""
-    return any(d.action.moves and _moved_at(profile, i, d, g) > 0
+    return any(d.action.moves and _moved_by(profile, i, d, g) > 0
                for i, (d, g) in enumerate(zip(groups, profile.groups)))
 
 

@@ -46,22 +46,6 @@ def bound(ratio: float) -> float:
     return ratio * ratio if ratio > 1 else ratio
 
 
-def least_share(ratio: float) -> float:
-    """The least share of a group's predicted bytes that the bytes a step of ``ratio`` times the
-    tokens saves may turn out to be, and still be the workload predicted (fewer: it is profiled).
-    Scaling down, the bound is ``ratio`` times the bytes, which are at least ``ratio**2`` times
-    them (``a, b >= 0``): down to ``ratio`` of the bound is the model's own spread (on an H200 the
-    GPT-MoE's 768-token attention parts, predicted from 1024 tokens, saved 0.80 of the bound, and
-    profiling them again cost two of the least-memory plan's steps, 66-92 ms over checkpointing's
-    each, in a loop of 48). Scaling up, bytes at ``1 / ratio`` of the bound (the square's) plan far
-    more conservatively than the workload needs: one off by more than the tolerance is profiled.
-
-    >>> least_share(0.75), least_share(2.0)
-    (0.75, 1.0)
-    """
-    return ratio if ratio < 1 else 1.0
-
-
 def fitted_factor(t_ref: int, q_ref: int, t_other: int, q_other: int, t_new: int) -> float | None:
     """Bytes at ``t_new`` over bytes at ``t_ref``, fitting ``a t + b t^2`` (``a, b >= 0``) through
     ``(t_ref, q_ref)`` and ``(t_other, q_other)``; ``None`` where no such fit passes through both.
@@ -129,23 +113,55 @@ def predicted(ref: Profile, t_ref: int, t_new: int, base: int,
     """
     ratio = t_new / t_ref
     conservative = bound(ratio)
+    groups = tuple(_group(g, f, f_in, ratio) for g, (f, f_in, _) in zip(ref.groups, _factors(ref, t_ref, t_new, other)))
+    wholes = tuple(Whole(w.first, w.parts, _up(w.inputs, conservative)) for w in ref.wholes)
+    return replace(ref, groups=groups, base=max(base, ref.base), outside_s=ref.outside_s * ratio,
+                   outside_extra=_up(ref.outside_extra, conservative), wholes=wholes)
+
+
+def least_shares(ref: Profile, t_ref: int, t_new: int, other: tuple[Profile, int] | None = None) -> tuple[float, ...]:
+    """Per group of :func:`predicted`'s profile (the same arguments), the least share of its
+    predicted saved bytes that what it saves may turn out to be, and still be the workload
+    predicted (fewer: it is profiled). Scaling down from one profile, the bound is the ratio of
+    tokens times the bytes, which are at least its square times them (``a, b >= 0``): down to the
+    ratio of the bound is the model's own spread (on an H200 the GPT-MoE's 768-token attention
+    parts, predicted from 1024 tokens, saved 0.80 of the bound, and profiling them again cost two
+    of the least-memory plan's steps, 66-92 ms over checkpointing's each, in a loop of 48).
+    Bytes fitted from two profiles are near what the group saves, and scaling up, bytes at the
+    inverse of the ratio of the bound (the square's) plan far more conservatively than the
+    workload needs: there, 1 (off by more than the tolerance, it is profiled).
+
+    >>> g = GroupProfile("0", spans=(1000,), kept=10, inputs=100, forward_s=1.0, backward_s=2.0)
+    >>> p = Profile((g,), base=0, outside_s=0.5, d2h_bps=1e9, h2d_bps=1e9)
+    >>> least_shares(p, 200, 150), least_shares(p, 100, 200)
+    ((0.75,), (1.0,))
+    """
+    ratio = t_new / t_ref
+    if ratio >= 1:
+        return (1.0,) * len(ref.groups)
+    return tuple(1.0 if fitted else ratio for _, _, fitted in _factors(ref, t_ref, t_new, other))
+
+
+def _factors(ref: Profile, t_ref: int, t_new: int, other: tuple[Profile, int] | None) -> list[tuple[float, float, bool]]:
+    """Per group of ``ref``: the factor of its saved bytes at ``t_new`` tokens, that of its
+    inputs, and whether the first was fitted through two profiles (else it is the bound)."""
+    conservative = bound(t_new / t_ref)
     use = other if other is not None and other[1] != t_ref and same_groups(ref, other[0]) else None
-    groups = []
+    out = []
     for i, g in enumerate(ref.groups):
         f = f_in = conservative
+        fitted = False
         if use is not None:
             o, t_other = use[0].groups[i], use[1]
             fit = fitted_factor(t_ref, g.offloadable + g.kept, t_other, o.offloadable + o.kept, t_new)
             if fit is not None:
-                f = min(conservative, fit * (1 + FIT_SLACK))
+                f, fitted = min(conservative, fit * (1 + FIT_SLACK)), True
             if g.inputs is not None and o.inputs is not None:
                 fit_in = fitted_factor(t_ref, g.inputs, t_other, o.inputs, t_new)
                 if fit_in is not None:
                     f_in = min(conservative, fit_in * (1 + FIT_SLACK))
-        groups.append(_group(g, f, f_in, ratio))
-    wholes = tuple(Whole(w.first, w.parts, _up(w.inputs, conservative)) for w in ref.wholes)
-    return replace(ref, groups=tuple(groups), base=max(base, ref.base), outside_s=ref.outside_s * ratio,
-                   outside_extra=_up(ref.outside_extra, conservative), wholes=wholes)
+        out.append((f, f_in, fitted))
+    return out
 
 
 def tokens(shapes: Sequence[tuple[int, ...]]) -> int | None:

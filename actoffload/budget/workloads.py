@@ -234,17 +234,18 @@ class Workloads:
         with entry.controller.planning_time("predicting"):
             guess = self._prediction(signature, base)
         if guess is not None:
-            profile, source, window = guess
-            share = predict.least_share((signature.tokens or 0) / (source.tokens or 1))
-            if entry.controller.adopt_prediction(profile, window, share):
+            profile, source, window, shares = guess
+            if entry.controller.adopt_prediction(profile, window, shares):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
 
-    def _prediction(self, signature: Signature, base: int) -> tuple[Any, Signature, tuple[int, int] | None] | None:
+    def _prediction(self, signature: Signature,
+                    base: int) -> tuple[Any, Signature, tuple[int, int] | None, tuple[float, ...]] | None:
         """A profile predicted for ``signature`` from the profiled workloads of the same model
         (the nearest with more tokens, else the nearest with fewer; a second one to fit each
-        group's bytes), the signature it came from, and the copy window that workload's plan
-        settled on (``None`` while it has not: every window is searched)."""
+        group's bytes), the signature it came from, the copy window that workload's plan
+        settled on (``None`` while it has not: every window is searched), and per group the least
+        share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`)."""
         groups = self._expected(signature)
         t = signature.tokens
         refs = [e for e in self._entries if e.controller.profile is not None and not e.controller.predicted
@@ -265,7 +266,9 @@ class Workloads:
             other = (o.controller.profile, o.signature.tokens)
         plan = ref.controller.plan
         window = (plan.max_inflight, plan.prefetch) if plan is not None and ref.controller.settled else None
-        return predict.predicted(ref.controller.profile, ref.signature.tokens, t, base, other), ref.signature, window
+        profile = ref.controller.profile
+        return (predict.predicted(profile, ref.signature.tokens, t, base, other), ref.signature, window,
+                predict.least_shares(profile, ref.signature.tokens, t, other))
 
     def _evict(self, keep: Workload) -> None:
         while len(self._entries) > self.capacity:
