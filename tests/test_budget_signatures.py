@@ -67,10 +67,13 @@ def test_alternating_lengths_profile_each_once_then_run_their_own_plans():
     plans = _run(off, blocks, lengths)
     states = [p["state"] for p in plans]
     # each length's steps: PROFILE_STEPS profiling steps (none of the others' in between count),
-    # then its plan, from its first group on: no re-profiling, no re-planning
-    for rows in (64, 128, 96):
+    # then its plan, from its first group on: no re-profiling, no re-planning; but the first
+    # length's profile is made from its first step as the second length's begins, so that the
+    # second may be predicted from it (here it is not: the bound, twice the rows and four times
+    # the bytes, does not fit)
+    for rows, profiling in ((64, 1), (128, PROFILE_STEPS), (96, PROFILE_STEPS)):
         mine = [s for s, n in zip(states, lengths) if n == rows]
-        assert mine == ["profiling"] * PROFILE_STEPS + ["settled"] * (6 - PROFILE_STEPS), (rows, mine)
+        assert mine == ["profiling"] * profiling + ["settled"] * (6 - profiling), (rows, mine)
     # each runs its own plan: modelled on its own bytes, within the budget
     by_rows = {}
     for p, rows in zip(plans[3 * PROFILE_STEPS:], lengths[3 * PROFILE_STEPS:]):
@@ -126,19 +129,51 @@ def test_a_new_length_whose_predicted_plan_does_not_fit_profiles_on_the_least_me
     assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"]
 
 
-def test_workloads_are_bounded_least_recently_used_first():
+def test_workloads_are_bounded_least_recently_used_first_those_measured_last():
     off = ao.Offloader(device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
     blocks = _blocks(2)
     lengths = [8 * (i + 1) for i in range(CAPACITY + 2)]
-    _run(off, blocks, lengths[:1])
+    _run(off, blocks, lengths[:1] * PROFILE_STEPS + lengths[1:2])  # the first measured, the second predicted
     workloads = off.plan.workloads
-    first = workloads.workloads[0].controller
-    workloads.reserve.bind(first, True)  # (bound to the cache, as on a GPU): dropped with its workload
-    _run(off, blocks, lengths[1:])
+    second = workloads.workloads[1].controller
+    assert second.predicted
+    workloads.reserve.bind(second, True)  # (bound to the cache, as on a GPU): dropped with its workload
+    _run(off, blocks, lengths[2:])
     kept = [w.signature.tokens for w in workloads.workloads]
-    assert kept == lengths[-CAPACITY:]
+    # the measured one stays, what the others are predicted from; the predicted ones go in turn
+    assert kept == lengths[:1] + lengths[-(CAPACITY - 1):]
     assert off.stats()["plan"]["workload"]["kept"] == CAPACITY
-    assert not workloads.reserve.is_bound(first)
+    assert not workloads.reserve.is_bound(second)
+    # where every workload kept was measured, the least recently used goes
+    for w in workloads.workloads:
+        w.controller.predicted = False
+    _run(off, blocks, [8 * (CAPACITY + 3)])
+    assert [w.signature.tokens for w in workloads.workloads] == kept[1:] + [8 * (CAPACITY + 3)]
+
+
+def test_lengths_drawn_from_a_continuous_range_profile_once_and_are_predicted_after():
+    """Each length seen once (dynamic padding, say): the first step's profile is made from it
+    alone as the second begins, the others are predicted from it, and it is kept however many
+    lengths come after; every step bitwise as without offloading."""
+    lengths = [72, 40, 120, 64, 104, 48, 96, 56, 88, 112, 80, 128, 32]
+    assert len(lengths) > CAPACITY + 2
+    blocks = _blocks()
+    expected = [_step(blocks, rows, i) for i, rows in enumerate(lengths)]
+    # (a budget every predicted plan keeps everything under: a longer length's, scaled up by the
+    # bound, that moved or recomputed a group would save fewer bytes than predicted, and profile)
+    off = ao.Offloader(device="cpu", memory_budget=16 * _bytes(128), min_offload_bytes=0)
+    got, plans = [], []
+    with ao.wrap(blocks, off):
+        for i, rows in enumerate(lengths):
+            got.append(_step(blocks, rows, i))
+            plans.append(off.stats()["plan"])
+    assert [p["state"] for p in plans] == ["profiling"] + ["settled"] * (len(lengths) - 1)
+    first = f"[{lengths[0]}, {D}] torch.float32 cpu"
+    assert [p["workload"]["predicted_from"] for p in plans[1:]] == [first] * (len(lengths) - 1)
+    workloads = off.plan.workloads.workloads
+    assert len(workloads) == CAPACITY and str(workloads[0].signature) == first
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
 
 
 def test_the_signature_is_the_first_inputs_shapes_dtypes_and_devices():

@@ -79,6 +79,17 @@ def test_every_method_runs_the_same_lengths(run):
         assert len(settling) == len(set(lengths))
 
 
+def test_lengths_are_quarters_of_the_full_length_or_any_padded_length_between():
+    assert set(loop_sweep.draw_lengths(2048, 200)) == {512, 1024, 1536, 2048}
+    any_length = loop_sweep.draw_lengths(2048, 200, spread="any")
+    assert any_length == loop_sweep.draw_lengths(2048, 200, spread="any")  # seeded: every method's
+    assert all(512 <= n <= 2048 and n % loop_sweep.PADDED_TO == 0 for n in any_length)
+    assert len(set(any_length)) > 100  # few recur
+    assert loop_sweep.draw_lengths(4, 3, spread="any") == [4, 4, 4]
+    with pytest.raises(ValueError, match="spread 'all' is not one of quarters, any"):
+        loop_sweep.draw_lengths(2048, 4, spread="all")
+
+
 def test_gradients_are_compared_bit_for_bit_and_equal_on_the_cpu(run):
     doc, _ = run
     for w in doc["workloads"]:

@@ -322,6 +322,25 @@ class BudgetController:
         self._adopt_measured(profile, profiled_peak)
         self._raise_found()  # the caller's: it may hear that no plan fits
 
+    def profile_from_first_step(self) -> bool:
+        """Plan from the first profiling step alone, its second not yet run (whether it did: a
+        profile is then adopted). For a workload whose next step may never come: where the step
+        after it is another's (lengths drawn per step from a continuous range, each seen once),
+        waiting for a second would leave every workload profiling and none to predict from. Its
+        times are the first step's (pinning, the allocator's growth), which the plans' measured
+        steps correct as for any profile.
+
+        Example::
+
+            if controller.profile_from_first_step():
+                controller.profile          # measured from one step"""
+        if self._partial is None or self._step is not None or self._profile is not None:
+            return False
+        profile, self._partial = self._partial, None
+        self._measured_steps, self._pending_steps = tuple(self._pending_steps), []
+        self._adopt_measured(profile, self.profiled_peak if self._probe.cuda else None, defer=True)
+        return True
+
     def take_displaced(self) -> tuple[Profile, int | None, tuple[MeasuredStep, ...]] | None:
         """The first profiling step this controller measured and then let go, as another
         workload's (its profile, its peak, its measured step), once; else ``None``."""

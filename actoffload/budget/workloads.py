@@ -77,6 +77,11 @@ def _same_model(a: Signature, b: Signature) -> bool:
                for x, y in zip(a.inputs, b.inputs))
 
 
+def _measured(e: "Workload") -> bool:
+    """Whether ``e``'s controller plans from a profile its own steps measured (not predicted)."""
+    return e.controller.profile is not None and not e.controller.predicted
+
+
 @dataclass
 class Workload:
     """One workload: its signature, its controller, the groups its steps open (``None`` before
@@ -232,12 +237,27 @@ class Workloads:
         entry = Workload(signature, self._controller(), None, base)
         self._entries.append(entry)
         with entry.controller.planning_time("predicting"):
+            self._profile_partial(signature)
             guess = self._prediction(signature, base)
         if guess is not None:
             profile, source, window, shares = guess
             if entry.controller.adopt_prediction(profile, window, shares):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
+
+    def _profile_partial(self, signature: Signature) -> None:
+        """Where no workload of ``signature``'s model has a measured profile to predict it from,
+        one that ran its first profiling step and not yet its second plans from that step alone
+        (:meth:`~.controller.BudgetController.profile_from_first_step`): with lengths drawn from a
+        continuous range, few recur, and each new one would otherwise profile in turn, running
+        the least memory step after step."""
+        model = [e for e in self._entries if e.signature != signature and _same_model(e.signature, signature)]
+        if any(_measured(e) for e in model):
+            return
+        for e in reversed(model):  # the latest first
+            if e.controller.profile_from_first_step():
+                e.groups = len(e.controller.profile.groups)  # type: ignore[union-attr]
+                return
 
     def _prediction(self, signature: Signature,
                     base: int) -> tuple[Any, Signature, tuple[int, int] | None, tuple[float, ...]] | None:
@@ -248,8 +268,7 @@ class Workloads:
         share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`)."""
         groups = self._expected(signature)
         t = signature.tokens
-        refs = [e for e in self._entries if e.controller.profile is not None and not e.controller.predicted
-                and _same_model(e.signature, signature) and e.signature.tokens != t
+        refs = [e for e in self._entries if _measured(e) and _same_model(e.signature, signature) and e.signature.tokens != t
                 and (groups is None or e.groups == groups)]
         if not refs or t is None:
             return None
@@ -271,8 +290,13 @@ class Workloads:
                 predict.least_shares(profile, ref.signature.tokens, t, other))
 
     def _evict(self, keep: Workload) -> None:
+        """Drop the least recently used workloads beyond the capacity, those with a measured
+        profile last: they are what new signatures are predicted from (lengths drawn from a
+        continuous range make a new workload nearly every step, which would otherwise push out
+        the one profile within a few steps, and the next length would profile again)."""
         while len(self._entries) > self.capacity:
-            old = next(e for e in self._entries if e is not keep)
+            others = [e for e in self._entries if e is not keep]
+            old = next((e for e in others if not _measured(e)), others[0])
             self._entries.remove(old)
             self.reserve.bind(old.controller, False)
             self._planning_dropped += old.controller.planning_s

@@ -78,6 +78,8 @@ from .workloads import sync
 
 GiB = 1 << 30
 QUARTERS = (1, 2, 3, 4)  # a step's length: this many quarters of the full length
+PADDED_TO = 8  # ... or, with ``--lengths any``, any multiple of this from a quarter of it to all of it
+SPREADS = ("quarters", "any")
 MICRO_BATCHES = 4
 EVAL_EVERY = 5  # optimizer steps
 SGD_LR = 1e-3
@@ -159,15 +161,24 @@ def gpt_moe(device: torch.device, small: bool) -> LoopWorkload:
 WORKLOADS: dict[str, Callable[[torch.device, bool], LoopWorkload]] = {"llama": llama, "gpt_moe": gpt_moe}
 
 
-def draw_lengths(full: int, steps: int, seed: int = 0) -> list[int]:
-    """``steps`` lengths, each 1/4, 1/2, 3/4 or all of ``full``, drawn by a generator seeded
-    with ``seed``: the same list for every method.
+def draw_lengths(full: int, steps: int, seed: int = 0, spread: str = "quarters") -> list[int]:
+    """``steps`` lengths drawn by a generator seeded with ``seed``, the same list for every
+    method: each 1/4, 1/2, 3/4 or all of ``full`` (``spread="quarters"``), or any multiple of
+    :data:`PADDED_TO` from a quarter of ``full`` to all of it (``"any"``: batches padded to
+    their longest sequence, as a data collator pads them, so that few lengths recur).
 
     Example::
 
-        draw_lengths(2048, 4)      # four of 512, 1024, 1536, 2048
+        draw_lengths(2048, 4)               # four of 512, 1024, 1536, 2048
+        draw_lengths(2048, 4, spread="any")  # four of 512, 520, ..., 2048
     """
+    if spread not in SPREADS:
+        raise ValueError(f"spread {spread!r} is not one of {', '.join(SPREADS)}")
     rng = random.Random(seed)
+    if spread == "any":
+        step = min(PADDED_TO, full)
+        low = max(step, full // len(QUARTERS) // step * step)
+        return [rng.randrange(low, full + 1, step) if low < full else full for _ in range(steps)]
     return [max(1, full * rng.choice(QUARTERS) // len(QUARTERS)) for _ in range(steps)]
 
 
@@ -559,12 +570,14 @@ def _warm_up(loop: _Loop, lengths: list[int]) -> None:
 
 # ---------------------------------------------------------------- one workload
 def sweep_workload(w: LoopWorkload, steps: int, opt_steps: int, seed: int, log: Callable[[str], None],
-                   save: Callable[[], object] = lambda: None, out: dict[str, Any] | None = None) -> dict[str, Any]:
+                   save: Callable[[], object] = lambda: None, out: dict[str, Any] | None = None,
+                   spread: str = "quarters") -> dict[str, Any]:
     """Both loops on one workload, every method in turn, filling ``out`` (a new dict if not
-    given) as they finish, and calling ``save()`` after each method."""
+    given) as they finish, and calling ``save()`` after each method (``spread``: the lengths'
+    draw, :func:`draw_lengths`)."""
     loop = _Loop(w, log)
     cuda = w.device.type == "cuda"
-    lengths = draw_lengths(w.seq_len, steps, seed)
+    lengths = draw_lengths(w.seq_len, steps, seed, spread)
     out = {} if out is None else out
     out.update({"workload": w.name, "blocks": len(w.blocks), "seq_len": w.seq_len, "batch": w.batch,
                 "parameters": sum(p.numel() for p in loop.params),
@@ -599,7 +612,7 @@ def sweep_workload(w: LoopWorkload, steps: int, opt_steps: int, seed: int, log: 
                           level=level)
 
         # ---- variable lengths
-        var: dict[str, Any] = {"lengths": lengths, "quarters_of": w.seq_len, "seed": seed, "methods": {},
+        var: dict[str, Any] = {"lengths": lengths, "quarters_of": w.seq_len, "spread": spread, "seed": seed, "methods": {},
                                "budgets": []}
         out["variable_length"] = var
         none_peak, ckpt_peak = baselines(var, "variable lengths", lambda m: run_variable(loop, m, lengths))
@@ -896,9 +909,11 @@ def table(doc: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- main
 def sweep(device: torch.device, small: bool, steps: int, opt_steps: int, seed: int = 0,
           only: set[str] | None = None, log: Callable[[str], None] = print,
-          done: Callable[[list[dict[str, Any]]], object] = lambda results: None) -> list[dict[str, Any]]:
+          done: Callable[[list[dict[str, Any]]], object] = lambda results: None,
+          spread: str = "quarters") -> list[dict[str, Any]]:
     """Every workload in turn (``only``: those named); ``done(results so far)`` after each
-    method. A workload that fails is reported with its error and the sweep goes on."""
+    method (``spread``: the lengths' draw, :func:`draw_lengths`). A workload that fails is
+    reported with its error and the sweep goes on."""
     if device.type == "cuda":
         from .budget_sweep import _compile_kernels
 
@@ -914,7 +929,7 @@ def sweep(device: torch.device, small: bool, steps: int, opt_steps: int, seed: i
             w = build(device, small)
             log(f"loop sweep: {name} ({len(w.blocks)} blocks, {w.batch} x {w.seq_len} tokens at the full length)")
             gc.freeze()  # the model and torch stay: each collection walks only what a step made
-            sweep_workload(w, steps, opt_steps, seed, log, save=lambda: done(out), out=partial)
+            sweep_workload(w, steps, opt_steps, seed, log, save=lambda: done(out), out=partial, spread=spread)
         except Exception as e:  # noqa: BLE001  report it, keep what the others measure
             log(f"loop sweep: {name} failed: {type(e).__name__}: {e}")
             partial["error"] = f"{type(e).__name__}: {e}"
@@ -930,8 +945,8 @@ def sweep(device: torch.device, small: bool, steps: int, opt_steps: int, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m actoffload.tools.loop_sweep [--out FILE.json] [--small] [--only llama,gpt_moe]
-    [--steps 48] [--opt-steps 20]``: 1 where a workload failed as a whole, else 0 (whatever the
-    figures say)."""
+    [--steps 48] [--opt-steps 20] [--lengths quarters|any]``: 1 where a workload failed as a
+    whole, else 0 (whatever the figures say)."""
     from .determinism import use_deterministic
     from .provenance import describe, write_results
 
@@ -945,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--opt-steps", type=int, default=20,
                    help=f"optimizer steps of the accumulation loop, {MICRO_BATCHES} micro-batches each (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths' draw (default 0)")
+    p.add_argument("--lengths", choices=SPREADS, default="quarters",
+                   help=f"the variable-length loop's lengths: quarters of the full length (default), or any "
+                        f"multiple of {PADDED_TO} from a quarter of it to all of it (few recur, as with dynamic padding)")
     args = p.parse_args(argv)
     only = {n for n in args.only.split(",") if n}
     if only - set(WORKLOADS):
@@ -955,7 +973,8 @@ def main(argv: list[str] | None = None) -> int:
     use_deterministic(True)
     small = args.small or device.type != "cuda"
     env = describe(device)
-    settings = {"small": small, "steps": args.steps, "quarters": list(QUARTERS), "seed": args.seed,
+    settings = {"small": small, "steps": args.steps, "quarters": list(QUARTERS), "lengths": args.lengths,
+                "seed": args.seed,
                 "optimizer_steps": args.opt_steps, "micro_batches": MICRO_BATCHES, "eval_every": EVAL_EVERY,
                 "variable_length_optimizer": f"SGD lr={SGD_LR}", "accumulation_optimizer": f"AdamW lr={ADAMW_LR}",
                 "dtype": str(_dtype(device)), "attention": "eager",
@@ -975,7 +994,8 @@ def main(argv: list[str] | None = None) -> int:
             write_results(args.out, doc)
         return doc
 
-    results = sweep(device, small, args.steps, args.opt_steps, args.seed, only, log=log, done=save)
+    results = sweep(device, small, args.steps, args.opt_steps, args.seed, only, log=log, done=save,
+                    spread=args.lengths)
     doc = save(results)
     print(table(doc), flush=True)
     print(f"loop sweep: {time.perf_counter() - t0:.1f} s on {env['gpu']}" + (f"; {args.out}" if args.out else ""),
