@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.budget import predict
+from actoffload.budget import buckets, predict
 from actoffload.budget.controller import PROFILE_STEPS
 from actoffload.budget.costmodel import GroupProfile, Profile
 from actoffload.budget.workloads import CAPACITY, signature_of
@@ -174,6 +174,35 @@ def test_lengths_drawn_from_a_continuous_range_profile_once_and_are_predicted_af
     assert len(workloads) == CAPACITY and str(workloads[0].signature) == first
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
+
+
+def test_the_lengths_of_a_bucket_share_one_prediction_and_its_search():
+    """Lengths never seen, within one bucket (tokens up to 80: 73 to 80 rows), are predicted at
+    the bucket's tokens, one profile and one search for them all; each keeps its own workload,
+    and saving fewer bytes than the bucket's (at fewer rows) is still its workload."""
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(128), min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [128] * PROFILE_STEPS)
+    shared = off.plan.workloads.shared
+    before = shared.searched
+    plans = _run(off, blocks, [73, 76, 80, 79, 76])
+    assert shared.searched == before + 1
+    assert [p["state"] for p in plans] == ["settled"] * 5
+    ws = {w.signature.tokens: w.controller for w in off.plan.workloads.workloads}
+    assert all(ws[n].profile is ws[80].profile and ws[n].predicted for n in (73, 76, 79))
+    # predicted from 128 rows at 80: bytes linear in the rows here, scaled down by the ratio
+    assert [sum(g["spans"]) + g["kept"] for g in plans[0]["profile"]["groups"]] == [_bytes(80)] * 4
+    assert plans[0]["groups"] == plans[2]["groups"]
+    _run(off, blocks, [81])  # the next bucket (88 rows): a search of its own
+    assert shared.searched == before + 2
+
+
+def test_a_bucket_has_at_most_four_significant_bits_and_holds_its_tokens():
+    assert doctest.testmod(buckets).failed == 0
+    for tokens in range(1, 5000):
+        top = buckets.bucket(tokens)
+        assert tokens <= top <= tokens * 1.125 and len(bin(top)[2:].rstrip("0")) <= 4
+    assert [buckets.bucket(4 * n) for n in (512, 1024, 1536, 2048)] == [2048, 4096, 6144, 8192]
 
 
 def test_the_signature_is_the_first_inputs_shapes_dtypes_and_devices():

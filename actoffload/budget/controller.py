@@ -58,6 +58,7 @@ from ..selective import OpMeter
 from . import costmodel, search
 from . import worker as planning
 from .actions import Action, GroupDecision
+from .buckets import SharedPredictions
 from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, moves_bytes, simulate
 from .probe import Probe
 from .reserve import AllocatorReserve
@@ -371,7 +372,7 @@ class BudgetController:
             self._choose()
 
     def adopt_prediction(self, profile: Profile, window: tuple[int, int] | None = None,
-                         least_shares: Sequence[float] = ()) -> bool:
+                         least_shares: Sequence[float] = (), shared: SharedPredictions | None = None) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
         where a plan's modelled peak, with the least margin, fits the budget (else ``False``,
         and nothing changes: the step profiles, running the plan that needs the least memory).
@@ -379,7 +380,9 @@ class BudgetController:
         ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs);
         ``least_shares``: per group, the least share of its predicted saved bytes that its own may
         turn out to be and still be this workload (:func:`~.predict.least_shares`: fewer, it is
-        profiled; a group not given, 1)."""
+        profiled; a group not given, 1); ``shared``: where the search made for this profile
+        (the same object) under the same windows and limits is kept, it is not made again
+        (:mod:`~.buckets`)."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         windows = None if window is None else [window]
@@ -390,12 +393,16 @@ class BudgetController:
         # under the copy window its source settled on (a ninth of the paths); where the planning
         # process serves, that path alone here, and the hand-written families from the process
         # (but the whole search says whether none fits, and searches here should it not answer)
-        quick = self._worker is not None
-        with self.planning_time("prediction's search"):
-            plans = (search.quick_candidates(profile, window) if quick
-                     else search.candidates(profile, windows, limits=self._limits()))
-            if quick and not fits(plans):
-                plans, quick = search.candidates(profile, windows, limits=self._limits()), False
+        def searched() -> tuple[list[MemoryPlan], bool]:
+            quick = self._worker is not None
+            with self.planning_time("prediction's search"):
+                plans = (search.quick_candidates(profile, window) if quick
+                         else search.candidates(profile, windows, limits=self._limits()))
+                if quick and not fits(plans):
+                    plans, quick = search.candidates(profile, windows, limits=self._limits()), False
+            return plans, quick
+
+        plans, quick = searched() if shared is None else shared.search(profile, windows, self._limits(), searched)
         if not fits(plans):
             return False
         self._adopt(profile, None, plans)

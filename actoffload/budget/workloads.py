@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 import torch
 
 from . import predict
+from .buckets import SharedPredictions, bucket
 from .controller import BudgetController, State
 from .probe import Probe
 from .reserve import AllocatorReserve
-from .tolerances import base_tolerance
+from .tolerances import MiB, base_tolerance
 
 CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
 RECENT = 8  # steps of a signature whose group counts say how many groups its next step opens
@@ -120,6 +121,7 @@ class Workloads:
         self._planning_dropped = 0.0  # planning seconds of workloads no longer kept
         self._planning_by_dropped: collections.defaultdict[str, float] = collections.defaultdict(float)  # ... by what
         self._background_dropped = 0.0  # and their planning process's seconds
+        self.shared = SharedPredictions()  # predictions by length bucket, and their searches
 
     @property
     def controller(self) -> BudgetController:
@@ -241,7 +243,7 @@ class Workloads:
             guess = self._prediction(signature, base)
         if guess is not None:
             profile, source, window, shares = guess
-            if entry.controller.adopt_prediction(profile, window, shares):
+            if entry.controller.adopt_prediction(profile, window, shares, self.shared):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
 
@@ -265,7 +267,10 @@ class Workloads:
         (the nearest with more tokens, else the nearest with fewer; a second one to fit each
         group's bytes), the signature it came from, the copy window that workload's plan
         settled on (``None`` while it has not: every window is searched), and per group the least
-        share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`)."""
+        share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`).
+        The profile is predicted at the tokens of the signature's bucket (:mod:`~.buckets`; but
+        those of the nearest profiled workload with more tokens where fewer), the same object
+        for every signature of the bucket on the same base, so that they share its search."""
         groups = self._expected(signature)
         t = signature.tokens
         refs = [e for e in self._entries if _measured(e) and _same_model(e.signature, signature) and e.signature.tokens != t
@@ -285,9 +290,17 @@ class Workloads:
             other = (o.controller.profile, o.signature.tokens)
         plan = ref.controller.plan
         window = (plan.max_inflight, plan.prefetch) if plan is not None and ref.controller.settled else None
-        profile = ref.controller.profile
-        return (predict.predicted(profile, ref.signature.tokens, t, base, other), ref.signature, window,
-                predict.least_shares(profile, ref.signature.tokens, t, other))
+        profile, t_ref = ref.controller.profile, ref.signature.tokens
+        top = min(bucket(t), t_ref) if t_ref >= t else bucket(t)
+        # what the step allocates as it begins, to the MiB above (the bucket's lengths differ in
+        # their inputs, a few KiB): one profile for them all
+        base = -(-max(base, profile.base) // MiB) * MiB
+        key = (ref.signature, None if other is None else other[1], top, base)
+        sources = (profile,) if other is None else (profile, other[0])
+        shared = self.shared.profile(key, sources, lambda: predict.predicted(profile, t_ref, top, base, other))
+        # (the bucket's share: its bytes at fewer tokens than the bucket's, down to the square of the ratio)
+        shares = tuple(s * (t / top) ** 2 for s in predict.least_shares(profile, t_ref, top, other))
+        return shared, ref.signature, window, shares
 
     def _evict(self, keep: Workload) -> None:
         """Drop the least recently used workloads beyond the capacity, those with a measured
