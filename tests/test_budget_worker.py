@@ -677,3 +677,43 @@ def test_the_planning_process_searches_in_its_cores_less_one_at_most_one_per_max
                                                                                          processes):
     monkeypatch.setattr(planning.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert planning.search_processes() == processes
+
+
+def test_signatures_of_one_bucket_share_the_quick_search_whatever_the_reserve_and_each_asks_for_its_whole_one(
+        monkeypatch):
+    """Where the planning process serves, a predicted profile's quick search is made once for
+    every controller handed that profile (a length bucket's, :mod:`~actoffload.budget.buckets`),
+    also after the shared reserve grew (the quick search takes no limits); each controller asks
+    the process for the whole search of its own. Where the quick plans no longer fit, the
+    whole search is made here, once per limits."""
+    from actoffload.budget.buckets import SharedPredictions
+
+    w = _Worker(after=99)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    reserve, shared, profile = AllocatorReserve(), SharedPredictions(), _profile()
+    budget = 1 << 40
+
+    def predicted():
+        c = BudgetController(budget, CPU, probe=probe, reserve=reserve)
+        assert c.adopt_prediction(profile, shared=shared)
+        return c
+
+    first = predicted()
+    then = first._limits()
+    reserve.bytes += 64 * MiB  # another workload's step measured more of the allocator's share
+    second = predicted()
+    assert second._limits() != then
+    assert shared.searched == 1 and len(w.asked) == 2
+    assert _keys(first.plans) == _keys(second.plans)
+    assert "prediction's search" in first.planning_by and "prediction's search" not in second.planning_by
+    # a budget the quick plans do not fit (but the whole search's least memory): the quick
+    # search found as kept, the whole one made once for both controllers (the same limits)
+    tight = min(p.peak for p in search.candidates(profile)) + least_margin(1 << 30) + 1
+    assert min(p.peak for p in search.quick_candidates(profile)) + least_margin(tight) > tight
+    for _ in range(2):
+        c = BudgetController(tight, CPU, probe=probe, reserve=AllocatorReserve())
+        assert c.adopt_prediction(profile, shared=shared)
+    assert shared.searched == 2 and len(w.asked) == 2  # the whole search's plans: nothing to ask

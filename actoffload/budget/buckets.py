@@ -46,13 +46,13 @@ class SharedPredictions:
 
         shared = SharedPredictions()
         profile = shared.profile(key, lambda: predict.predicted(ref, t_ref, bucket(t), base))
-        plans, quick = shared.search(profile, windows, limits, lambda: (search.candidates(profile), False))
+        plans = shared.search(profile, windows, limits, lambda: search.candidates(profile, windows, limits=limits))
     """
 
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
         self._profiles: collections.OrderedDict[Hashable, tuple[tuple[Any, ...], Profile]] = collections.OrderedDict()
-        self._searches: collections.OrderedDict[tuple[Any, ...], tuple[Profile, list[MemoryPlan], bool]] = \
+        self._searches: collections.OrderedDict[tuple[Any, ...], tuple[Profile, list[MemoryPlan]]] = \
             collections.OrderedDict()
         self.searched = 0  # searches made (not found here)
 
@@ -68,20 +68,21 @@ class SharedPredictions:
         self._trim(self._profiles)
         return profile
 
-    def search(self, profile: Profile, windows: Sequence[tuple[int, int]] | None, limits: Sequence[int],
-               make: Callable[[], tuple[list[MemoryPlan], bool]]) -> tuple[list[MemoryPlan], bool]:
-        """The plans searched for ``profile`` (and whether they are a quick search's), made by
-        ``make()`` where no search with these ``windows`` and ``limits`` is kept."""
-        key = (id(profile), None if windows is None else tuple(windows), tuple(limits))
+    def search(self, profile: Profile, windows: Sequence[tuple[int, int]] | None, limits: Sequence[int] | None,
+               make: Callable[[], list[MemoryPlan]]) -> list[MemoryPlan]:
+        """The plans searched for ``profile``, made by ``make()`` where no search with these
+        ``windows`` and ``limits`` (the peaks the budget allowed; ``None``: a quick search, which
+        takes none) is kept."""
+        key = (id(profile), None if windows is None else tuple(windows), None if limits is None else tuple(limits))
         kept = self._searches.get(key)
         if kept is not None and kept[0] is profile:
             self._searches.move_to_end(key)
-            return kept[1], kept[2]
-        plans, quick = make()
+            return kept[1]
+        plans = make()
         self.searched += 1
-        self._searches[key] = (profile, plans, quick)
+        self._searches[key] = (profile, plans)
         self._trim(self._searches)
-        return plans, quick
+        return plans
 
     def _trim(self, kept: collections.OrderedDict) -> None:
         while len(kept) > self.kept:

@@ -393,16 +393,17 @@ class BudgetController:
         # under the copy window its source settled on (a ninth of the paths); where the planning
         # process serves, that path alone here, and the hand-written families from the process
         # (but the whole search says whether none fits, and searches here should it not answer)
-        def searched() -> tuple[list[MemoryPlan], bool]:
-            quick = self._worker is not None
-            with self.planning_time("prediction's search"):
-                plans = (search.quick_candidates(profile, window) if quick
-                         else search.candidates(profile, windows, limits=self._limits()))
-                if quick and not fits(plans):
-                    plans, quick = search.candidates(profile, windows, limits=self._limits()), False
-            return plans, quick
+        def searched(limits: Sequence[int] | None) -> list[MemoryPlan]:  # (None: the quick search)
+            def make() -> list[MemoryPlan]:
+                with self.planning_time("prediction's search"):
+                    return (search.quick_candidates(profile, window) if limits is None
+                            else search.candidates(profile, windows, limits=limits))
+            return make() if shared is None else shared.search(profile, windows, limits, make)
 
-        plans, quick = searched() if shared is None else shared.search(profile, windows, self._limits(), searched)
+        quick = self._worker is not None
+        plans = searched(None if quick else self._limits())
+        if quick and not fits(plans):
+            plans, quick = searched(self._limits()), False
         if not fits(plans):
             return False
         self._adopt(profile, None, plans)
