@@ -197,6 +197,36 @@ def test_the_lengths_of_a_bucket_share_one_prediction_and_its_search():
     assert shared.searched == before + 2
 
 
+def test_a_recomputed_group_at_the_low_end_of_a_bucket_is_still_the_workload_predicted():
+    """129 rows are predicted at their bucket's 144: a recomputed group's inputs come in at
+    129/144 of the prediction, under the workload tolerance, and the step is still the
+    workload predicted (no re-planning, no profiling when it comes again)."""
+    off = ao.Offloader(device="cpu", memory_budget=int(1.5 * _bytes(256)), min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [256] * PROFILE_STEPS)
+    plans = _run(off, blocks, [129, 144, 129])
+    assert [p["state"] for p in plans] == ["settled"] * 3
+    assert "recompute" in {g["action"] for g in plans[0]["groups"]}
+    assert all(p["workload"]["predicted_from"] is not None for p in plans)
+
+
+def test_beyond_the_capacity_predicted_workloads_go_first_then_those_profiling_and_measured_last():
+    """A workload still profiling (its prediction did not fit) is one step from a profile of
+    its own; a predicted one is made again cheaply: it goes first."""
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(64), min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [64] * PROFILE_STEPS + [128])  # 128: four times the bytes by the bound, profiling
+    _run(off, blocks, [8 * (i + 1) for i in range(7)] + [60])  # predicted from 64
+
+    def kind(w):
+        c = w.controller
+        return "profiling" if c.profile is None else "predicted" if c.predicted else "measured"
+
+    workloads = off.plan.workloads.workloads
+    assert [kind(w) for w in workloads] == ["measured", "profiling"] + ["predicted"] * (CAPACITY - 2)
+    assert [w.signature.tokens for w in workloads[:2]] == [64, 128]
+
+
 def test_a_bucket_has_at_most_four_significant_bits_and_holds_its_tokens():
     assert doctest.testmod(buckets).failed == 0
     for tokens in range(1, 5000):

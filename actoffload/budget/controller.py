@@ -224,6 +224,9 @@ class BudgetController:
         # per group, the least share of its predicted saved bytes that its own may be and still be
         # the workload predicted (predict.least_shares); none for a profile measured (1)
         self._least_shares: tuple[float, ...] = ()
+        # ... and of what every group saves, for a profile predicted at its length bucket's tokens
+        # beyond its own (the square of the ratio: bytes with the square of the tokens); else 1
+        self._bucket_share = 1.0
         self._explore = EXPLORE  # plans that may run beyond the model's first choice
         self.planning_s = 0.0  # host seconds spent making and choosing plans, all told
         self.planning_by: collections.defaultdict[str, float] = collections.defaultdict(float)  # ... by what
@@ -323,6 +326,11 @@ class BudgetController:
         self._adopt_measured(profile, profiled_peak)
         self._raise_found()  # the caller's: it may hear that no plan fits
 
+    @property
+    def has_first_step(self) -> bool:
+        """Whether it ran its first profiling step and not yet its second (nor another since)."""
+        return self._partial is not None and self._step is None and self._profile is None
+
     def profile_from_first_step(self) -> bool:
         """Plan from the first profiling step alone, its second not yet run (whether it did: a
         profile is then adopted). For a workload whose next step may never come: where the step
@@ -335,8 +343,9 @@ class BudgetController:
 
             if controller.profile_from_first_step():
                 controller.profile          # measured from one step"""
-        if self._partial is None or self._step is not None or self._profile is not None:
+        if not self.has_first_step:
             return False
+        assert self._partial is not None
         profile, self._partial = self._partial, None
         self._measured_steps, self._pending_steps = tuple(self._pending_steps), []
         self._adopt_measured(profile, self.profiled_peak if self._probe.cuda else None, defer=True)
@@ -359,7 +368,7 @@ class BudgetController:
     def _adopt_measured(self, profile: Profile, profiled_peak: int | None, defer: bool = False) -> None:
         """Plan from a measured profile; ``defer``: its first choice waits for this workload's
         next step to begin (:meth:`_step_begins`), by when the planning process may have answered."""
-        self.predicted, self._explore, self._least_shares = False, EXPLORE, ()
+        self.predicted, self._explore, self._least_shares, self._bucket_share = False, EXPLORE, (), 1.0
         self._adopt(profile, profiled_peak, defer=defer)
         if not self._quick_due:
             self._choose_first()
@@ -372,7 +381,8 @@ class BudgetController:
             self._choose()
 
     def adopt_prediction(self, profile: Profile, window: tuple[int, int] | None = None,
-                         least_shares: Sequence[float] = (), shared: SharedPredictions | None = None) -> bool:
+                         least_shares: Sequence[float] = (), shared: SharedPredictions | None = None,
+                         bucket_share: float = 1.0) -> bool:
         """Plan from a profile predicted for this workload (:mod:`~.predict`) before it ran: only
         where a plan's modelled peak, with the least margin, fits the budget (else ``False``,
         and nothing changes: the step profiles, running the plan that needs the least memory).
@@ -380,9 +390,11 @@ class BudgetController:
         ``(max_inflight, prefetch)`` the paths of the search keep (the hand-written plans keep theirs);
         ``least_shares``: per group, the least share of its predicted saved bytes that its own may
         turn out to be and still be this workload (:func:`~.predict.least_shares`: fewer, it is
-        profiled; a group not given, 1); ``shared``: where the search made for this profile
-        (the same object) under the same windows and limits is kept, it is not made again
-        (:mod:`~.buckets`)."""
+        profiled; a group not given, ``bucket_share``); ``shared``: where the search made for this
+        profile (the same object) under the same windows and limits is kept, it is not made again
+        (:mod:`~.buckets`); ``bucket_share``: the least share of its predicted bytes that any group
+        may save, the profile predicted at more tokens than the workload's (its length bucket's),
+        for a recomputed group's inputs and kept outputs too."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
         windows = None if window is None else [window]
@@ -409,7 +421,7 @@ class BudgetController:
         self._adopt(profile, None, plans)
         if quick and not self._ask(windows, fresh=True):
             self._plan_all(search.candidates(profile, windows, limits=self._limits()))
-        self.predicted, self._least_shares = True, tuple(least_shares)
+        self.predicted, self._least_shares, self._bucket_share = True, tuple(least_shares), bucket_share
         # the profile it was predicted from was explored and calibrated already: its model's
         # first choice runs, and is measured like any plan (its peak checked, its time taken)
         self._explore = 0
@@ -729,8 +741,9 @@ class BudgetController:
             then = self._profile.whole_at[position].inputs
         # a predicted group's saved bytes, where they are the bound from above, may come in lower,
         # as low as the model allows, and be the workload predicted (its plan, made for more, stays
-        # within the budget); its inputs are predicted as they are
-        least = self._least_shares[position] if not recomputed and position < len(self._least_shares) else 1.0
+        # within the budget); its inputs are predicted as they are, but at the bucket's tokens
+        least = (self._least_shares[position] if not recomputed and position < len(self._least_shares)
+                 else self._bucket_share)
         if new_workload(now, then) and not then * least * (1 - WORKLOAD_CHANGE) <= now < then:
             self._replan()
 

@@ -238,12 +238,12 @@ class Workloads:
     def _new(self, signature: Signature, base: int) -> Workload:
         entry = Workload(signature, self._controller(), None, base)
         self._entries.append(entry)
+        self._profile_partial(signature)  # (its search counted as the promoted workload's)
         with entry.controller.planning_time("predicting"):
-            self._profile_partial(signature)
             guess = self._prediction(signature, base)
         if guess is not None:
-            profile, source, window, shares = guess
-            if entry.controller.adopt_prediction(profile, window, shares, self.shared):
+            profile, source, window, shares, bucket_share = guess
+            if entry.controller.adopt_prediction(profile, window, shares, self.shared, bucket_share):
                 entry.predicted_from, entry.groups = source, len(profile.groups)
         return entry
 
@@ -252,29 +252,35 @@ class Workloads:
         one that ran its first profiling step and not yet its second plans from that step alone
         (:meth:`~.controller.BudgetController.profile_from_first_step`): with lengths drawn from a
         continuous range, few recur, and each new one would otherwise profile in turn, running
-        the least memory step after step."""
-        model = [e for e in self._entries if e.signature != signature and _same_model(e.signature, signature)]
+        the least memory step after step. (With nothing measured, each new signature promotes
+        the one before it: there is at most one such workload to promote.)"""
+        model = self._same_model(signature)
         if any(_measured(e) for e in model):
             return
-        for e in reversed(model):  # the latest first
-            if e.controller.profile_from_first_step():
-                e.groups = len(e.controller.profile.groups)  # type: ignore[union-attr]
-                return
+        pick = next((e for e in reversed(model) if e.controller.has_first_step), None)
+        if pick is not None and pick.controller.profile_from_first_step():
+            pick.groups = len(pick.controller.profile.groups)  # type: ignore[union-attr]
+
+    def _same_model(self, signature: Signature) -> list[Workload]:
+        """The workloads kept that ``signature`` could be predicted from but for a profile: the
+        same model at other tokens, expected to open as many groups."""
+        groups = self._expected(signature)
+        return [e for e in self._entries if _same_model(e.signature, signature) and e.signature.tokens != signature.tokens
+                and (groups is None or e.groups is None or e.groups == groups)]
 
     def _prediction(self, signature: Signature,
-                    base: int) -> tuple[Any, Signature, tuple[int, int] | None, tuple[float, ...]] | None:
+                    base: int) -> tuple[Any, Signature, tuple[int, int] | None, tuple[float, ...], float] | None:
         """A profile predicted for ``signature`` from the profiled workloads of the same model
         (the nearest with more tokens, else the nearest with fewer; a second one to fit each
         group's bytes), the signature it came from, the copy window that workload's plan
         settled on (``None`` while it has not: every window is searched), and per group the least
-        share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`).
-        The profile is predicted at the tokens of the signature's bucket (:mod:`~.buckets`; but
+        share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`),
+        and that share for every group from the bucket alone. The profile is predicted at the
+        tokens of the signature's bucket (:mod:`~.buckets`; but
         those of the nearest profiled workload with more tokens where fewer), the same object
         for every signature of the bucket on the same base, so that they share its search."""
-        groups = self._expected(signature)
         t = signature.tokens
-        refs = [e for e in self._entries if _measured(e) and _same_model(e.signature, signature) and e.signature.tokens != t
-                and (groups is None or e.groups == groups)]
+        refs = [e for e in self._same_model(signature) if _measured(e)]
         if not refs or t is None:
             return None
         larger = [e for e in refs if (e.signature.tokens or 0) > t]
@@ -299,17 +305,20 @@ class Workloads:
         sources = (profile,) if other is None else (profile, other[0])
         shared = self.shared.profile(key, sources, lambda: predict.predicted(profile, t_ref, top, base, other))
         # (the bucket's share: its bytes at fewer tokens than the bucket's, down to the square of the ratio)
-        shares = tuple(s * (t / top) ** 2 for s in predict.least_shares(profile, t_ref, top, other))
-        return shared, ref.signature, window, shares
+        bucket_share = (t / top) ** 2
+        shares = tuple(s * bucket_share for s in predict.least_shares(profile, t_ref, top, other))
+        return shared, ref.signature, window, shares, bucket_share
 
     def _evict(self, keep: Workload) -> None:
-        """Drop the least recently used workloads beyond the capacity, those with a measured
-        profile last: they are what new signatures are predicted from (lengths drawn from a
-        continuous range make a new workload nearly every step, which would otherwise push out
-        the one profile within a few steps, and the next length would profile again)."""
+        """Drop the least recently used workloads beyond the capacity: predicted ones first (a
+        prediction is made again cheaply), then those profiling, those with a measured profile
+        last: they are what new signatures are predicted from (lengths drawn from a continuous
+        range make a new workload nearly every step, which would otherwise push out the one
+        profile within a few steps, and the next length would profile again)."""
         while len(self._entries) > self.capacity:
             others = [e for e in self._entries if e is not keep]
-            old = next((e for e in others if not _measured(e)), others[0])
+            # (min: the least recently used of the first kind there is)
+            old = min(others, key=lambda e: (_measured(e), e.controller.profile is None))
             self._entries.remove(old)
             self.reserve.bind(old.controller, False)
             self._planning_dropped += old.controller.planning_s
