@@ -45,7 +45,7 @@ class SharedPredictions:
     Example::
 
         shared = SharedPredictions()
-        profile = shared.profile(key, lambda: predict.predicted(ref, t_ref, bucket(t), base))
+        profile = shared.profile(key, (ref,), lambda: predict.predicted(ref, t_ref, bucket(t), base))
         plans = shared.search(profile, windows, limits, lambda: search.candidates(profile, windows, limits=limits))
     """
 

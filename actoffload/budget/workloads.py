@@ -12,10 +12,13 @@ for the :data:`CAPACITY` workloads used last.
 
 A signature seen before runs its controller's plan from its first group. One never seen gets a
 new controller: its plan is predicted from a profiled workload of the same model
-(:mod:`~.predict`) where a predicted plan fits the budget, else it profiles at once, running the
-plan that needs the least memory. A predicted workload is not profiled: the plan it runs is
-measured like any other (its peak checked, its time taken), which is what profiling it would
-have bought, without the profiling plan's slow steps.
+(:mod:`~.predict`), at its length bucket's tokens (:mod:`~.buckets`: the lengths of a bucket share
+one prediction and its search), where a predicted plan fits the budget, else it profiles at once,
+running the plan that needs the least memory. With no profile of the model measured yet, a
+workload's first profiling step alone becomes its profile as another signature's step begins.
+A predicted workload is not profiled: the plan it runs is measured like any other (its peak
+checked, its time taken), which is what profiling it would have bought, without the profiling
+plan's slow steps.
 """
 
 from __future__ import annotations
@@ -276,9 +279,9 @@ class Workloads:
         settled on (``None`` while it has not: every window is searched), and per group the least
         share of its predicted bytes that is still the workload (:func:`~.predict.least_shares`),
         and that share for every group from the bucket alone. The profile is predicted at the
-        tokens of the signature's bucket (:mod:`~.buckets`; but
-        those of the nearest profiled workload with more tokens where fewer), the same object
-        for every signature of the bucket on the same base, so that they share its search."""
+        tokens of the signature's bucket (:mod:`~.buckets`), or of the nearest profiled workload
+        with more tokens where those are fewer: the same object for every signature of the
+        bucket on the same base, so that they share its search."""
         t = signature.tokens
         refs = [e for e in self._same_model(signature) if _measured(e)]
         if not refs or t is None:
