@@ -90,6 +90,19 @@ def test_lengths_are_quarters_of_the_full_length_or_any_padded_length_between():
         loop_sweep.draw_lengths(2048, 4, spread="all")
 
 
+def test_the_sweep_runs_lengths_that_rarely_recur_bitwise(tmp_path):
+    path = tmp_path / "any.json"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = loop_sweep.main(["--small", "--steps", "6", "--opt-steps", "1", "--only", "llama", "--lengths", "any",
+                              "--out", str(path)])
+    assert rc == 0
+    doc = read_results(path)
+    assert doc["settings"]["lengths"] == "any"
+    var = doc["workloads"][0]["variable_length"]
+    assert var["spread"] == "any" and var["lengths"] == loop_sweep.draw_lengths(var["quarters_of"], 6, spread="any")
+    assert doc["verdicts"]["llama"]["asks"]["variable_length_bitwise"] is True
+
+
 def test_gradients_are_compared_bit_for_bit_and_equal_on_the_cpu(run):
     doc, _ = run
     for w in doc["workloads"]:
