@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 # NVLink multicast can take a host's shared GPUs out of service: keep it off everywhere,
 # also in processes torchrun or this module starts (they inherit the environment).
@@ -220,10 +220,11 @@ def main(name: str, build: BuildFn, p: argparse.ArgumentParser, argv: Sequence[s
 
 
 def launch(fn: Callable[[], int], nproc: int) -> int:
-    """Run ``fn`` on every rank: as this process under torchrun, else in ``nproc`` spawned
-    processes. Returns the exit code (0 when every rank returned 0)."""
+    """Run ``fn`` on every rank: as this process under torchrun (which then ends with its exit
+    code, :func:`end_rank`), else in ``nproc`` spawned processes. Returns the exit code (0 when
+    every rank returned 0)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return fn()
+        end_rank(fn())
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -243,7 +244,21 @@ def launch(fn: Callable[[], int], nproc: int) -> int:
 def _spawned(local_rank: int, world: int, port: int, fn: Callable[[], int], codes: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    codes.put(fn())
+    code = fn()
+    codes.put(code)  # (a SimpleQueue: written to the pipe before put returns)
+    end_rank(0)  # its code is reported above: mp.spawn would stop the others on a non-zero exit
+
+
+def end_rank(code: int) -> NoReturn:
+    """End this rank's process now, its work done, its output flushed: with ``os._exit``, not
+    the interpreter's teardown. Torch's distributed objects (gloo's threads, the rendezvous
+    store's) are otherwise left to the C++ runtime's teardown, which in this project's CI ended a
+    rank of the tensor-parallel example with SIGABRT ("terminate called without an active
+    exception") after it had written its results, its process group destroyed, in two of four
+    runs of the suite on one day (as it had the Lightning example's ranks before)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def init_distributed(device_type: str) -> Context:
