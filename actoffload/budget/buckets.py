@@ -18,11 +18,12 @@ length, as before.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 from .costmodel import MemoryPlan, Profile
 
 KEPT = 32  # predicted profiles (and searches) kept, the least recently used dropped
+P = TypeVar("P")
 
 
 def bucket(tokens: int) -> int:
@@ -37,36 +38,36 @@ def bucket(tokens: int) -> int:
 
 
 class SharedPredictions:
-    """Predicted profiles by key (the profiles they come from, the bucket's tokens), and the
-    search made for each (by copy windows and the peaks the budget allowed), the least recently
-    used dropped beyond :data:`KEPT`. A profile is handed out as the same object for as long as
-    it is kept, so its search is found by it.
+    """Predictions by key (the profiles they come from, the bucket's tokens), and the search
+    made for each predicted profile (by copy windows and the peaks the budget allowed), the
+    least recently used dropped beyond :data:`KEPT`. A prediction is handed out as the same
+    object for as long as it is kept, so its profile's search is found by it.
 
     Example::
 
         shared = SharedPredictions()
-        profile = shared.profile(key, (ref,), lambda: predict.predicted(ref, t_ref, bucket(t), base))
+        profile = shared.prediction(key, (ref,), lambda: predict.predicted(ref, t_ref, bucket(t), base))
         plans = shared.search(profile, windows, limits, lambda: search.candidates(profile, windows, limits=limits))
     """
 
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
-        self._profiles: collections.OrderedDict[Hashable, tuple[tuple[Any, ...], Profile]] = collections.OrderedDict()
+        self._predictions: collections.OrderedDict[Hashable, tuple[tuple[Any, ...], Any]] = collections.OrderedDict()
         self._searches: collections.OrderedDict[tuple[Any, ...], tuple[Profile, list[MemoryPlan]]] = \
             collections.OrderedDict()
         self.searched = 0  # searches made (not found here)
 
-    def profile(self, key: Hashable, sources: tuple[Any, ...], make: Callable[[], Profile]) -> Profile:
-        """The profile predicted under ``key`` from ``sources`` (the objects it is made from,
-        checked by identity: a profile replaced since makes it again), made by ``make()`` if not kept."""
-        kept = self._profiles.get(key)
+    def prediction(self, key: Hashable, sources: tuple[Any, ...], make: Callable[[], P]) -> P:
+        """What is predicted under ``key`` from ``sources`` (the objects it is made from, checked
+        by identity: a profile replaced since makes it again), made by ``make()`` if not kept."""
+        kept = self._predictions.get(key)
         if kept is not None and len(kept[0]) == len(sources) and all(a is b for a, b in zip(kept[0], sources)):
-            self._profiles.move_to_end(key)
+            self._predictions.move_to_end(key)
             return kept[1]
-        profile = make()
-        self._profiles[key] = (sources, profile)
-        self._trim(self._profiles)
-        return profile
+        made = make()
+        self._predictions[key] = (sources, made)
+        self._trim(self._predictions)
+        return made
 
     def search(self, profile: Profile, windows: Sequence[tuple[int, int]] | None, limits: Sequence[int] | None,
                make: Callable[[], list[MemoryPlan]]) -> list[MemoryPlan]:

@@ -306,11 +306,11 @@ class Workloads:
         base = -(-max(base, profile.base) // MiB) * MiB
         key = (ref.signature, None if other is None else other[1], top, base)
         sources = (profile,) if other is None else (profile, other[0])
-        shared = self.shared.profile(key, sources, lambda: predict.predicted(profile, t_ref, top, base, other))
+        shared, top_shares = self.shared.prediction(key, sources, lambda: (
+            predict.predicted(profile, t_ref, top, base, other), predict.least_shares(profile, t_ref, top, other)))
         # (the bucket's share: its bytes at fewer tokens than the bucket's, down to the square of the ratio)
         bucket_share = (t / top) ** 2
-        shares = tuple(s * bucket_share for s in predict.least_shares(profile, t_ref, top, other))
-        return shared, ref.signature, window, shares, bucket_share
+        return shared, ref.signature, window, tuple(s * bucket_share for s in top_shares), bucket_share
 
     def _evict(self, keep: Workload) -> None:
         """Drop the least recently used workloads beyond the capacity: predicted ones first (a
