@@ -14,6 +14,7 @@ import pytest
 from actoffload.budget import controller as controller_module
 from actoffload.budget import search
 from actoffload.budget import worker as planning
+from actoffload.budget.actions import Action
 from actoffload.budget.controller import BudgetController, BudgetTooSmall, State
 from actoffload.budget.reserve import AllocatorReserve
 from actoffload.budget.tolerances import least_margin
@@ -310,7 +311,7 @@ def test_a_predicted_workload_runs_the_quick_plans_and_asks_for_its_sources_wind
                         lambda probe: w if getattr(probe, "asynchronous", False) else None)
     probe = FakeProbe()
     probe.asynchronous = True
-    c = BudgetController(1 << 40, CPU, probe=probe)
+    c = BudgetController(_under_keeping_everything(), CPU, probe=probe)
     assert c.adopt_prediction(_profile(), (2, 1))
     assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(_profile(), (2, 1)))
     assert list(w.asked.values()) == [(c.profile, [(2, 1)])]
@@ -383,6 +384,40 @@ def test_a_predicted_workload_is_refused_only_where_the_whole_search_fits_nothin
             assert answers[0] == answers[1] == (budget > least), (window, budget)
 
 
+def _under_keeping_everything() -> int:
+    """A budget that keeping everything does not fit (so a prediction searches), bytes."""
+    return search.keeping_everything(_profile()).peak
+
+
+def test_a_predicted_workload_that_keeps_everything_searches_only_once_that_no_longer_fits(monkeypatch):
+    """Keeping everything is the fastest plan there is: where a prediction's fits, it runs with
+    no search made and nothing asked of the planning process; once the allocator's reserve grows
+    past what it leaves, the search is made (its quick part here, the whole asked), and a plan
+    within the budget chosen."""
+    from actoffload.budget.buckets import SharedPredictions
+
+    w = _Worker(after=99)
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = True
+    profile, shared, reserve = _profile(), SharedPredictions(), AllocatorReserve()
+    keeping = search.keeping_everything(profile)
+    budget = keeping.peak + least_margin(keeping.peak) + 64 * MiB
+    c = BudgetController(budget, CPU, probe=probe, reserve=reserve)
+    assert c.adopt_prediction(profile, (1, 1), shared=shared)
+    assert c.plan.key == keeping.key and all(g.action is Action.KEEP for g in c.plan.groups)
+    assert shared.searched == 0 and not w.asked and "prediction's search" not in c.planning_by
+    probe.peak_bytes = keeping.peak  # it ran as modelled
+    _run(c, 1, lambda p: p.step_s)
+    assert c.plan.key == keeping.key and shared.searched == 0
+    reserve.bytes += 128 * MiB  # another workload's step measured more of the allocator's share
+    _run(c, 1, lambda p: p.step_s)
+    assert shared.searched == 1 and len(w.asked) == 1 and "prediction's search" in c.planning_by
+    assert c.plan.key != keeping.key and c.plan.peak + reserve.bytes <= budget
+    assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(profile, (1, 1)))
+
+
 def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search(monkeypatch):
     class Refusing(_Worker):
         def submit(self, profile, windows=None, limits=()):
@@ -393,9 +428,10 @@ def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search
                         lambda probe: Refusing() if getattr(probe, "asynchronous", False) else None)
     probe = FakeProbe()
     probe.asynchronous = True
-    c = BudgetController(1 << 40, CPU, probe=probe)
+    budget = _under_keeping_everything()
+    c = BudgetController(budget, CPU, probe=probe)
     assert c.adopt_prediction(_profile(), (2, 1))
-    assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)])) and c._worker is None
+    assert _keys(c.plans[:-1]) == _keys(search.candidates(_profile(), [(2, 1)], limits=c._limits())) and c._worker is None
 
 
 def test_a_request_forgotten_before_it_is_sent_is_not_searched():
@@ -694,7 +730,7 @@ def test_signatures_of_one_bucket_share_the_quick_search_whatever_the_reserve_an
     probe = FakeProbe()
     probe.asynchronous = True
     reserve, shared, profile = AllocatorReserve(), SharedPredictions(), _profile()
-    budget = 1 << 40
+    budget = _under_keeping_everything() - 64 * MiB  # (the quick plans fit it with the reserve grown)
 
     def predicted():
         c = BudgetController(budget, CPU, probe=probe, reserve=reserve)

@@ -172,6 +172,9 @@ class BudgetController:
         self._host_bound: int | None = None  # costmodel.most_host_bytes of the profile
         self._profile: Profile | None = None
         self._plans: list[MemoryPlan] = []
+        # a prediction's search not yet made (keeping everything fitted): that plan, the copy window
+        # and the predictions the search would be shared by (:meth:`_search_if_owed`)
+        self._owed: tuple[PlanKey, tuple[int, int] | None, SharedPredictions | None] | None = None
         self._index: dict[PlanKey, list[int]] | None = None  # plan -> its places in _plans (made when asked)
         self._plan: MemoryPlan | None = None
         self._forced: tuple[tuple[GroupDecision, ...], int, int] | None = None
@@ -397,14 +400,39 @@ class BudgetController:
         for a recomputed group's inputs and kept outputs too."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
+        keeping = search.keeping_everything(profile)
+        if self._fits_by_model(keeping):
+            # the fastest plan of all fits: searching would find it again, tens of milliseconds
+            # of a step's host time per length bucket (searched once it no longer fits: _choose)
+            plans, quick, owed = [keeping], False, True
+        else:
+            plans, quick = self._predicted_candidates(profile, window, shared)
+            owed = False
+            if not any(self._fits_by_model(p) for p in plans):
+                return False
+        self._adopt(profile, None, plans)
+        self._owed = (keeping.key, window, shared) if owed else None
+        self._ask_whole_search(window, quick)
+        self.predicted, self._least_shares, self._bucket_share = True, tuple(least_shares), bucket_share
+        # the profile it was predicted from was explored and calibrated already: its model's
+        # first choice runs, and is measured like any plan (its peak checked, its time taken)
+        self._explore = 0
+        self._choose()
+        return True
+
+    def _fits_by_model(self, plan: MemoryPlan) -> bool:
+        """Whether a plan not yet run fits the budget by its modelled peak, the least margin and the reserve."""
+        return plan.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget
+
+    def _predicted_candidates(self, profile: Profile, window: tuple[int, int] | None,
+                              shared: SharedPredictions | None) -> tuple[list[MemoryPlan], bool]:
+        """The candidates for a predicted profile, and whether they are a quick search's (the whole
+        search then asked of the planning process: :meth:`_ask_whole_search`): under the copy
+        window its source settled on (a ninth of the paths); where the planning process serves,
+        that path alone here, and the hand-written families from the process (but the whole
+        search says whether none fits, and searches here should it not answer)."""
         windows = None if window is None else [window]
 
-        def fits(plans: list[MemoryPlan]) -> bool:
-            return any(p.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget for p in plans)
-
-        # under the copy window its source settled on (a ninth of the paths); where the planning
-        # process serves, that path alone here, and the hand-written families from the process
-        # (but the whole search says whether none fits, and searches here should it not answer)
         def searched(limits: Sequence[int] | None) -> list[MemoryPlan]:  # (None: the quick search)
             def make() -> list[MemoryPlan]:
                 with self.planning_time("prediction's search"):
@@ -414,19 +442,30 @@ class BudgetController:
 
         quick = self._worker is not None
         plans = searched(None if quick else self._limits())
-        if quick and not fits(plans):
+        if quick and not any(self._fits_by_model(p) for p in plans):
             plans, quick = searched(self._limits()), False
-        if not fits(plans):
-            return False
-        self._adopt(profile, None, plans)
-        if quick and not self._ask(windows, fresh=True):
-            self._plan_all(search.candidates(profile, windows, limits=self._limits()))
-        self.predicted, self._least_shares, self._bucket_share = True, tuple(least_shares), bucket_share
-        # the profile it was predicted from was explored and calibrated already: its model's
-        # first choice runs, and is measured like any plan (its peak checked, its time taken)
-        self._explore = 0
-        self._choose()
-        return True
+        return plans, quick
+
+    def _ask_whole_search(self, window: tuple[int, int] | None, quick: bool) -> None:
+        """After a quick search's plans: the whole search, from the planning process (else here)."""
+        if not quick:
+            return
+        assert self._profile is not None
+        windows = None if window is None else [window]
+        if not self._ask(windows, fresh=True):
+            self._plan_all(search.candidates(self._profile, windows, limits=self._limits()))
+
+    def _search_if_owed(self) -> None:
+        """A prediction adopted with keeping everything alone (it fitted) is searched once that
+        no longer fits: the reserve grew, or it ran over the budget."""
+        if self._owed is None or self._forced is not None or self._profile is None:
+            return
+        keeping, window, shared = self._owed
+        if any(p.key == keeping for p in self._fitting()):
+            return
+        plans, quick = self._predicted_candidates(self._profile, window, shared)
+        self._plan_all(plans)
+        self._ask_whole_search(window, quick)
 
     def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None,
                defer: bool = False) -> None:
@@ -927,7 +966,7 @@ class BudgetController:
         ``defer``: made as this workload's next step begins, should the answer not be there by
         then (:meth:`_step_begins`), the profiled plan alone until then."""
         assert self._profile is not None
-        self._quick_due = False
+        self._quick_due, self._owed = False, None
         if plans is None and self._ask(fresh=fresh):
             if not fresh:
                 return
@@ -1049,6 +1088,7 @@ class BudgetController:
             self.planning_by[what] += seconds
 
     def _choose(self) -> None:
+        self._search_if_owed()
         before = self._plan.key if self._plan is not None else None
         with self.planning_time("choosing"):
             self._choose_plan()

@@ -49,6 +49,18 @@ def evaluated(profile: Profile, groups: tuple[GroupDecision, ...], max_inflight:
     return Simulation(profile, groups, max_inflight, prefetch).plan()
 
 
+def keeping_everything(profile: Profile) -> MemoryPlan:
+    """The plan that keeps every group's saves on the device: the fastest of all (nothing moved,
+    nothing recomputed), so where it fits, no search can find a faster one.
+
+    Example::
+
+        plan = keeping_everything(profile)
+        plan.peak <= budget      # then it is the plan
+    """
+    return evaluated(profile, (KEEP,) * len(profile.groups), 0, 0)
+
+
 def candidates(profile: Profile, windows: Sequence[tuple[int, int]] | None = None,
                families: bool = True, limits: Sequence[int] = (), processes: int = 1) -> list[MemoryPlan]:
     """Plans from keeping everything down to the least memory, for every window and
