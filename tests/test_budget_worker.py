@@ -5,6 +5,7 @@ planning by itself (CPU; the probe is test_budget_controller's fake, made asynch
 CUDA)."""
 
 import pickle
+from dataclasses import replace
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from actoffload.budget import controller as controller_module
+from actoffload.budget import costmodel
 from actoffload.budget import search
 from actoffload.budget import worker as planning
 from actoffload.budget.actions import Action
@@ -416,6 +418,47 @@ def test_a_predicted_workload_that_keeps_everything_searches_only_once_that_no_l
     assert shared.searched == 1 and len(w.asked) == 1 and "prediction's search" in c.planning_by
     assert c.plan.key != keeping.key and c.plan.peak + reserve.bytes <= budget
     assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(profile, (1, 1)))
+
+
+def test_a_prediction_keeping_everything_that_goes_over_searches_what_fits_after_the_overshoot(monkeypatch):
+    """Keeping everything ran over the budget (the model was short): the search made then judges
+    the quick plans as every candidate is judged, by the margin the overshoot raised and the
+    measured peak. Where none of them fits so, the whole search is made in the step, and the plan
+    chosen is the one a search made as the prediction was adopted chooses (the two-group random
+    profile below, whose quick search finds keeping everything alone: judged by the model alone,
+    it passed for fitting, and the profiled plan ran for good)."""
+    import random
+
+    from test_budget_search import _profile as random_profile
+
+    profile = random_profile(random.Random(46))
+    keeping = search.keeping_everything(profile)
+    budget = keeping.peak + least_margin(keeping.peak) + MiB
+    budget += least_margin(budget)
+    over = 47 * MiB
+
+    def run(keep_all_fits: bool) -> list:
+        w = _Worker(after=2)
+        monkeypatch.setattr(controller_module, "_worker_for", lambda probe: w)
+        if not keep_all_fits:  # as before the shortcut: the search made as the prediction is adopted
+            monkeypatch.setattr(search, "keeping_everything", lambda p: replace(keeping, peak=1 << 62))
+        probe = FakeProbe(allocated=profile.base)
+        probe.asynchronous, probe.host_count = True, 0
+        c = BudgetController(budget, CPU, probe=probe)
+        assert c.adopt_prediction(profile, (1, 1))
+        ran = []
+        for _ in range(8):
+            c.step_begins()
+            ran.append(c.plan.key)
+            probe.peak_bytes = c.plan.peak + (over if c.plan.key == keeping.key else 0)
+            probe.advance(c.plan.step_s)
+            c.backward_ends()
+        monkeypatch.undo()
+        return ran
+
+    shortcut, searched_first = run(True), run(False)
+    assert shortcut[0] == keeping.key and shortcut[1:] == searched_first[1:]
+    assert shortcut[-1][0] != costmodel.profiled_plan(profile)
 
 
 def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search(monkeypatch):

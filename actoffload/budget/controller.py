@@ -273,7 +273,9 @@ class BudgetController:
 
     @property
     def plans(self) -> tuple[MemoryPlan, ...]:
-        """Every plan considered under the profile: the search's candidates, the profiled plan last."""
+        """Every plan considered under the profile: the search's candidates, the profiled plan last
+        (a prediction whose plan keeping everything fits: that plan and the profiled one, until a
+        search is made)."""
         return tuple(self._plans)
 
     @property
@@ -400,7 +402,8 @@ class BudgetController:
         for a recomputed group's inputs and kept outputs too."""
         if self._profile is not None or self._step is not None:
             raise RuntimeError("a prediction is adopted by a controller that has neither profile nor profiling step")
-        keeping = search.keeping_everything(profile)
+        with self.planning_time("candidates"):
+            keeping = search.keeping_everything(profile)
         if self._fits_by_model(keeping):
             # the fastest plan of all fits: searching would find it again, tens of milliseconds
             # of a step's host time per length bucket (searched once it no longer fits: _choose)
@@ -421,16 +424,17 @@ class BudgetController:
         return True
 
     def _fits_by_model(self, plan: MemoryPlan) -> bool:
-        """Whether a plan not yet run fits the budget by its modelled peak, the least margin and the reserve."""
+        """Whether a plan fits the budget by its modelled peak, the least margin and the reserve:
+        as a prediction is adopted, before any step of it ran (no margin, nothing measured)."""
         return plan.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget
 
     def _predicted_candidates(self, profile: Profile, window: tuple[int, int] | None,
-                              shared: SharedPredictions | None) -> tuple[list[MemoryPlan], bool]:
+                              shared: SharedPredictions | None, quick: bool = True) -> tuple[list[MemoryPlan], bool]:
         """The candidates for a predicted profile, and whether they are a quick search's (the whole
         search then asked of the planning process: :meth:`_ask_whole_search`): under the copy
-        window its source settled on (a ninth of the paths); where the planning process serves,
-        that path alone here, and the hand-written families from the process (but the whole
-        search says whether none fits, and searches here should it not answer)."""
+        window its source settled on (a ninth of the paths); where the planning process serves
+        (and ``quick``), that path alone here, and the hand-written families from the process (but
+        the whole search says whether none fits, and searches here should it not answer)."""
         windows = None if window is None else [window]
 
         def searched(limits: Sequence[int] | None) -> list[MemoryPlan]:  # (None: the quick search)
@@ -440,7 +444,7 @@ class BudgetController:
                             else search.candidates(profile, windows, limits=limits))
             return make() if shared is None else shared.search(profile, windows, limits, make)
 
-        quick = self._worker is not None
+        quick = quick and self._worker is not None
         plans = searched(None if quick else self._limits())
         if quick and not any(self._fits_by_model(p) for p in plans):
             plans, quick = searched(self._limits()), False
@@ -465,6 +469,13 @@ class BudgetController:
             return
         plans, quick = self._predicted_candidates(self._profile, window, shared)
         self._plan_all(plans)
+        quick_keys = {p.key for p in plans}
+        if quick and not any(p.key in quick_keys for p in self._fitting()):
+            # the quick plans judged as every candidate is (the margin an overshoot of keeping
+            # everything raised, its measured peak): none fits, so the whole search is made here,
+            # which says whether any plan does
+            plans, quick = self._predicted_candidates(self._profile, window, shared, quick=False)
+            self._plan_all(plans)
         self._ask_whole_search(window, quick)
 
     def _adopt(self, profile: Profile, profiled_peak: int | None, plans: list[MemoryPlan] | None = None,
