@@ -70,8 +70,10 @@ def test_alternating_lengths_profile_each_once_then_run_their_own_plans():
     # then its plan, from its first group on: no re-profiling, no re-planning; but the first
     # length's profile is made from its first step as the second length's begins, so that the
     # second may be predicted from it (here it is not: the bound, twice the rows and four times
-    # the bytes, does not fit)
-    for rows, profiling in ((64, 1), (128, PROFILE_STEPS), (96, PROFILE_STEPS)):
+    # the bytes, does not fit), and so is the second's, longer than the first, as the third's
+    # begins (the third is not predicted from it either: the least margin, a MiB, is more than
+    # this small budget leaves)
+    for rows, profiling in ((64, 1), (128, 1), (96, PROFILE_STEPS)):
         mine = [s for s, n in zip(states, lengths) if n == rows]
         assert mine == ["profiling"] * profiling + ["settled"] * (6 - profiling), (rows, mine)
     # each runs its own plan: modelled on its own bytes, within the budget
@@ -127,6 +129,22 @@ def test_a_new_length_whose_predicted_plan_does_not_fit_profiles_on_the_least_me
     plans = _run(off, blocks, [256] * (PROFILE_STEPS + 1))  # 16x the bytes by the bound: nothing fits
     assert plans[0]["workload"]["predicted_from"] is None
     assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"]
+
+
+def test_a_length_longer_than_every_one_measured_plans_from_its_first_step_as_another_begins():
+    """A length whose prediction, scaled up from a shorter one by the bound, fits nothing
+    profiles; should another length come next (lengths that rarely recur), its first step alone
+    becomes its profile, and a length between the two is predicted from it, scaled down, rather
+    than profiling in turn."""
+    budget = 2 * _bytes(256)
+    off = ao.Offloader(device="cpu", memory_budget=budget, min_offload_bytes=0)
+    blocks = _blocks()
+    _run(off, blocks, [64] * (PROFILE_STEPS + 1))
+    plans = _run(off, blocks, [256, 240, 256])
+    assert plans[0]["state"] == "profiling" and plans[0]["workload"]["predicted_from"] is None
+    assert plans[1]["workload"]["predicted_from"] == f"[256, {D}] torch.float32 cpu"
+    assert plans[1]["state"] != "profiling" and plans[1]["predicted_peak_bytes"] <= budget
+    assert plans[2]["state"] != "profiling" and plans[2]["workload"]["predicted_from"] is None  # its own profile
 
 
 def test_workloads_are_bounded_least_recently_used_first_those_measured_last():
@@ -215,7 +233,12 @@ def test_beyond_the_capacity_predicted_workloads_go_first_then_those_profiling_a
     its own; a predicted one is made again cheaply: it goes first."""
     off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(64), min_offload_bytes=0)
     blocks = _blocks()
-    _run(off, blocks, [64] * PROFILE_STEPS + [128])  # 128: four times the bytes by the bound, profiling
+    _run(off, blocks, [64] * PROFILE_STEPS)
+    with ao.wrap(blocks, off):  # a batch of 2 x 64: another model by its inputs' dimensions, profiling
+        h = torch.randn(2, 64, D, requires_grad=True)
+        for b in blocks:
+            h = h + b(h)
+        h.square().sum().backward()
     _run(off, blocks, [8 * (i + 1) for i in range(7)] + [60])  # predicted from 64
 
     def kind(w):
