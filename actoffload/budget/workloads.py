@@ -259,9 +259,11 @@ class Workloads:
         continuous range, few recur, and each new one would otherwise profile in turn, running the
         least memory step after step; and a length longer than every one measured, predicted by
         scaling up (the bound's square: far more than the step saves), may fit no budget near
-        checkpointing's where the same length scaled down from a longer one does. On an H200 the
-        GPT-MoE at lengths of any multiple of 8 (measured at 648 tokens) profiled 15 of its 48 steps
-        at checkpointing's peak, each longer length in turn, once one had found nothing fit. (With
+        checkpointing's where the same length scaled down from a longer one does. (On an H200 the
+        GPT-MoE at lengths of any multiple of 8, measured at 648 tokens, ran 16 of its 48 steps at
+        checkpointing's peak on the profiling plan, the longer lengths in turn, once a 1024-token
+        step had profiled; with the reserve that step raised, not all of them fit when predicted
+        from it either: docs/budgets.md.) (With
         nothing measured, each new signature promotes the one before it: there is at most one
         such workload to promote.)"""
         model = self._same_model(signature)
