@@ -147,6 +147,32 @@ def test_a_length_longer_than_every_one_measured_plans_from_its_first_step_as_an
     assert plans[2]["state"] != "profiling" and plans[2]["workload"]["predicted_from"] is None  # its own profile
 
 
+def test_an_evaluation_forward_with_gradients_of_more_rows_is_not_taken_for_a_longer_length():
+    """An evaluation forward that keeps its graph (no ``no_grad``), of a larger batch, runs before
+    a training step's forward: one step of twice the groups, under the evaluation's signature.
+    Its first profiling step is another workload's, not a longer length's: the training lengths
+    after it are not predicted from it (were they, a plan made for eight groups would meet steps
+    of four)."""
+    budget = 2 * _bytes(256)
+    off = ao.Offloader(device="cpu", memory_budget=budget, min_offload_bytes=0)
+    blocks = _blocks()
+
+    def forward(rows):
+        h = torch.randn(rows, D, requires_grad=True) * 1
+        for b in blocks:
+            h = h + b(h)
+        return h
+
+    _run(off, blocks, [64] * (PROFILE_STEPS + 1))
+    with ao.wrap(blocks, off):
+        forward(256)  # dropped: its groups join the training step's
+        forward(64).square().sum().backward()
+        for rows in (96, 80):
+            forward(rows).square().sum().backward()
+            plan = off.stats()["plan"]
+            assert plan["workload"]["groups"] == 4 and plan["workload"]["predicted_from"] != f"[256, {D}] torch.float32 cpu"
+
+
 def test_workloads_are_bounded_least_recently_used_first_those_measured_last():
     off = ao.Offloader(device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
     blocks = _blocks(2)

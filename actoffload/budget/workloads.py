@@ -254,22 +254,26 @@ class Workloads:
     def _profile_partial(self, signature: Signature) -> None:
         """Where no workload of ``signature``'s model has a measured profile to predict it from,
         or the latest that ran its first profiling step (and not yet its second) has more tokens
-        than every one measured, that one plans from that step alone
+        than every one measured of as many groups, that one plans from that step alone
         (:meth:`~.controller.BudgetController.profile_from_first_step`): with lengths drawn from a
         continuous range, few recur, and each new one would otherwise profile in turn, running the
         least memory step after step; and a length longer than every one measured, predicted by
         scaling up (the bound's square: far more than the step saves), may fit no budget near
-        checkpointing's where the same length scaled down from a longer one does. (On an H200 the
+        checkpointing's where the same length scaled down from a longer one does (on an H200 the
         GPT-MoE at lengths of any multiple of 8, measured at 648 tokens, ran 16 of its 48 steps at
         checkpointing's peak on the profiling plan, the longer lengths in turn, once a 1024-token
-        step had profiled; with the reserve that step raised, not all of them fit when predicted
-        from it either: docs/budgets.md.) (With
-        nothing measured, each new signature promotes the one before it: there is at most one
-        such workload to promote.)"""
+        step had profiled: docs/budgets.md). With nothing measured, each new signature promotes
+        the one before it: there is at most one such workload to promote."""
         model = self._same_model(signature)
-        longest = max((e.signature.tokens or 0 for e in model if _measured(e)), default=None)
         pick = next((e for e in reversed(model) if e.controller.has_first_step), None)
-        if pick is None or (longest is not None and (pick.signature.tokens or 0) <= longest):
+        if pick is None:
+            return
+        measured = [e for e in model if _measured(e)]
+        # longer than those measured of its own groups, if any is measured: a step of other groups
+        # (an evaluation forward with gradients before a training step's, or a forward that raised
+        # and ran on into the next step's groups) is another workload, not a longer length
+        alike = [e.signature.tokens or 0 for e in measured if e.groups == pick.groups]
+        if measured and (not alike or (pick.signature.tokens or 0) <= max(alike)):
             return
         if pick.controller.profile_from_first_step():
             pick.groups = len(pick.controller.profile.groups)  # type: ignore[union-attr]
