@@ -37,6 +37,16 @@ def worker():
     w.close()
 
 
+def _served_by(monkeypatch, worker, asynchronous: bool = True) -> FakeProbe:
+    """A probe of a device the host runs ahead of (``asynchronous``: as a GPU's), whose
+    controllers get ``worker`` as their planning process (none where not ``asynchronous``)."""
+    monkeypatch.setattr(controller_module, "_worker_for",
+                        lambda probe: worker if getattr(probe, "asynchronous", False) else None)
+    probe = FakeProbe()
+    probe.asynchronous = asynchronous
+    return probe
+
+
 def test_the_planning_process_answers_what_the_search_makes_here(worker):
     profile = _profile()
     tickets = [worker.submit(profile), worker.submit(profile, [(1, 1)])]
@@ -101,10 +111,7 @@ def test_a_dropped_controller_lets_go_of_its_answer_and_a_dead_process_fails_eve
 
     w = planning.PlanWorker()
     try:
-        monkeypatch.setattr(controller_module, "_worker_for",
-                            lambda probe: w if getattr(probe, "asynchronous", False) else None)
-        probe = FakeProbe()
-        probe.asynchronous = True
+        probe = _served_by(monkeypatch, w)
         c = BudgetController(1 << 40, CPU, probe=probe)
         c.adopt_profile(_big_profile(24), None)
         ticket = c._pending[0]
@@ -180,10 +187,7 @@ class _Worker:
 
 
 def _asynchronous(worker, monkeypatch, budget=1 << 40):
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: worker if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, worker)
     c = BudgetController(budget, CPU, probe=probe)
     c.adopt_profile(_profile(), BASE + 100 * MiB)
     return c
@@ -221,10 +225,7 @@ def test_a_profile_made_as_another_workloads_step_begins_chooses_as_its_own_next
     (on an H200 the loop sweep's decoder, profiled at full length, spent 25 ms of the 512-token
     step that began next on quick plans the answer replaced before any ran)."""
     w = _Worker(after=after)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, w)
     c = BudgetController(1 << 40, CPU, probe=probe)
     c._adopt_measured(_profile(), BASE + 100 * MiB, defer=True)
     assert c.plan is None and c._pending is not None and "quick search" not in c.planning_by
@@ -309,10 +310,7 @@ def test_a_predicted_workload_runs_the_quick_plans_and_asks_for_its_sources_wind
     so it plans quickly under the window its source settled on, and the planning process adds
     the rest of that window's search (the hand-written families)."""
     w = _Worker(after=2)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, w)
     c = BudgetController(_under_keeping_everything(), CPU, probe=probe)
     assert c.adopt_prediction(_profile(), (2, 1))
     assert _keys(c.plans[:-1]) == _keys(search.quick_candidates(_profile(), (2, 1)))
@@ -348,10 +346,7 @@ def test_answers_to_a_calibrations_requests_grant_no_more_tries(monkeypatch):
     seconds = lambda p: p.step_s * (1.6 if moves_bytes(profile, p.groups) else 0.9)  # noqa: E731
     runs = []
     for asynchronous in (False, True):
-        monkeypatch.setattr(controller_module, "_worker_for",
-                            lambda probe, w=_Worker(after=1): w if getattr(probe, "asynchronous", False) else None)
-        probe = FakeProbe()
-        probe.asynchronous = asynchronous
+        probe = _served_by(monkeypatch, _Worker(after=1), asynchronous=asynchronous)
         c = BudgetController(budget, CPU, probe=probe)
         c.adopt_profile(profile, None)
         settled_at = None
@@ -399,10 +394,7 @@ def test_a_predicted_workload_that_keeps_everything_searches_only_once_that_no_l
     from actoffload.budget.buckets import SharedPredictions
 
     w = _Worker(after=99)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, w)
     profile, shared, reserve = _profile(), SharedPredictions(), AllocatorReserve()
     keeping = search.keeping_everything(profile)
     budget = keeping.peak + least_margin(keeping.peak) + 64 * MiB
@@ -467,10 +459,7 @@ def test_a_predicted_workload_whose_request_is_refused_plans_by_the_whole_search
             raise planning.WorkerFailed("the test's worker refuses")
 
     monkeypatch.setattr(planning, "failed", lambda worker, error: None)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: Refusing() if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, Refusing())
     budget = _under_keeping_everything()
     c = BudgetController(budget, CPU, probe=probe)
     assert c.adopt_prediction(_profile(), (2, 1))
@@ -558,10 +547,7 @@ def test_an_answer_later_than_the_quick_plans_calibration_still_settles_on_the_s
     settled = []
     for delay in (None, 4, 8):
         late = None if delay is None else _Late(delay)
-        monkeypatch.setattr(controller_module, "_worker_for",
-                            lambda probe: late if getattr(probe, "asynchronous", False) else None)
-        probe = FakeProbe()
-        probe.asynchronous = late is not None
+        probe = _served_by(monkeypatch, late, asynchronous=late is not None)
         c = BudgetController(budget, CPU, probe=probe)
         c.adopt_profile(profile, None)
         _run(c, 60, seconds)
@@ -580,10 +566,7 @@ def test_a_quick_plan_that_is_the_whole_searchs_first_choice_counts_as_its_try(m
     tried = []
     for asynchronous in (False, True):
         w = _Worker(after=2)
-        monkeypatch.setattr(controller_module, "_worker_for",
-                            lambda probe, w=w: w if getattr(probe, "asynchronous", False) else None)
-        probe = FakeProbe()
-        probe.asynchronous = asynchronous
+        probe = _served_by(monkeypatch, w, asynchronous=asynchronous)
         c = BudgetController(budget, CPU, probe=probe)
         c.adopt_profile(profile, None)
         first = c.plan.key
@@ -611,10 +594,7 @@ def test_a_plan_measured_while_the_whole_search_is_still_to_answer_corrects_the_
         return modelled * (0.7 if moves_bytes(profile, p.groups) else 1.2)
 
     w = _Worker(after=30)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, w)
     c = BudgetController(budget, CPU, probe=probe)
     c.adopt_profile(profile, None)
     _run(c, 80, true_s)
@@ -768,10 +748,7 @@ def test_signatures_of_one_bucket_share_the_quick_search_whatever_the_reserve_an
     from actoffload.budget.buckets import SharedPredictions
 
     w = _Worker(after=99)
-    monkeypatch.setattr(controller_module, "_worker_for",
-                        lambda probe: w if getattr(probe, "asynchronous", False) else None)
-    probe = FakeProbe()
-    probe.asynchronous = True
+    probe = _served_by(monkeypatch, w)
     reserve, shared, profile = AllocatorReserve(), SharedPredictions(), _profile()
     budget = _under_keeping_everything() - 64 * MiB  # (the quick plans fit it with the reserve grown)
 
