@@ -1017,6 +1017,25 @@ def test_controller_a_cache_a_shorter_step_grew_is_given_back_before_the_longer_
     assert reserve.trims_by == ({"first": 1, "outgrown": 1} if given_back else {"first": 1})
 
 
+def test_controller_a_cache_shorter_steps_grew_is_given_back_before_a_longer_workloads_profiling_step():
+    """A profiling step measures the reserve: a cache that steps of fewer tokens grew (their
+    blocks cut too small for its tensors) is given back before it, whatever it needs (not known
+    yet); one only steps of as many tokens grew is kept."""
+    probe, reserve, keep_all, long, short = _sharing_a_cache()
+    short.adopt_profile(_small_profile())
+    _step_of(short, reserve, 512, BASE + 40 * MiB, 5 * MiB)  # grows the cache the first trim left
+    assert reserve.trims_by == {"first": 1}
+    reserve.step_of(2048)
+    long.step_begins()  # profiling
+    assert long.state is State.PROFILING and reserve.trims_by == {"first": 1, "outgrown": 1}
+    probe.peak_bytes, probe.cached_bytes = BASE + 20 * MiB, 5 * MiB
+    long.backward_ends()
+    probe.reserved_bytes = BASE + 25 * MiB
+    reserve.step_of(2048)
+    long.step_begins()  # its second profiling step, on the cache its first built
+    assert reserve.trims_by == {"first": 1, "outgrown": 1}
+
+
 @pytest.mark.parametrize("first_tokens", [2048, None])
 def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allocates_more(first_tokens):
     """The same steps, the cache built by a step as long as the one that follows (or of tokens

@@ -24,7 +24,9 @@ plan, judged within the budget, would go over, or, over it by the model, could n
 as on a cache of its own: on the GPT-MoE the first full-length step after a 768-token one had
 grown the cache by 5.2 GiB reserved 12.40 GiB for 10.78 allocated, over 11.80, in every run;
 blocks only steps as long or longer added serve the step, and a few MiB a short step added take
-none over); and before a step whose plan is judged within the budget (or is being profiled), where
+none over; a profiling step, whose need is not known, counts as needing the budget: it measures
+the reserve, which a cache of shorter steps' blocks would inflate for every plan after); and
+before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
 plan's steps over the budget, which say nothing of its share (else it would go on fitting as
