@@ -196,7 +196,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
         self._streams = CopyStreams(self.device)
-        self._pool = PinnedPool(self._host.allocate, pin_ahead=self._host.pinned)  # (pinning is what is slow)
+        self._pool = PinnedPool(self._host.allocate)
         # (copy record, staging buffer, spans) whose copy out may still run
         self._inflight: collections.deque[tuple[_Copied, torch.Tensor | None, list[FastMoved]]] = collections.deque()
         self._inflight_lock = OwnedLock()  # _group_freed, a finalizer, may run inside a section holding it

@@ -19,15 +19,6 @@ is done; whoever writes into a reused block makes its stream wait on that fence
 first (and on those of the pieces it was joined from), so a block is never overwritten
 under an in-flight copy and the host never waits.
 
-A request that finds no free block of its class pins one on the caller's thread, in front of its
-copy, and asks the background thread for one more of that class (``pin_ahead``: a model's groups
-repeat, so the next group asks the same): pinned while the device runs that group, it serves the
-next request, which asks for the one after. A request whose class is being pinned there waits
-for it rather than pinning another. So a step that pins (a fresh offloader's first, whose copies
-wait on nothing else) pins one block per class in front of its copies instead of every one; it
-ends with at most one block per class more than it used, and steps that find their blocks free
-ask for none.
-
 Free blocks are host memory held, and count against the host budget: where an allocation
 would pass it, the free blocks that are whole allocations are let go (once the copies using
 them are done) and the allocation is asked again, so that a step of a shorter length, whose
@@ -123,9 +114,8 @@ class PinnedPool:
         pool.reserve([1 << 30])        # allocated meanwhile; pool.reserving says how much is left
     """
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor], pin_ahead: bool = False):
+    def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self._pin_ahead = pin_ahead
         self._free: dict[int, list[HostBlock]] = {}  # free blocks by size
         self._sizes: list[int] = []  # the sizes of free blocks, ascending (best fit)
         self._starts: dict[tuple[int, int], HostBlock] = {}  # free blocks by (allocation, offset)
@@ -134,9 +124,6 @@ class PinnedPool:
         # began at an allocation there freed a copy record): it then hands its block over
         self._lock = OwnedLock()
         self._queue: collections.deque[int] = collections.deque()  # size classes to reserve
-        self._ahead: collections.Counter[int] = collections.Counter()  # blocks pinned ahead, not yet taken, by class
-        self._ahead_queued: collections.Counter[int] = collections.Counter()  # of the queue, those pinned ahead
-        self._listed = threading.Condition(threading.Lock())  # the worker listed a block (or stopped)
         self._owned: collections.Counter[int] = collections.Counter()  # blocks allocated, by size class
         self._expected: collections.Counter[int] = collections.Counter()  # blocks expected in use together
         self._worker: threading.Thread | None = None
@@ -148,36 +135,17 @@ class PinnedPool:
 
     def get(self, nbytes: int) -> HostBlock:
         size = size_class(nbytes)
-        with self._listed:  # (the worker notifies under it only after listing: no wake-up is missed)
-            while True:
-                with self._lock:
-                    block = self._take(size)
-                    if block is not None:
-                        self.in_use += block.size
-                        if self._ahead[size]:  # one pinned ahead is taken: the next request may come
-                            self._ahead[size] -= 1
-                            self._ask_ahead(size)
-                        return block
-                    if size not in self._queue:
-                        break
-                self._listed.wait()  # being pinned on the background thread: sooner than pinning another
+        with self._lock:
+            block = self._take(size)
+            if block is not None:
+                self.in_use += block.size
+                return block
         block = HostBlock(self._new_allocation(size))
         with self._lock:
             self.allocations += 1
             self._owned[size] += 1
             self.in_use += size
-            self._ask_ahead(size)
         return block
-
-    def _ask_ahead(self, size: int) -> None:
-        """With ``pin_ahead``, where no free block of ``size`` is left, pin one on the background
-        thread for the request that will likely follow (the caller holds the lock)."""
-        if self._pin_ahead and not self._free.get(size) and size not in self._queue:
-            self._ahead[size] += 1
-            self._ahead_queued[size] += 1
-            self._queue.append(size)
-            self.reserving += size
-            self._wake_worker()
 
     def _new_allocation(self, size: int) -> torch.Tensor:
         """``size`` bytes of new host memory; over the host budget, where what the free blocks
@@ -272,7 +240,6 @@ class PinnedPool:
             self._worker.start()
 
     def _reserve_queued(self) -> None:
-        size = 0
         try:
             while True:
                 with self._lock:
@@ -282,28 +249,19 @@ class PinnedPool:
                 block = HostBlock(self._allocate(size))
                 with self._lock:
                     self._queue.popleft()
-                    if self._ahead_queued[size]:
-                        self._ahead_queued[size] -= 1
                     self.allocations += 1
                     self._owned[size] += 1
                     self.reserving -= size
                     self._list(block)
-                with self._listed:
-                    self._listed.notify_all()
         except Exception as e:  # noqa: BLE001  any failure stops reserving; get() then allocates, and says why
             with self._lock:
-                if not self._ahead_queued[size]:  # (a block pinned ahead, over the host budget, was only a guess)
-                    self.reserve_error = e
+                self.reserve_error = e
                 self._queue.clear()
-                self._ahead.clear()
-                self._ahead_queued.clear()
                 self.reserving = 0
         finally:
             with self._lock:
                 self._worker = None
                 self._wake_worker()  # reserved after the last look at the queue: serve it too
-            with self._listed:
-                self._listed.notify_all()  # (stopped: a request waiting on the queue pins its own)
 
     def wait_reserved(self) -> None:
         """Wait until every reserved block is allocated (or reserving failed)."""
@@ -349,8 +307,6 @@ class PinnedPool:
             for b in whole:
                 self._unlist(b)
                 self._owned[b.size] -= 1
-                if self._ahead[b.size]:
-                    self._ahead[b.size] -= 1
         for b in whole:
             for event in _pending(b.waits()):
                 event.synchronize()  # a copy may still use it: freed under the copy, pinned memory is reused

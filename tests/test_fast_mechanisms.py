@@ -420,65 +420,6 @@ def test_pool_reserving_survives_an_allocator_that_raises_anything():
     assert pool.reserving == 0 and isinstance(pool.reserve_error, OSError)
 
 
-def _recording_allocator(calls, gate=None):
-    def allocate(n):
-        on_main = threading.current_thread() is threading.main_thread()
-        if gate is not None and not on_main:
-            gate.wait()
-        calls.append((n, on_main))
-        return torch.empty(n, dtype=torch.uint8)
-    return allocate
-
-
-def test_pool_pins_the_next_block_of_a_class_ahead_while_the_device_runs():
-    calls = []
-    pool = PinnedPool(_recording_allocator(calls), pin_ahead=True)
-    blocks = []
-    for _ in range(5):  # five groups asking the same; the device runs each before the next asks
-        blocks.append(pool.get(5000))
-        pool.wait_reserved()
-    c = size_class(5000)
-    # the first pinned in front of its copy, every later one ahead of its request
-    assert calls == [(c, True)] + [(c, False)] * 5
-    assert pool.pooled == c and pool.in_use == 5 * c  # one block more than asked: the guess for a sixth
-    pool.put_all(blocks)
-    for _ in range(5):  # a step that finds its blocks free asks for none
-        blocks.append(pool.get(5000))
-    pool.wait_reserved()
-    assert len(calls) == 6 and pool.reserving == 0
-
-
-def test_pool_request_waits_for_the_block_of_its_class_being_pinned_ahead():
-    calls, gate = [], threading.Event()
-    pool = PinnedPool(_recording_allocator(calls, gate), pin_ahead=True)
-    first = pool.get(5000)  # pinned here; the next one is asked for ahead, held at the gate
-    threading.Timer(0.05, gate.set).start()
-    second = pool.get(5000)  # waits for it rather than pinning another
-    assert [on_main for _, on_main in calls[:2]] == [True, False]
-    pool.wait_reserved()
-    assert sum(on_main for _, on_main in calls) == 1  # only the first request pinned on its own thread
-    pool.put_all([first, second])
-
-
-def test_pool_pinning_ahead_over_the_host_budget_is_only_a_guess():
-    calls = []
-
-    def allocate(n):
-        if threading.current_thread() is not threading.main_thread():
-            raise MemoryError("over the host budget")
-        calls.append(n)
-        return torch.empty(n, dtype=torch.uint8)
-
-    pool = PinnedPool(allocate, pin_ahead=True)
-    block = pool.get(5000)
-    pool.wait_reserved()
-    assert pool.reserve_error is None and pool.reserving == 0  # nothing asked for failed
-    other = pool.get(5000)  # allocated by the request itself, as without pinning ahead
-    assert calls == [size_class(5000)] * 2
-    pool.wait_reserved()
-    pool.put_all([block, other])
-
-
 def test_pool_expects_blocks_in_use_together_and_reserves_only_what_it_lacks():
     pool = PinnedPool(lambda n: torch.empty(n, dtype=torch.uint8))
     first = pool.expect([5000, 5000])
