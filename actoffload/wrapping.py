@@ -435,20 +435,22 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``inner`` under non-reentrant checkpointing with the group's contexts (never traced:
     Dynamo cannot trace checkpoint with a ``context_fn`` of ours). The recomputation in
-    backward sees the state the forward saw (:class:`_ForwardState`)."""
+    backward sees the state the forward saw (:class:`_ForwardState`). The module's keyword
+    arguments are bound here, not handed to ``checkpoint``, which would take those named as its
+    own settings (``use_reentrant``, ``debug``, ``preserve_rng_state``...) for itself."""
     state = _ForwardState(module)
     calls = 0
 
-    def run(*a: Any, **k: Any) -> Any:
+    def run(*a: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:  # the forward
-            return inner(*a, **k)
+            return inner(*a, **kwargs)
         with state.restored():  # a recomputation
-            return inner(*a, **k)
+            return inner(*a, **kwargs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
-                                             context_fn=group.checkpoint_contexts, **kwargs)
+                                             context_fn=group.checkpoint_contexts)
 
 
 @compat.not_traced

@@ -133,3 +133,40 @@ def test_swapped_parameters_come_back_after_the_recomputation(settings):
 
     expected = step(_model())
     assert_bitwise(_wrapped_step(_model(), settings, step), expected)
+
+
+class Flagged(torch.nn.Module):
+    """Takes keyword arguments named as ``torch.utils.checkpoint``'s own settings."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+
+    def forward(self, x, *, gain=None, **flags):
+        y = torch.tanh(self.fc(x))
+        for k in sorted(flags):  # each flag that is set changes the output
+            if flags[k]:
+                y = y * 2 + len(k)
+        return y if gain is None else y * gain
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("flags", [{"use_reentrant": True}, {"debug": True}, {"preserve_rng_state": True},
+                                   {"determinism_check": "none"}, {"context_fn": 1}])
+def test_keyword_arguments_reach_the_recomputed_module(settings, flags):
+    """Keyword arguments go to the module, in its forward and its recomputation, whatever
+    they are called: not to the checkpointing the library recomputes it under (R1)."""
+    def step(model):
+        x = _x()
+        gain = torch.tensor(1.5, requires_grad=True)  # a tensor keyword argument with a history
+        y = x
+        for m in model:
+            y = m(y, gain=gain, **flags)
+        y.square().sum().backward()
+        return [y.detach(), x.grad, gain.grad] + [p.grad for p in model.parameters()]
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[Flagged() for _ in range(3)])
+
+    assert_bitwise(_wrapped_step(model(), settings, step), step(model()))
