@@ -282,8 +282,17 @@ class Engine(Generic[GroupT, MovedT]):
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
         """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
         return checkpointing.contexts(group, self.plan.checkpoint_saves_observer(group),
-                                      partial(self.plan.recomputation, group), self.plan.op_meter(group),
+                                      partial(self._recomputation, group), self.plan.op_meter(group),
                                       (partial(self._pack, group), self._unpack))
+
+    def _recomputation(self, group: GroupT) -> Any:
+        """The plan's context for ``group``'s recomputation; a recomputation also says that a
+        backward pass is running, where nothing of the step's came through this offloader's
+        hooks to be unpacked (every group recomputed, its inputs in a tuple: checkpoint keeps
+        those itself)."""
+        if compat.in_backward() and not self._backward_began:
+            self._backward_begins()
+        return self.plan.recomputation(group)
 
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:

@@ -36,13 +36,24 @@ def _setting_names(cls: type) -> set[str]:
 
 
 # Settings that pick their implementation where none is named (``impl`` left out and no
-# $OFFLOAD_IMPL): a memory budget is fast's plan, and fast runs on the CPU too.
+# $OFFLOAD_IMPL): a memory budget is fast's plan, and fast runs on the CPU too. Given as
+# ``None``, their default, they are not given: ``memory_budget=args.budget`` with no budget
+# picks nothing, and any implementation takes it.
 PICKS = {"memory_budget": "fast"}
 
 
+def _unset(name: str, value: Any) -> bool:
+    """Whether setting ``name`` given as ``value`` counts as not given (see :data:`PICKS`)."""
+    return value is None and name in PICKS
+
+
 def _picked(settings: dict[str, Any]) -> str | None:
-    """The implementation the given settings pick (:data:`PICKS`), if any."""
-    return next((PICKS[name] for name in settings if name in PICKS), None)
+    """The implementation the given settings pick (:data:`PICKS`), if any.
+
+    >>> _picked({"memory_budget": "auto"}), _picked({"memory_budget": None}), _picked({})
+    ('fast', None, None)
+    """
+    return next((PICKS[name] for name, value in settings.items() if name in PICKS and not _unset(name, value)), None)
 
 
 def _of_another(name: str, other: str, impl: str, named: str | None) -> str:
@@ -178,8 +189,8 @@ class Offloader(Engine[GroupT, MovedT]):
             chosen = impl or resolve_impl(None, picks=_picked(settings))
             cls = implementation(chosen)
             known = _setting_names(cls)
-            for name in settings:
-                if name in known:
+            for name, value in settings.items():
+                if name in known or _unset(name, value):
                     continue
                 others = [i for i in IMPLS if i != cls.impl and name in _setting_names(implementation(i))]
                 if others:
@@ -201,6 +212,7 @@ class Offloader(Engine[GroupT, MovedT]):
         plan: Plan | None = None,
         **others: Any,
     ):
+        others = {name: value for name, value in others.items() if not _unset(name, value)}
         if others:  # ao.Offloader(...) names whose setting it is; a class built directly lands here
             raise TypeError(f"{type(self).__name__} takes no setting {', '.join(sorted(others))}")
         if impl is not None and resolve_impl(impl) != self.impl:

@@ -367,6 +367,20 @@ def test_budget_is_a_setting_of_fast(monkeypatch):
         ao.Offloader(device="cpu", memory_budget="1GiB")
 
 
+def test_no_budget_given_as_none_picks_nothing_and_every_implementation_takes_it(monkeypatch):
+    """``memory_budget=None`` is the setting's default: a script passing ``args.budget`` with no
+    budget runs the implementation it would run without it, $OFFLOAD_IMPL's included."""
+    monkeypatch.delenv("OFFLOAD_IMPL", raising=False)
+    default = ao.Offloader(device="cpu").impl
+    assert ao.Offloader(device="cpu", memory_budget=None).impl == default
+    for impl in ("ref", "fast"):
+        assert ao.Offloader(impl=impl, device="cpu", memory_budget=None).impl == impl
+        monkeypatch.setenv("OFFLOAD_IMPL", impl)
+        assert ao.Offloader(device="cpu", memory_budget=None).impl == impl
+        monkeypatch.delenv("OFFLOAD_IMPL")
+    assert ao.Offloader(impl="fast", device="cpu", memory_budget=None).memory_budget is None
+
+
 def test_budget_picks_fast_where_impl_is_left_out(monkeypatch):
     """A memory budget is fast's plan, and fast runs on the CPU too: no impl, no $OFFLOAD_IMPL
     gives fast; a setting of fast that picks nothing still says whose it is."""

@@ -291,6 +291,52 @@ def test_the_signature_is_the_first_inputs_shapes_dtypes_and_devices():
     assert a != signature_of((torch.zeros(2, 8, 4, dtype=torch.bfloat16),), {})
     assert a != signature_of((torch.zeros(2, 8, 4),), {"mask": torch.zeros(8)})
     assert signature_of((3, "x"), {}).tokens is None
+    # tensors inside tuples, lists and dicts count, named by where they are
+    nested = signature_of(((torch.zeros(2, 8, 4), torch.zeros(8)),), {"state": {"h": torch.zeros(3)}})
+    assert [name for name, *_ in nested.inputs] == ["[0]", "[1]", "state['h']"] and nested.tokens == 16
+    assert nested != signature_of(((torch.zeros(2, 9, 4), torch.zeros(8)),), {"state": {"h": torch.zeros(3)}})
+
+
+class _TupleBlock(torch.nn.Module):
+    """Called with a tuple (hidden, scale) and returning one: the tensors a block is called with
+    are none of its arguments themselves."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Linear(H, D))
+
+    def forward(self, state):
+        h, scale = state
+        return h + self.mlp(h) * scale, scale
+
+
+def test_blocks_called_with_a_tuple_profile_each_length_once_and_are_bitwise():
+    """Every group recomputed with its inputs in a tuple (checkpoint keeps those itself):
+    nothing of the step goes through the offloader's hooks to be unpacked, and the
+    recomputations say that the backward pass is running, so that the next step begins."""
+    def run(off, lengths):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(_TupleBlock() for _ in range(3))
+        states, grads = [], []
+        with contextlib.nullcontext() if off is None else ao.wrap(blocks, off):
+            for i, rows in enumerate(lengths):
+                blocks.zero_grad(set_to_none=True)
+                x = torch.randn(rows, D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+                state = (x, torch.tensor(0.5))
+                for b in blocks:
+                    state = b(state)
+                state[0].square().sum().backward()
+                grads += [x.grad] + [p.grad for p in blocks.parameters()]
+                if off is not None:
+                    states.append((rows, off.stats()["plan"]["state"], off.stats()["plan"]["workload"]["signature"]))
+        return states, grads
+
+    lengths = [64, 64, 128, 128, 64, 128, 64]
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(64), min_offload_bytes=0)
+    states, grads = run(off, lengths)
+    assert [s for _, s, _ in states[:4]] == ["profiling"] * 4 and {s for _, s, _ in states[4:]} == {"settled"}, states
+    assert all(sig.startswith(f"[0]=[{rows}, {D}]") for rows, _, sig in states), states
+    assert_bitwise(grads, run(None, lengths)[1])
 
 
 # ---------------------------------------------------------------- the prediction model

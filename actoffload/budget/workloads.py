@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from . import predict
 from .buckets import SharedPredictions, bucket
@@ -63,13 +64,19 @@ UNKNOWN = Signature(None, None)
 def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     """The :class:`Signature` of a call with ``args`` and ``kwargs``.
 
+    Tensors inside tuples, lists and dicts count too, named by where they are (a layer called
+    with ``(hidden, mask)``, or a dict of states, has its lengths in them).
+
     >>> s = signature_of((torch.zeros(2, 8, 4),), {"mask": torch.ones(8, 8, dtype=torch.bool)})
     >>> s.tokens, str(s)
     (16, '[2, 8, 4] torch.float32 cpu, mask=[8, 8] torch.bool cpu')
+    >>> str(signature_of(((torch.zeros(2, 8, 4), None),), {"state": {"h": torch.zeros(3)}}))
+    "[0]=[2, 8, 4] torch.float32 cpu, state['h']=[3] torch.float32 cpu"
     """
     named = [("", a) for a in args] + sorted(kwargs.items())
-    inputs = tuple((name, tuple(t.shape), str(t.dtype), str(t.device))
-                   for name, t in named if isinstance(t, torch.Tensor))
+    inputs = tuple((name + keystr(path), tuple(t.shape), str(t.dtype), str(t.device))
+                   for name, value in named for path, t in tree_flatten_with_path(value)[0]
+                   if isinstance(t, torch.Tensor))
     return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]))
 
 
