@@ -27,6 +27,7 @@ _lock = threading.Lock()
 _marks: dict[int, tuple[StorageWeakRef, int]] = {}
 _roles: dict[int, str] = {}  # storage -> the op role that opted it in (reporting only)
 _sweep_at = 1024  # sweep dead entries when the table grows past this
+_made = 0  # marks made or changed so far (not those set again as they were)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -42,7 +43,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
-    global _sweep_at
+    global _sweep_at, _made
     for t in tensors:
         if t is None:
             continue
@@ -56,6 +57,7 @@ def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
                 if (old & flag) == flag and (role is None or _roles.get(key) == role):
                     continue  # marked already (wrap marks its parameters at every forward)
                 _marks[key] = (StorageWeakRef(storage), old | flag)
+                _made += 1
                 if role is not None:
                     _roles[key] = role
                 if len(_marks) > _sweep_at:
@@ -175,6 +177,12 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_paramete
 def role_of(storage_key: int) -> str | None:
     """The role that opted the live storage ``storage_key`` in, if any."""
     return _roles.get(storage_key) if flags_of(storage_key) else None
+
+
+def made() -> int:
+    """How many marks were made or changed so far: a caller that read the marks when this was
+    the same has nothing new to read."""
+    return _made
 
 
 def flags_of(storage_key: int) -> int:

@@ -211,6 +211,24 @@ def plan_group(
     return plan_facts([fact_of(t, device, p) for t, p in zip(tensors, flags)], **decisions)
 
 
+def held_by_marks(flags: int, policy: str) -> str | None:
+    """Why the marks on a storage (``flags``) keep it on the device under ``policy``: R4's veto
+    (``"vetoed"``), or R3's ``policy="marked"`` without an opt-in (``"not_marked"``); ``None``
+    where they let it move.
+
+    >>> held_by_marks(0, "all"), held_by_marks(0, "marked"), held_by_marks(marks.VETO | marks.OPT_IN, "all")
+    (None, 'not_marked', 'vetoed')
+    """
+    if flags & marks.VETO:
+        return "vetoed"
+    if policy == "marked" and not flags & marks.OPT_IN:
+        return "not_marked"
+    return None
+
+
+HELD_BY_MARKS = ("vetoed", "not_marked")  # the reasons held_by_marks gives
+
+
 def plan_facts(
     facts: Sequence[SavedFact],
     *,
@@ -264,10 +282,8 @@ def plan_facts(
         if flags & marks.PARAMETER or (facts[members[0]].parameter if len(members) == 1
                                         else any(facts[i].parameter for i in members)):
             reason = "parameter"
-        elif flags & marks.VETO:
-            reason = "vetoed"
-        elif policy == "marked" and not flags & marks.OPT_IN:
-            reason = "not_marked"
+        elif (held := held_by_marks(flags, policy)) is not None:
+            reason = held
         elif (size := facts[members[0]].storage_bytes) is not None and end > size:
             reason = "freed"
         elif end - start < min_offload_bytes:

@@ -37,7 +37,7 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import compat
+from . import compat, marks, policy
 
 # the fused attention kernels (those this torch has): their outputs take what a layer's input
 # takes, and at long sequences their forward is a layer's costliest op
@@ -387,7 +387,9 @@ class OpMeter:
     def __init__(self, mark: Callable[[], Any] = time.perf_counter,
                  seconds: Callable[[Any, Any], float] = lambda a, b: b - a):
         self._mark, self._seconds = mark, seconds
-        self._calls: list[list[int]] = []  # per costly op of the forward, in order: the bytes of each output it made
+        # per costly op of the forward, in order: each output it made, its storage's key (None: no
+        # storage of its own) and bytes
+        self._calls: list[list[tuple[int | None, int]]] = []
         self._attention: list[bool] = []  # per costly op of the forward: whether it is a fused attention
         self.reached: int | None = None
         # storage key -> a weak reference to it, which keeps the key from going to another storage
@@ -395,6 +397,11 @@ class OpMeter:
         # recomputation would keep)
         self._storages: dict[int, Any] = {}
         self._storage_call: dict[int, int] = {}  # storage key -> the costly op (its index in _calls) that made it
+        # the marks seen on each output's storage while it lived (a checkpointed forward lets go of
+        # an output its next ops are done with, and its marks with it: read at each op until then)
+        self._flags: dict[int, int] = {}
+        self._watched: list[int] = []  # keys of the outputs still alive, as of the latest op
+        self._marks_read = -1  # marks.made() when the marks were read last
         self._spans: list[tuple[Any, Any, bool]] = []  # marks around each costly op of the recomputation; attention?
 
     def forward(self) -> TorchDispatchMode:
@@ -405,8 +412,7 @@ class OpMeter:
 
     @property
     def costly(self) -> list[int]:
-        calls = self._calls if self.reached is None else self._calls[:self.reached]
-        return [n for spans in calls for n in spans]
+        return [n for _, n in self._kept_outputs(False)]
 
     @property
     def costly_bytes(self) -> int:
@@ -414,7 +420,35 @@ class OpMeter:
 
     @property
     def attention(self) -> list[int]:
-        return [n for spans, attention in zip(self._calls[:self.reached], self._attention) if attention for n in spans]
+        return [n for _, n in self._kept_outputs(True)]
+
+    def moving(self, save_policy: str, attention_only: bool = False) -> list[int]:
+        """The bytes of each output :attr:`costly` (or :attr:`attention`) counts that ``save_policy``
+        and the marks seen on it (:meth:`read_marks`) let move (R3, R4); one with no storage of
+        its own stays."""
+        return [n for key, n in self._kept_outputs(attention_only)
+                if key is not None and policy.held_by_marks(self._flags.get(key, 0), save_policy) is None]
+
+    def read_marks(self) -> None:
+        """Note the marks on the outputs still alive (the caller marks an output after the op
+        that made it, before the next), where any mark was made since they were read last."""
+        made = marks.made()
+        if made == self._marks_read:
+            return
+        self._marks_read = made
+        alive = []
+        for key in self._watched:
+            if not self._storages[key].expired():
+                self._flags[key] = self._flags.get(key, 0) | marks.flags_of(key)
+                alive.append(key)
+        self._watched = alive
+
+    def _kept_outputs(self, attention_only: bool) -> list[tuple[int | None, int]]:
+        """``(storage key, bytes)`` of each output a selective recomputation keeps (of the costly
+        ops its recomputation reached; of its attention calls only, ``attention_only``)."""
+        calls = self._calls if self.reached is None else self._calls[:self.reached]
+        return [out for spans, attention in zip(calls, self._attention) if attention or not attention_only
+                for out in spans]
 
     @property
     def attention_reached(self) -> int | None:
@@ -429,17 +463,19 @@ class OpMeter:
         return sum(self._seconds(a, b) for a, b, attention in self._spans if attention)
 
     def _count(self, out: Any, attention: bool) -> None:
-        spans = []
+        spans: list[tuple[int | None, int]] = []
         for t in _tensors(out):
             if t.layout is not torch.strided or t.is_meta:
                 continue
             key = _storage(t)
             if key is None:  # no storage of its own (a wrapper subclass): its bytes, once
-                spans.append(t.nbytes)
+                spans.append((None, t.nbytes))
             elif key not in self._storages:
                 self._storages[key] = compat.storage_weakref(t)
                 self._storage_call[key] = len(self._calls)
-                spans.append(t.untyped_storage().nbytes())
+                self._watched.append(key)
+                self._flags[key] = marks.flags_of(key)  # (marked already: an output of another's)
+                spans.append((key, t.untyped_storage().nbytes()))
         self._calls.append(spans)
         self._attention.append(attention)
 
@@ -453,6 +489,8 @@ class _Counting(TorchDispatchMode):
         kwargs = kwargs or {}
         meter = self.meter
         op = _OPS.get(id(func)) or _op(func)
+        if meter._watched:
+            meter.read_marks()
         if meter._storages and op.writes:
             for key in map(_storage, _written(op, args, kwargs)):
                 if key is not None and key in meter._storage_call:  # written: a selective one would not keep it

@@ -594,3 +594,33 @@ def test_an_ops_tensors_are_found_and_mapped_in_every_container_it_may_use():
     assert type(doubled) is tuple and doubled[1:3] == (1, None) and torch.equal(doubled[3][0], b * 2)
     pair = _mapped(lambda t: t + 1, Pair(a, 3))
     assert type(pair) is Pair and torch.equal(pair.x, a + 1) and pair.y == 3
+
+
+@pytest.mark.parametrize("save_policy, mark, moves_inputs, moves_kept", [
+    pytest.param("all", ao.mark_not_offload, True, False, id="vetoed-output"),
+    pytest.param("marked", None, False, False, id="marked-nothing"),
+    pytest.param("marked", ao.mark_activation_offload, False, True, id="marked-output"),
+])
+def test_what_the_model_moves_is_what_the_policy_and_the_marks_let_move(save_policy, mark, moves_inputs, moves_kept):
+    """R3 and R4 hold under a budget: a kept output marked not to move (marked by the caller after
+    the op that made it, as a forward hook does), or inputs and outputs not opted in under
+    ``policy="marked"``, stay on the device, and the plan's figures count them there: a plan that
+    counted them moved would hold more than its modelled peak."""
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0, policy=save_policy)
+    blocks = _blocks()
+    if mark is not None:
+        for b in blocks:
+            b[0].register_forward_hook(lambda module, args, out: mark(out))
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            _step(blocks, step)
+        _forced(off, ["recompute_selective_offload", "recompute_offload", "recompute_selective_offload", "keep"])
+        _step(blocks, PROFILE_STEPS + 1)
+        engine = off.stats()["groups"]
+    plan = off.stats()["plan"]["groups"]
+    for i in (0, 1, 2):
+        assert plan[i]["offloaded_bytes"] == engine[str(i)]["offloaded_bytes"], (i, plan[i], engine[str(i)])
+    inputs = ROWS * D * 4
+    assert plan[0]["offloaded_bytes"] == (inputs if moves_inputs else 0) + (COSTLY if moves_kept else 0)
+    assert plan[0]["resident_bytes"] == (0 if moves_inputs else inputs) + (0 if moves_kept else COSTLY)
+    assert plan[1]["resident_bytes"] == (0 if moves_inputs else inputs)

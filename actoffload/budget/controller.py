@@ -117,6 +117,8 @@ class _Group:
     spans: tuple[int, ...] = ()  # offloadable bytes it would save (not recomputed)
     kept: int = 0
     inputs: int = 0  # bytes it saved while recomputed
+    inputs_moving: int | None = None  # ... of which the policy and the marks let move (None: all)
+    save_policy: str = "all"  # the offloader's policy, which with the marks says what may move
     moved: int = 0  # bytes it moved during profiling
     host_start: float | None = None  # the host's clock (CUDA only)
     host_end: float | None = None
@@ -759,9 +761,10 @@ class BudgetController:
         return costmodel.moved(decision, self._profile.groups[position])
 
     def committed(self, position: int, recomputed: bool, plan: policy.SavePlan, would_save: policy.SavePlan | None,
-                  min_move: int = 0) -> None:
+                  min_move: int = 0, save_policy: str = "all") -> None:
         """A group's commit: what it saved (profiling), or whether the workload changed;
-        ``min_move``: the offloader's ``min_offload_bytes`` (a smaller span stays)."""
+        ``min_move``: the offloader's ``min_offload_bytes`` (a smaller span stays); ``save_policy``:
+        its ``policy``, which with the marks says what may move (R3, R4)."""
         moved = sum(s.nbytes for s in plan.spans)
         kept = sum(n for reason, n in plan.stayed if reason not in ("parameter",))
         if self._step is not None:
@@ -771,6 +774,11 @@ class BudgetController:
             m.moved, m.min_move = moved, min_move
             if recomputed:
                 m.inputs = moved + kept
+                held = sum(n for reason, n in plan.stayed if reason in policy.HELD_BY_MARKS)
+                m.inputs_moving = m.inputs - held if held else None
+                m.save_policy = save_policy
+                if m.meter is not None:  # its outputs that live still are marked as they will be
+                    m.meter.read_marks()
                 inner = would_save or policy.SavePlan([], [])
                 m.spans = tuple(sorted((s.nbytes for s in inner.spans), reverse=True))
                 m.kept = sum(n for reason, n in inner.stayed if reason != "parameter")
@@ -960,7 +968,9 @@ class BudgetController:
                 backward_s=seconds(m.touched, after) if m.touched is not None else None,
                 recompute_s=(seconds(m.recompute_start, m.recompute_end)
                              if m.recompute_start is not None and m.recompute_end is not None else None),
-                moved=m.moved, spans=m.spans, kept=m.kept, inputs=m.inputs, forward_peak=m.forward_peak,
+                moved=m.moved, spans=m.spans, kept=m.kept, inputs=m.inputs, inputs_moving=m.inputs_moving,
+                costly_moving=_moving(m.meter, m.save_policy, False), attention_moving=_moving(m.meter, m.save_policy, True),
+                forward_peak=m.forward_peak,
                 backward_peak=m.backward_peak, recompute_peak=m.recompute_peak,
                 host_s=_between(m.host_start, m.host_end), recompute_host_s=_between(m.recompute_host_start,
                                                                                      m.recompute_host_end),
@@ -1633,6 +1643,16 @@ def _profiled_peak(step: _Step) -> int:
     group by group)."""
     return max([step.outside_peak] + [m.allocated_at_start + m.forward_peak for m in step.groups]
                + [max(m.backward_peak, m.recompute_peak) for m in step.groups])
+
+
+def _moving(meter: OpMeter | None, save_policy: str, attention_only: bool) -> tuple[int, ...] | None:
+    """Of the outputs a selective recomputation keeps, those that may move, largest first;
+    ``None`` where every one may (or none was metered)."""
+    if meter is None:
+        return None
+    moving = meter.moving(save_policy, attention_only)
+    kept = meter.attention if attention_only else meter.costly
+    return None if len(moving) == len(kept) else tuple(sorted(moving, reverse=True))
 
 
 def _between(start: float | None, end: float | None) -> float | None:

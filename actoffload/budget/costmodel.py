@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, chain, count, islice
-from typing import Callable, Iterable, NamedTuple, Sequence, cast
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -72,7 +72,9 @@ class GroupProfile:
     ``attention_share``: the same of its fused attention calls alone (``RECOMPUTE_ATTENTION``'s);
     ``min_move``: the least bytes a span needs to move
     (the offloader's ``min_offload_bytes``): inputs, or a kept output, under it stay, whatever
-    the plan (its offloadable ``spans`` were measured past it already); ``dispatch_host_s``: the host's time for its forward
+    the plan (its offloadable ``spans`` were measured past it already); ``inputs_moving``,
+    ``costly_moving`` and ``attention_moving``: of its inputs' bytes and kept outputs, those the
+    policy and the marks let move (R3, R4; ``None``: all of them); ``dispatch_host_s``: the host's time for its forward
     and for its recomputation while every op went through a dispatch mode in Python (the
     metered profiling step), as a selective recomputation's do (``None`` where the host is the
     device, or not measured).
@@ -99,6 +101,9 @@ class GroupProfile:
     attention: tuple[int, ...] | None = None
     attention_share: float | None = None
     attention_calls: int | None = None
+    inputs_moving: int | None = None
+    costly_moving: tuple[int, ...] | None = None
+    attention_moving: tuple[int, ...] | None = None
 
     @property
     def recompute_time(self) -> float:
@@ -143,12 +148,25 @@ class GroupProfile:
         the largest."""
         known = self._moved_selective_at.get((fraction, attention_only))
         if known is None:
-            kept = (self.attention if attention_only else self.costly) or ()
-            spans = tuple(sorted((n for n in kept + ((self.inputs,) if self.inputs else ()) if n >= self.min_move),
+            kept = self.kept_moving(attention_only)
+            inputs = self.movable_inputs
+            spans = tuple(sorted((n for n in kept + ((inputs,) if inputs else ()) if n >= self.min_move),
                                  reverse=True))
             cap = max(fraction * sum(spans), max(spans, default=0))
             known = self._moved_selective_at[(fraction, attention_only)] = sum(spans[i] for i in largest_within(spans, cap))
         return known
+
+    @property
+    def movable_inputs(self) -> int:
+        """Bytes of its inputs (while recomputed) that the policy and the marks let move."""
+        return (self.inputs or 0) if self.inputs_moving is None else self.inputs_moving
+
+    def kept_moving(self, attention_only: bool) -> tuple[int, ...]:
+        """The outputs a selective recomputation keeps (:meth:`kept_bytes`) that may move."""
+        moving = self.attention_moving if attention_only else self.costly_moving
+        if moving is not None:
+            return moving
+        return (self.attention if attention_only else self.costly) or ()
 
     def moved(self, fraction: float) -> int:
         """Bytes moved when offloading up to ``fraction`` of the offloadable bytes: the largest
@@ -241,6 +259,13 @@ class Profile:
         return {w.first: w for w in self.wholes}
 
 
+def with_inputs(g: GroupProfile, inputs: int) -> GroupProfile:
+    """``g`` saving ``inputs`` bytes (a module recomputed whole, whose first part it is): as
+    much of them held by the policy and the marks as of its own."""
+    held = 0 if g.inputs_moving is None else (g.inputs or 0) - g.inputs_moving
+    return replace(g, inputs=inputs, inputs_moving=None if g.inputs_moving is None else max(inputs - held, 0))
+
+
 def moved(d: GroupDecision, g: GroupProfile) -> int:
     """Bytes a group moves to host memory under ``d`` (a whole module's inputs: those of its
     first part)."""
@@ -249,7 +274,8 @@ def moved(d: GroupDecision, g: GroupProfile) -> int:
     if d.action.moves_kept:
         return g.moved_selective(d.fraction, d.action.attention_only)
     if d.action.moves_inputs:  # (as one span)
-        return g.inputs if g.inputs and g.inputs >= g.min_move else 0
+        inputs = g.movable_inputs
+        return inputs if inputs and inputs >= g.min_move else 0
     return 0
 
 
@@ -263,7 +289,7 @@ def _moved_by(profile: Profile, i: int, d: GroupDecision, g: GroupProfile) -> in
     """:func:`moved` for group ``i``, whose profile is ``g``: a whole module's inputs are those
     of its first part."""
     if d.action.whole:
-        g = replace(g, inputs=profile.whole_at[i].inputs)
+        g = with_inputs(g, profile.whole_at[i].inputs)
     return moved(d, g)
 
 
@@ -311,7 +337,7 @@ class MemoryPlan:
         rows = []
         for i, (g, p) in enumerate(zip(profile.groups, self.groups)):
             if p.action.whole:
-                g = replace(g, inputs=profile.whole_at[i].inputs)
+                g = with_inputs(g, profile.whole_at[i].inputs)
             rows.append({"group": g.name, "action": p.action.value, "offloaded_bytes": moved(p, g),
                          "resident_bytes": resident(p, g)})
         return rows
@@ -1380,7 +1406,8 @@ def _whole(parts: Sequence[GroupProfile], inputs: int) -> GroupProfile:
         backward_extra=max(held + g.backward_extra + later for g, held, later in zip(parts, so_far, later_grads))
         - so_far[-1],
         grads=sum(g.grads for g in parts), recompute_extra=max(g.recompute_extra for g in parts),
-        recompute_s=sum(g.recompute_time for g in parts), min_move=first.min_move)
+        recompute_s=sum(g.recompute_time for g in parts), min_move=first.min_move,
+        inputs_moving=with_inputs(first, inputs).inputs_moving)
 
 
 def moves_bytes(profile: Profile, groups: Sequence[GroupDecision]) -> bool:
@@ -1463,6 +1490,9 @@ class MeasuredGroup:
     attention: tuple[int, ...] | None = None
     attention_s: float | None = None
     attention_calls: int | None = None
+    inputs_moving: int | None = None
+    costly_moving: tuple[int, ...] | None = None
+    attention_moving: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -1509,7 +1539,10 @@ def profile_of(step: MeasuredStep) -> Profile:
                          attention_share=_share(m.attention_s, m.recompute_s) if m.recomputed else None,
                          dispatch_host_s=(m.host_s, m.recompute_host_s) if (
                              m.recomputed and m.costly is not None and m.host_s is not None
-                             and m.recompute_host_s is not None) else None)
+                             and m.recompute_host_s is not None) else None,
+                         inputs_moving=m.inputs_moving if m.recomputed else None,
+                         costly_moving=m.costly_moving if m.recomputed and m.costly is not None else None,
+                         attention_moving=m.attention_moving if m.recomputed and m.attention is not None else None)
         # profiling moved every input, small ones too (guarded: docs/budgets.md); plans then move as min_move says
         held += resident(profiling_decision(m.recomputed), g)
         groups.append(replace(g, min_move=m.min_move))
@@ -1547,8 +1580,18 @@ def _least(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
+def _fewer(a: int | None, b: int | None) -> int | None:
+    """The fewer bytes that may move of two steps' (``None``: all)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _larger(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return b if a is None else a if b is None else max(a, b, key=sum)
+
+
+def _with(a: tuple[int, ...] | None, b: tuple[int, ...] | None, of_a: Any, of_b: Any) -> Any:
+    """What goes with the one of ``a`` and ``b`` that :func:`_larger` takes."""
+    return of_a if _larger(a, b) is a and a is not None else of_b
 
 
 def merged(a: Profile, b: Profile) -> Profile:
@@ -1565,6 +1608,9 @@ def merged(a: Profile, b: Profile) -> Profile:
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
                            reached=x.reached or y.reached,
                            costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
+                           costly_moving=_with(x.costly, y.costly, x.costly_moving, y.costly_moving),
+                           attention_moving=_with(x.attention, y.attention, x.attention_moving, y.attention_moving),
+                           inputs_moving=_fewer(x.inputs_moving, y.inputs_moving),
                            dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
                            costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
                            attention=_larger(x.attention, y.attention),

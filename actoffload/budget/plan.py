@@ -191,7 +191,8 @@ class BudgetPlan(Plan):
         if planned.would_save is not None:  # what it would move, were it not recomputed
             inner = planned.would_save.plan(off.min_offload_bytes, off.policy)
             planned.would_save = None
-        planned.controller.committed(planned.position, group.recompute, saves, inner, off.min_offload_bytes)
+        planned.controller.committed(planned.position, group.recompute, saves, inner, off.min_offload_bytes,
+                                     off.policy)
 
     def reached(self, group: Group) -> None:
         group.plan_state.controller.backward_reaches(group.plan_state.position)

@@ -83,8 +83,13 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         host_s=None if g.host_s is None else g.host_s * host,
         dispatch_host_s=scaled_times(g.dispatch_host_s, host),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
-        recompute_extra=_up(g.recompute_extra, f), costly=None if g.costly is None else tuple(_up(n, f) for n in g.costly),
-        attention=None if g.attention is None else tuple(_up(n, f) for n in g.attention))
+        recompute_extra=_up(g.recompute_extra, f), costly=_each_up(g.costly, f), attention=_each_up(g.attention, f),
+        inputs_moving=None if g.inputs_moving is None else _up(g.inputs_moving, f_inputs),
+        costly_moving=_each_up(g.costly_moving, f), attention_moving=_each_up(g.attention_moving, f))
+
+
+def _each_up(sizes: tuple[int, ...] | None, f: float) -> tuple[int, ...] | None:
+    return None if sizes is None else tuple(_up(n, f) for n in sizes)
 
 
 def same_groups(a: Profile, b: Profile) -> bool:
