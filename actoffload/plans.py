@@ -115,11 +115,11 @@ class Plan:
     def step_begins(self) -> None:
         """A step's first group is opening (the first after a backward pass began)."""
 
-    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A module given to ``ao.wrap`` is called with ``args`` and ``kwargs`` (outside backward),
-        before its group opens; called only while :attr:`wants_inputs` is set, so that a plan
-        may read the shapes of a step's first inputs before its first group opens (and before
-        :meth:`step_begins`, where that group begins the step)."""
+    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None) -> None:
+        """``module``, given to ``ao.wrap``, is called with ``args`` and ``kwargs`` (outside
+        backward), before its group opens; called only while :attr:`wants_inputs` is set, so
+        that a plan may read the shapes of a step's first inputs (and the module's mode) before
+        its first group opens (and before :meth:`step_begins`, where that group begins the step)."""
 
     def runs_whole(self, parts: int, inputs: int) -> bool:
         """Whether the module opening now, whose ``parts`` are groups of their own, instead runs

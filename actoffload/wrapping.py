@@ -458,7 +458,7 @@ def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool
           args: tuple[Any, ...], kwargs: dict[str, Any]) -> GroupContext:
     inputs = _input_bytes(args, kwargs) if parts else 0
     if off.plan.wants_inputs and not compat.in_backward():  # a memory budget's step signature
-        off.plan.step_inputs(args, kwargs)
+        off.plan.step_inputs(args, kwargs, module)
     group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs).open()
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a
     # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)

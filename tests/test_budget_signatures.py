@@ -637,3 +637,28 @@ def test_a_predicted_workload_searches_only_the_copy_window_its_source_settled_o
     families = {(0, 0), (1, 1), (2, 2)}
     assert {(p.max_inflight, p.prefetch) for p in predicted.plans} <= {window} | families
     assert len(predicted.plans) < len(source.plans)
+
+
+@pytest.mark.parametrize("switch", ["eval", "autocast"])
+def test_steps_of_one_shape_in_two_modes_are_two_workloads_each_profiled_once(switch):
+    """An adversarial perturbation's forward and backward in evaluation mode (dropout saves no
+    mask) before each training step, or steps alternating with and without autocast: one shape,
+    other saves. Each mode is a workload of its own, profiled once, then settled; before, the
+    one signature re-profiled at every other step, never settling."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                                     torch.nn.Linear(H, D)) for _ in range(3))
+    off = ao.Offloader(device="cpu", memory_budget=1 << 30, min_offload_bytes=0)
+    states = {}
+    with ao.wrap(blocks, off):
+        for step in range(12):
+            other = step % 2 == 0
+            blocks.train(not (other and switch == "eval"))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=other and switch == "autocast"):
+                _step(blocks, 32, step)
+            plan = off.stats()["plan"]
+            states.setdefault(plan["workload"]["signature"], []).append(plan["state"])
+    assert len(states) == 2, states
+    for signature, seen in states.items():
+        assert seen == ["profiling"] * PROFILE_STEPS + ["settled"] * (6 - PROFILE_STEPS), (signature, seen)
+    assert any(s.endswith("(eval)" if switch == "eval" else "(autocast torch.bfloat16)") for s in states)

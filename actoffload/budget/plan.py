@@ -19,7 +19,7 @@ from ..settings import budget_of
 from .actions import Action
 from .controller import BudgetController
 from .probe import Probe
-from .workloads import UNKNOWN, Signature, Workloads, signature_of
+from .workloads import UNKNOWN, Signature, Workloads, mode_of, signature_of
 
 
 @dataclass
@@ -92,9 +92,9 @@ class BudgetPlan(Plan):
         return self.workloads
 
     # ------------------------------------------------------------------ a step and its workload
-    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None) -> None:
         if torch.is_grad_enabled():  # an evaluation forward (no_grad) is no step's
-            self._inputs = signature_of(args, kwargs)
+            self._inputs = signature_of(args, kwargs, mode_of(module, self.device.type))
             self.wants_inputs = False
 
     def step_begins(self) -> None:

@@ -46,22 +46,46 @@ class Signature(NamedTuple):
     """What a step's first wrapped module is called with: ``inputs``, per tensor argument (in
     order, then keyword arguments by name) its ``(name, shape, dtype, device)``, ``None`` where
     no wrapped module began the step (groups opened by hand); ``tokens``: the product of the
-    first tensor's dimensions but the last (:func:`~.predict.tokens`)."""
+    first tensor's dimensions but the last (:func:`~.predict.tokens`); ``mode``: what else
+    shapes its saves (:func:`mode_of`)."""
 
     inputs: tuple[tuple[str, tuple[int, ...], str, str], ...] | None
     tokens: int | None
+    mode: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.inputs is None:
             return "unknown"
-        return ", ".join(f"{name + '=' if name else ''}{list(shape)} {dtype} {device}"
-                         for name, shape, dtype, device in self.inputs)
+        called = ", ".join(f"{name + '=' if name else ''}{list(shape)} {dtype} {device}"
+                           for name, shape, dtype, device in self.inputs)
+        return f"{called} ({', '.join(self.mode)})" if self.mode else called
 
 
 UNKNOWN = Signature(None, None)
 
 
-def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+def mode_of(module: torch.nn.Module | None, device_type: str) -> tuple[str, ...]:
+    """What shapes a step's saves besides the shapes of its inputs: ``"eval"`` where the module
+    it begins with runs in evaluation mode (dropout saves no mask), and autocast's dtype where
+    autocast is on (its casts save copies). Steps of one shape in two modes (an adversarial
+    perturbation's forward in evaluation mode before each training step) are two workloads,
+    each with its own plan, not one whose saves keep changing.
+
+    >>> mode_of(torch.nn.Linear(2, 2).eval(), "cpu")
+    ('eval',)
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     mode_of(torch.nn.Linear(2, 2), "cpu")
+    ('autocast torch.bfloat16',)
+    """
+    mode = []
+    if module is not None and not module.training:
+        mode.append("eval")
+    if torch.is_autocast_enabled(device_type):
+        mode.append(f"autocast {torch.get_autocast_dtype(device_type)}")
+    return tuple(mode)
+
+
+def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any], mode: tuple[str, ...] = ()) -> Signature:
     """The :class:`Signature` of a call with ``args`` and ``kwargs``.
 
     Tensors inside tuples, lists and dicts count too, named by where they are (a layer called
@@ -77,13 +101,14 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     inputs = tuple((name + keystr(path), tuple(t.shape), str(t.dtype), str(t.device))
                    for name, value in named for path, t in tree_flatten_with_path(value)[0]
                    if isinstance(t, torch.Tensor))
-    return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]))
+    return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]), mode)
 
 
 def _same_model(a: Signature, b: Signature) -> bool:
     """Two signatures one could be predicted from the other: the same tensors (names, dtypes,
-    devices, dimensions and features), other tokens."""
-    if a.inputs is None or b.inputs is None or len(a.inputs) != len(b.inputs) or not a.tokens or not b.tokens:
+    devices, dimensions and features) in the same mode, other tokens."""
+    if (a.inputs is None or b.inputs is None or len(a.inputs) != len(b.inputs) or not a.tokens or not b.tokens
+            or a.mode != b.mode):
         return False
     return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1]) and x[1][-1:] == y[1][-1:]
                for x, y in zip(a.inputs, b.inputs))
