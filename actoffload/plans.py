@@ -188,10 +188,14 @@ class Plan:
 WARMUPS = ("auto", "offload", "recompute")
 
 
-def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.device, plan: Plan | None) -> Plan:
+def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.device, plan: Plan | None,
+             window: tuple[int, int] = (1, 1), keep_last: int = 1) -> Plan:
     """The plan ``fast``'s settings ask for: a memory budget's, else the warm-up
     (``warmup="auto"``: recompute on CUDA, where host memory is pinned, else offload), unless
-    the caller gives a ``plan`` of its own. ``memory_budget`` is checked here, before any work."""
+    the caller gives a ``plan`` of its own. ``memory_budget`` is checked here, before any work,
+    and so are the settings a budget's plan chooses itself (the copy ``window``,
+    ``(max_inflight, prefetch)``, and ``keep_last``): given other than their defaults, they would
+    be overruled without a word."""
     if memory_budget is not None:
         memory_budget = parse_memory_budget("memory_budget", memory_budget)
     if plan is not None:
@@ -202,6 +206,13 @@ def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.devi
         if warmup == "recompute":
             raise ValueError("warmup='recompute' does not apply with a memory_budget: a budget's first "
                              "steps profile by recomputing already; leave warmup at its default")
+        given = [f"{name}={value}" for name, value, default in (
+            ("max_inflight", window[0], (1,)), ("prefetch", window[1], (1,)), ("keep_last", keep_last, (0, 1)))
+            if value not in default]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with a memory_budget: "
+                             "its plan chooses the copy window (max_inflight, prefetch) and what stays on the device "
+                             "step by step; leave them at their defaults")
         from .budget.plan import BudgetPlan  # imported only where a budget is asked for
 
         return BudgetPlan(memory_budget, device)

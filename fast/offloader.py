@@ -190,8 +190,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.pack_below = check_count("pack_below", pack_below)
         self.warmup = check_choice("warmup", warmup, WARMUPS)
         device = resolve_device(settings.pop("device", None))
-        super().__init__(impl, device=device, plan=plans.for_fast(warmup=self.warmup, memory_budget=memory_budget,
-                                                                  device=device, plan=plan), **settings)
+        chosen = plans.for_fast(warmup=self.warmup, memory_budget=memory_budget, device=device, plan=plan,
+                                window=(self.max_inflight, self.prefetch), keep_last=settings.get("keep_last", 1))
+        super().__init__(impl, device=device, plan=chosen, **settings)
         if self.warmup == "auto":  # as plans.for_fast resolved it
             self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"
         self._packer = Packer(self.device, check_choice("packer", packer, PACKERS))
@@ -215,7 +216,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {**super().settings, "max_inflight": self.max_inflight, "prefetch": self.prefetch,
+        max_inflight, prefetch = self._copy_window()  # a memory budget's plan's, as of its latest step
+        return {**super().settings, "max_inflight": max_inflight, "prefetch": prefetch,
                 "pack_below": self.pack_below, "packer": self._packer.name, "warmup": self.warmup,
                 "memory_budget": self.memory_budget}
 

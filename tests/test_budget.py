@@ -358,6 +358,34 @@ def test_budget_bad_values_name_the_setting(bad):
         ao.Offloader(impl="fast", device="cpu", memory_budget=bad)
 
 
+@pytest.mark.parametrize("given, named", [({"max_inflight": 2}, "max_inflight=2 does not"),
+                                          ({"prefetch": 0, "keep_last": 3}, "prefetch=0, keep_last=3 do not"),
+                                          ({"max_inflight": 0}, "max_inflight=0 does not")])
+def test_settings_a_budgets_plan_chooses_are_refused_other_than_their_defaults(given, named):
+    """A budget's plan chooses the copy window and what stays step by step: given otherwise,
+    they would be overruled without a word, so they are refused before any work."""
+    with pytest.raises(ValueError, match=f"^{named} apply with a memory_budget: .* leave them at their defaults"):
+        ao.Offloader(impl="fast", device="cpu", memory_budget="1GiB", **given)
+    for same in ({"max_inflight": 1, "prefetch": 1}, {"keep_last": 0}, {"keep_last": 1}):
+        ao.Offloader(impl="fast", device="cpu", memory_budget="1GiB", **same)
+
+
+def test_a_budgets_settings_show_the_copy_window_its_plan_runs():
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            _step(blocks, step)
+        from actoffload.budget.actions import Action, GroupDecision
+
+        off.plan.controller.force([GroupDecision(Action.OFFLOAD)] * 3 + [GroupDecision(Action.KEEP)],
+                                  max_inflight=2, prefetch=3)
+        _step(blocks, PROFILE_STEPS + 1)
+    plan = off.stats()["plan"]
+    assert (plan["max_inflight"], plan["prefetch"]) == (2, 3)
+    assert (off.settings["max_inflight"], off.settings["prefetch"], off.settings["keep_last"]) == (2, 3, 0)
+
+
 def test_budget_is_a_setting_of_fast(monkeypatch):
     with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation; impl 'ref' "
                                         "does not take it: pass impl='fast' or leave impl out"):
