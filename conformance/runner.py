@@ -240,13 +240,18 @@ def _delayed(off, s: Scenario):
 
 
 def _offloader(s: Scenario, impl: str, device: torch.device, budget: int | None) -> Offloader:
-    fast_settings: dict = {"prefetch": s.prefetch, "max_inflight": s.max_inflight, "warmup": s.warmup}
-    if s.pack_below is not None:
-        fast_settings["pack_below"] = s.pack_below
-    if budget is not None:
-        fast_settings["memory_budget"] = budget
-    return ao.Offloader(impl=impl, device=device, policy=s.policy, keep_last=s.keep_last,
-                        min_offload_bytes=s.min_offload_bytes, **(fast_settings if impl == "fast" else {}))
+    settings: dict = {"policy": s.policy, "min_offload_bytes": s.min_offload_bytes}
+    if impl == "fast":
+        settings["warmup"] = s.warmup
+        if s.pack_below is not None:
+            settings["pack_below"] = s.pack_below
+    if impl == "fast" and budget is not None:  # its plan chooses the copy window and what stays
+        settings["memory_budget"] = budget
+    else:
+        settings["keep_last"] = s.keep_last
+        if impl == "fast":
+            settings |= {"prefetch": s.prefetch, "max_inflight": s.max_inflight}
+    return ao.Offloader(impl=impl, device=device, **settings)
 
 
 def _inputs(s: Scenario, step: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
