@@ -341,8 +341,9 @@ def run_mode(ctx: Context, args: argparse.Namespace, mode: str, build: BuildFn) 
             unwatch()
 
     elif mode == "budget":
-        off = ao.Offloader(impl="fast", device=ctx.device, keep_last=args.keep_last,
-                           min_offload_bytes=args.min_offload_bytes, memory_budget=args.memory_budget)
+        # (no keep_last: the budget's plan chooses what stays)
+        off = ao.Offloader(impl="fast", device=ctx.device, min_offload_bytes=args.min_offload_bytes,
+                           memory_budget=args.memory_budget)
         trainee.on_offloader(off)
         undo = ao.wrap(trainee.blocks, off, names=trainee.block_names).remove
     elif mode == "checkpoint":
