@@ -286,12 +286,15 @@ class Engine(Generic[GroupT, MovedT]):
                                       (partial(self._pack, group), self._unpack))
 
     def _recomputation(self, group: GroupT) -> Any:
-        """The plan's context for ``group``'s recomputation; a recomputation also says that a
-        backward pass is running, where nothing of the step's came through this offloader's
-        hooks to be unpacked (every group recomputed, its inputs in a tuple: checkpoint keeps
-        those itself)."""
-        if compat.in_backward() and not self._backward_began:
-            self._backward_begins()
+        """The plan's context for ``group``'s recomputation. A recomputation in backward also
+        says that the backward pass runs and has reached the group, as an unpack does: where its
+        inputs are in a tuple, checkpoint keeps them itself, and nothing of the group (of the
+        step, where every group is recomputed) comes through this offloader's hooks."""
+        if compat.in_backward():
+            if not self._backward_began:
+                self._backward_begins()
+            if not group.reached:
+                self._reached(group)
         return self.plan.recomputation(group)
 
     def _exit(self, group: GroupT | None, failed: bool) -> None:

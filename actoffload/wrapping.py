@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import compat, policy
 from .marks import mark_parameters
@@ -331,10 +332,11 @@ def _plain_state(state: Any) -> Any:
 
 
 def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the tensors a module is called with (each once; parameters and leaves that
-    require grad aside, which stay where they are, R3): what checkpointing it whole saves."""
+    """Bytes of the tensors a module is called with, those inside tuples, lists and dicts too
+    (each once; parameters and leaves that require grad aside, which stay where they are, R3):
+    what checkpointing it whole saves (:func:`_recomputed`)."""
     seen, total = set(), 0
-    for t in (*args, *kwargs.values()):
+    for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and not policy.is_parameter(t):
             try:
                 key = (compat.storage_key(t), t.storage_offset())
@@ -435,21 +437,38 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``inner`` under non-reentrant checkpointing with the group's contexts (never traced:
     Dynamo cannot trace checkpoint with a ``context_fn`` of ours). The recomputation in
-    backward sees the state the forward saw (:class:`_ForwardState`). The module's keyword
-    arguments are bound here, not handed to ``checkpoint``, which would take those named as its
-    own settings (``use_reentrant``, ``debug``, ``preserve_rng_state``...) for itself."""
+    backward sees the state the forward saw (:class:`_ForwardState`).
+
+    Every tensor the module is called with goes to ``checkpoint`` as a positional argument,
+    those inside tuples, lists and dicts and the keyword arguments too: checkpoint saves only
+    those, and the group then handles them like any save (counted, moved or guarded against a
+    later in-place write, R6); any other it would hold by reference, unseen. The forward gets
+    the caller's own arguments (a list it appends to is the caller's); a recomputation gets
+    them rebuilt around the saved tensors. (Nor are keyword arguments handed to ``checkpoint``,
+    which would take those named as its own settings, ``use_reentrant`` or ``debug``, for itself.)"""
     state = _ForwardState(module)
     calls = 0
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in at]
+    for i in at:  # held by checkpoint's saves alone (which the group may move, or let go of)
+        leaves[i] = None
+    caller = [(args, kwargs)]  # for the forward only
 
-    def run(*a: Any) -> Any:
+    def run(*saved: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:  # the forward
-            return inner(*a, **kwargs)
+            a, k = caller.pop()
+            return inner(*a, **k)
+        rebuilt = list(leaves)
+        for i, t in zip(at, saved):
+            rebuilt[i] = t
+        a, k = tree_unflatten(rebuilt, spec)
         with state.restored():  # a recomputation
-            return inner(*a, **kwargs)
+            return inner(*a, **k)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
+    return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
                                              context_fn=group.checkpoint_contexts)
 
 

@@ -169,7 +169,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
       ``"auto"``, ``"90%"``, resolved at the first step; default none): the most device
       memory a training step may allocate, everything included; each group then keeps,
       offloads or recomputes as the fastest plan that fits says, and ``max_inflight``,
-      ``prefetch`` and ``keep_last`` are the plan's (:class:`actoffload.budget.plan.BudgetPlan`;
+      ``prefetch`` and ``keep_last`` are the plan's (given other than their defaults, they
+      raise ``ValueError``; :class:`actoffload.budget.plan.BudgetPlan`;
       docs/budgets.md says what it counts and how it chooses). A budget no plan reaches raises
       ``ValueError`` naming the smallest reachable peak.
     - ``plan``: a plan of one's own (:class:`actoffload.Plan`) instead of the two above.

@@ -124,6 +124,21 @@ def test_costmodel_two_profiling_steps_merge_to_the_faster_time_and_the_larger_m
     assert merged(first, second).outside_s == 1e-3 and merged(first, second).outside_extra == 8 * MiB
 
 
+def test_costmodel_two_profiling_steps_merge_the_inputs_the_marks_hold_and_a_whole_module_keeps_them():
+    """What the policy and the marks keep of a recomputed group's inputs stays whatever the plan:
+    merged, the more of the two steps' held bytes stays (never more than the inputs move); a
+    module recomputed whole holds as many of its own inputs."""
+    g = GroupProfile("g", spans=(MiB,), kept=0, inputs=100, forward_s=1e-3, backward_s=1e-3, inputs_moving=90)
+    h = replace(g, inputs=80, inputs_moving=None)
+    for a, b, held in ((g, h, 10), (h, g, 10), (h, h, 0)):
+        p = Profile((a,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        q = Profile((b,), base=0, outside_s=0.0, d2h_bps=20e9, h2d_bps=20e9)
+        m = merged(p, q).groups[0]
+        assert m.inputs == b.inputs and m.held_inputs == held
+        assert costmodel.resident(GroupDecision(Action.RECOMPUTE_OFFLOAD), m) == held
+    assert costmodel.with_inputs(g, 300).movable_inputs == 290 and costmodel.with_inputs(h, 300).inputs_moving is None
+
+
 def test_costmodel_two_profiling_steps_judge_the_hosts_pace_within_one_step():
     # the faster forward's step gives the host time too: the least of each, from two steps,
     # would call a device-paced group host-paced

@@ -124,3 +124,42 @@ def test_R6_a_budget_that_saw_inputs_written_while_profiling_guards_them_in_its_
         for step in range(3):
             assert_bitwise(_step(blocks, step), expected[step])
             assert all(g["recomputed"] for g in off.stats()["groups"].values())
+
+
+class _Called(torch.nn.Module):
+    """``_blocks()``' block, its input given by keyword or inside a tuple."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, pair=None, *, h=None):
+        return self.block(pair[0] if h is None else h)
+
+
+def _step_called(blocks, step: int, how: str) -> list[torch.Tensor]:
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).requires_grad_(True)
+    h = x * 1
+    for b in blocks:
+        h += b(h=h) if how == "keyword" else b((h, torch.ones(1)))
+    h.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("how", ["keyword", "tuple"])
+@pytest.mark.parametrize("name", ["warm-up", "budget, least memory", "budget, halfway"])
+def test_R6_inputs_given_by_keyword_or_in_a_tuple_are_saved_and_guarded_as_positional_ones(name, how):
+    """Checkpointing saves only the positional tensors it is handed (any other it holds by
+    reference, out of the group's sight): the library hands it every tensor the module is
+    called with, so that a later in-place write cannot reach what the recomputation reads."""
+    expected = [_step_called(torch.nn.ModuleList(map(_Called, _blocks())), step, how) for step in range(STEPS)]
+    off = ao.Offloader(impl="fast", device="cpu", **{"min_offload_bytes": 0, **SETTINGS[name]})
+    blocks = torch.nn.ModuleList(map(_Called, _blocks()))
+    with ao.wrap(blocks, off):
+        for step in range(STEPS):
+            assert_bitwise(_step_called(blocks, step, how), expected[step])
+            if step == 0:  # the warm-up's step, a budget's profiling step: every block recomputed
+                assert all(g.get("recomputed") for g in off.stats()["groups"].values())

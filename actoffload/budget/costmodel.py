@@ -161,6 +161,11 @@ class GroupProfile:
         """Bytes of its inputs (while recomputed) that the policy and the marks let move."""
         return (self.inputs or 0) if self.inputs_moving is None else self.inputs_moving
 
+    @property
+    def held_inputs(self) -> int:
+        """Bytes of its inputs that stay whatever the plan (:attr:`movable_inputs`' rest)."""
+        return (self.inputs or 0) - self.movable_inputs
+
     def kept_moving(self, attention_only: bool) -> tuple[int, ...]:
         """The outputs a selective recomputation keeps (:meth:`kept_bytes`) that may move."""
         moving = self.attention_moving if attention_only else self.costly_moving
@@ -262,8 +267,13 @@ class Profile:
 def with_inputs(g: GroupProfile, inputs: int) -> GroupProfile:
     """``g`` saving ``inputs`` bytes (a module recomputed whole, whose first part it is): as
     much of them held by the policy and the marks as of its own."""
-    held = 0 if g.inputs_moving is None else (g.inputs or 0) - g.inputs_moving
-    return replace(g, inputs=inputs, inputs_moving=None if g.inputs_moving is None else max(inputs - held, 0))
+    return replace(g, inputs=inputs, inputs_moving=_less_held(inputs, g.inputs_moving, g.held_inputs))
+
+
+def _less_held(inputs: int, moving: int | None, held: int) -> int | None:
+    """Of ``inputs`` bytes, those that may move where ``held`` stay (``None``: all, where
+    ``moving`` says all moved before)."""
+    return None if moving is None else max(inputs - held, 0)
 
 
 def moved(d: GroupDecision, g: GroupProfile) -> int:
@@ -1457,7 +1467,9 @@ class MeasuredGroup:
     first group: to the end of backward), ``None`` if backward never reached it;
     ``recompute_s``: its forward run again in backward, ``None`` if not seen; ``moved``: bytes
     it moved out; ``spans``/``kept``: what it would save not recomputed (offloadable spans,
-    largest first, and bytes that stay); ``inputs``: what it saved recomputed;
+    largest first, and bytes that stay); ``inputs``: what it saved recomputed, and
+    ``inputs_moving``, ``costly_moving``, ``attention_moving``: of those and of the outputs
+    below, what the policy and the marks let move (:class:`GroupProfile`);
     ``forward_peak``: the most allocated during its forward above what was allocated when it
     opened; ``backward_peak``, ``recompute_peak``: the most allocated (absolute) during its
     backward and during its recomputation; ``host_s``: the host's time for its forward, and
@@ -1580,11 +1592,6 @@ def _least(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _fewer(a: int | None, b: int | None) -> int | None:
-    """The fewer bytes that may move of two steps' (``None``: all)."""
-    return b if a is None else a if b is None else min(a, b)
-
-
 def _larger(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return b if a is None else a if b is None else max(a, b, key=sum)
 
@@ -1610,7 +1617,8 @@ def merged(a: Profile, b: Profile) -> Profile:
                            costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
                            costly_moving=_with(x.costly, y.costly, x.costly_moving, y.costly_moving),
                            attention_moving=_with(x.attention, y.attention, x.attention_moving, y.attention_moving),
-                           inputs_moving=_fewer(x.inputs_moving, y.inputs_moving),
+                           inputs_moving=_less_held(y.inputs or 0, x.inputs_moving if y.inputs_moving is None
+                                                    else y.inputs_moving, max(x.held_inputs, y.held_inputs)),
                            dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
                            costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
                            attention=_larger(x.attention, y.attention),

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import tree_flatten
 
 from . import predict
 from .buckets import SharedPredictions, bucket
@@ -98,10 +98,28 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any], mode: tuple[str,
     "[0]=[2, 8, 4] torch.float32 cpu, state['h']=[3] torch.float32 cpu"
     """
     named = [("", a) for a in args] + sorted(kwargs.items())
-    inputs = tuple((name + keystr(path), tuple(t.shape), str(t.dtype), str(t.device))
-                   for name, value in named for path, t in tree_flatten_with_path(value)[0]
-                   if isinstance(t, torch.Tensor))
+    inputs = tuple((where, tuple(t.shape), str(t.dtype), str(t.device))
+                   for name, value in named for where, t in _tensors_in(name, value))
     return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]), mode)
+
+
+def _tensors_in(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in ``value``, each named by where it is: inside tuples and lists by index,
+    dicts by key, and any other type registered with pytree by its place among its leaves
+    (pytree may not know its keys)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors_in(f"{name}[{key!r}]", item)
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _tensors_in(f"{name}[{i}]", item)
+    else:
+        leaves = tree_flatten(value)[0]
+        if len(leaves) != 1 or leaves[0] is not value:  # (not a leaf itself)
+            for i, item in enumerate(leaves):
+                yield from _tensors_in(f"{name}.{i}", item)
 
 
 def _same_model(a: Signature, b: Signature) -> bool:
