@@ -90,7 +90,7 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group")
+    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group", "wrote_inputs")
 
     def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0,
                  inputs: int = 0):
@@ -100,6 +100,7 @@ class GroupContext:
         # ao.wrap's modules given with parts: a group only when run whole, saving ``inputs`` bytes
         self._parts, self._inputs = parts, inputs
         self._group: Any = None  # the group it opened, until it closes
+        self.wrote_inputs = False  # once closed: the module wrote an input its recomputation reads
 
     def open(self) -> GroupContext:
         """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``)."""
@@ -128,6 +129,7 @@ class GroupContext:
         if group is None and self._parts:
             self._offloader.plan.whole_closed(self._parts)
         self._offloader._exit(group, failed=failed)
+        self.wrote_inputs = group is not None and group.wrote_inputs
 
     @compat.not_traced
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

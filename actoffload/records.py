@@ -157,6 +157,7 @@ class Group:
     # backward through the module then needs the first to keep the graph
     release_inputs = False
     guard_inputs = False  # its inputs are copied (or cloned) before later work may write them
+    wrote_inputs = False  # recomputed, its module wrote one of its saved inputs in place in its own forward
     # it keeps all it saves: autograd holds them itself, counted only (storage key -> bytes, set
     # when it opens), with none of the per-save work a group that may move does
     kept_whole = False

@@ -194,12 +194,13 @@ def _class_name(module: torch.nn.Module) -> str:
 class _Wrap:
     """A wrapped module's bookkeeping (kept out of its copies and pickles)."""
 
-    __slots__ = ("off", "name", "parts", "norms", "own_forward")
+    __slots__ = ("off", "name", "parts", "norms", "own_forward", "writes_inputs")
 
     def __init__(self, off: Offloader, name: str, parts: int, norms: list[torch.nn.modules.batchnorm._NormBase],
                  own_forward: Callable[..., Any] | None):
         self.off, self.name, self.parts, self.norms = off, name, parts, norms
         self.own_forward = own_forward  # a forward the instance had of its own before wrapping
+        self.writes_inputs = False  # recomputed once, it wrote its own input in place: never again
 
 
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
@@ -248,7 +249,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
-                        and not _appends_to_cache(args, kwargs))
+                        and not _appends_to_cache(args, kwargs) and not w.writes_inputs)
         group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
@@ -262,6 +263,8 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             _close(group, True)  # (failed; positional: not_traced takes no keywords)
             raise
         _close(group, False)
+        if group.wrote_inputs:
+            w.writes_inputs = True
         return out
 
     def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:

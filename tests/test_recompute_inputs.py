@@ -163,3 +163,46 @@ def test_R6_inputs_given_by_keyword_or_in_a_tuple_are_saved_and_guarded_as_posit
             assert_bitwise(_step_called(blocks, step, how), expected[step])
             if step == 0:  # the warm-up's step, a budget's profiling step: every block recomputed
                 assert all(g.get("recomputed") for g in off.stats()["groups"].values())
+
+
+class _WritesItsInput(torch.nn.Module):
+    """Scales its own input in place before anything saves it: valid without checkpointing."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h):
+        h.mul_(1.5)
+        return self.block(h)
+
+
+@pytest.mark.parametrize("name", ["warm-up", "budget, everything fits"])
+def test_R6_a_module_writing_its_own_input_raises_once_and_is_not_recomputed_again(name):
+    """Checkpoint saved the input before the module's forward wrote it: the recomputation
+    cannot read what the forward read. The first step that recomputes the module raises R6's
+    error saying so and what to do; from the next step on the module is not recomputed, and
+    steps are bitwise as without an offloader."""
+    def step(blocks, seed):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+        h = x * 1
+        for b in blocks:
+            h = h + b(h * 1)
+        h.square().sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+        for p in blocks.parameters():
+            p.grad = None
+        return grads
+
+    expected = [step(torch.nn.ModuleList(map(_WritesItsInput, _blocks())), seed) for seed in range(STEPS)]
+    off = ao.Offloader(impl="fast", device="cpu", **{"min_offload_bytes": 0, **SETTINGS[name]})
+    blocks = torch.nn.ModuleList(map(_WritesItsInput, _blocks()))
+    with ao.wrap(blocks, off):
+        with pytest.raises(RuntimeError, match=r"wrote its own input .* in place in its forward.*not recomputed again "
+                                               r"from the next step on.*write out of place"):
+            step(blocks, 0)
+        for p in blocks.parameters():
+            p.grad = None
+        for seed in range(1, STEPS):
+            assert_bitwise(step(blocks, seed), expected[seed])
+            assert not any(g.get("recomputed") for g in off.stats()["groups"].values())
