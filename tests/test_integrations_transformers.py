@@ -136,6 +136,22 @@ def test_a_copy_of_a_wrapped_model_is_plain_and_equal():
         assert torch.equal(_step(ref), _step(model))
 
 
+def test_a_copy_of_a_checkpointed_attached_model_gets_transformers_own_checkpoint_and_is_equal():
+    """A layer transformers checkpoints is attached through its checkpoint function: a deep
+    copy of the model (TRL's reference model) gets transformers' own function, with no
+    offloader in it (which holds locks: the copy failed), and trains as the original does."""
+    model = tiny.llama()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with offload(model, **SETTINGS) as handle:
+        assert handle.checkpointed
+        ref = copy.deepcopy(model)
+        layer = ref.model.layers[0]
+        assert type(vars(layer)["_gradient_checkpointing_func"]).__name__ != "_GroupedCheckpoint"
+        assert torch.equal(_step(ref), _step(model)) and handle.stats()["offloaded_bytes"] > 0
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 def test_lora_adapters_added_after_wrapping_train_bitwise():
     from peft import LoraConfig, get_peft_model
@@ -218,4 +234,29 @@ def test_layers_given_as_a_moduledict_are_named_by_their_keys():
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4), "1": torch.nn.Linear(4, 4)})
     handle = offload(model, layers="layers", **SETTINGS)
     assert handle.names == ["layers.0", "layers.1"] and handle.attached
+    handle.remove()
+
+
+def test_checkpointing_enabled_after_offload_is_said_once_and_attaching_again_moves_the_inputs():
+    """offload() before gradient_checkpointing_enable(): each layer's group runs inside the
+    checkpoint, which takes its saves, so nothing moves; a warning says so, once, and attaching
+    again groups the checkpoint function instead."""
+    model = tiny.llama(layers=2)
+    model.train()
+    handle = offload(model, **SETTINGS)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def step(seed):
+        ids = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(seed))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return handle.stats()["offloaded_bytes"]
+
+    with pytest.warns(UserWarning, match="gradient checkpointing was enabled on the model after its layers were "
+                                         "attached") as caught:
+        assert step(0) == 0
+        step(1)
+    assert sum("enabled on the model after" in str(w.message) for w in caught) == 1
+    handle.remove()
+    handle.attach()
+    assert step(2) > 0 and handle.checkpointed
     handle.remove()

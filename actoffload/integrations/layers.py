@@ -6,6 +6,8 @@ Shared by the framework integrations; imports no framework.
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
@@ -193,6 +195,14 @@ class _GroupedCheckpoint:
         with self.offloader.group(self.name):
             return self.func(function, *args, **kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a copy or a pickle of the layer (TRL's reference model) gets transformers' own function
+        return _same, (self.func,)
+
+
+def _same(func: Callable[..., Any]) -> Callable[..., Any]:
+    return func
+
 
 _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # transformers' GradientCheckpointingLayer calls it
 
@@ -200,6 +210,30 @@ _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # transformers' GradientCheck
 def checkpointed(module: torch.nn.Module) -> bool:
     """Whether transformers checkpoints the layer (``gradient_checkpointing`` enabled on it)."""
     return bool(getattr(module, "gradient_checkpointing", False)) and callable(vars(module).get(_CHECKPOINT_FUNC))
+
+
+# layers attached by ao.wrap -> their handle (a copy of a layer is in none: its hook does nothing)
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, "OffloadHandle"] = weakref.WeakKeyDictionary()
+
+
+def _checkpointed_since(module: torch.nn.Module, args: Any) -> None:
+    """A layer attached by ``ao.wrap`` that transformers checkpoints now (checkpointing was
+    enabled after attaching): its group is inside the checkpoint, which takes its saves, so
+    nothing moves and a budget plans nothing. Said once per handle; attaching again groups its
+    checkpoint function instead. (A function, not a bound method: a deep copy of the model
+    copies its hooks, and a handle holds locks.)"""
+    handle = _ATTACHED.get(module)
+    if handle is not None and not handle.warned and checkpointed(module):
+        handle.warned = True
+        warnings.warn("gradient checkpointing was enabled on the model after its layers were attached for "
+                      "offloading: nothing of theirs is offloaded now (their groups run inside the checkpoint). "
+                      "Call offload() after model.gradient_checkpointing_enable(), or handle.remove() and "
+                      "handle.attach() again", stacklevel=2)
+
+
+def _detach_hook(module: torch.nn.Module, hook: Any) -> None:
+    hook.remove()
+    _ATTACHED.pop(module, None)
 
 
 class OffloadHandle:
@@ -225,6 +259,7 @@ class OffloadHandle:
         self._wrap: WrapHandle | None = None
         self._undo: list[Callable[[], None]] = []
         self._attached = False
+        self.warned = False  # that checkpointing was enabled after attaching (said once)
 
     @property
     def attached(self) -> bool:
@@ -244,16 +279,21 @@ class OffloadHandle:
         try:
             for m, name in zip(self.modules, self.names):
                 if checkpointed(m):
-                    _group_checkpoint(self.offloader, name, m)
+                    _GROUPING[m] = (self.offloader, name)
+                    _group_checkpoint(m)
                     # transformers sets a fresh checkpoint function whenever checkpointing is enabled
                     # again (TRL's GRPO disables it around generation): group that one too
-                    hook = m.register_forward_pre_hook(functools.partial(_group_checkpoint, self.offloader, name))
+                    hook = m.register_forward_pre_hook(_group_checkpoint)
                     self._undo.append(functools.partial(_ungroup_checkpoint, m, hook))
                 else:
                     plain.append(m)
                     names.append(name)
             if plain:
                 self._wrap = wrap(plain, self.offloader, names=names)
+                for m in plain:  # checkpointing enabled after attaching: say that nothing moves
+                    _ATTACHED[m] = self
+                    hook = m.register_forward_pre_hook(_checkpointed_since)
+                    self._undo.append(functools.partial(_detach_hook, m, hook))
         except BaseException:
             self._attached = True
             self.remove()
@@ -288,14 +328,22 @@ class OffloadHandle:
         return f"OffloadHandle({len(self.modules)} layers {first}, {type(self.offloader).__name__}, {state})"
 
 
-def _group_checkpoint(offloader: Offloader, name: str, module: torch.nn.Module, *args: Any) -> None:
+# checkpointed layers attached -> their offloader and group name (a copy of a layer is in none)
+_GROUPING: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Offloader, str]] = weakref.WeakKeyDictionary()
+
+
+def _group_checkpoint(module: torch.nn.Module, *args: Any) -> None:
+    """Run the layer's checkpoint function inside its group (a forward pre-hook too: a function
+    looking the layer up, not a partial holding the offloader, which a deep copy would copy)."""
+    grouping = _GROUPING.get(module)
     func = vars(module).get(_CHECKPOINT_FUNC)
-    if callable(func) and not isinstance(func, _GroupedCheckpoint):
-        vars(module)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, offloader, name)
+    if grouping is not None and callable(func) and not isinstance(func, _GroupedCheckpoint):
+        vars(module)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, *grouping)
 
 
 def _ungroup_checkpoint(module: torch.nn.Module, hook: Any) -> None:
     hook.remove()
+    _GROUPING.pop(module, None)
     func = vars(module).get(_CHECKPOINT_FUNC)
     if isinstance(func, _GroupedCheckpoint):
         vars(module)[_CHECKPOINT_FUNC] = func.func
