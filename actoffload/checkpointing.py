@@ -19,11 +19,11 @@ from .selective import OpMeter
 def modified_error(group: Group, shape: Any, saved: int, now: int) -> RuntimeError:
     if group.wrote_inputs:
         return RuntimeError(
-            f"the module of offload group {group.name!r} wrote its own input (shape {list(shape)}) in place in "
-            "its forward, after the library saved it to recompute the module in backward (fast's warm-up, or a "
-            "memory_budget's plan): the recomputation cannot read what the forward read (R6). This module is "
-            "not recomputed again from the next step on; for this step, write out of place (x = x * 2, not "
-            "x.mul_(2)), or pass warmup='offload' and no memory_budget."
+            f"the module of offload group {group.name!r} wrote a tensor it was called with (shape {list(shape)}) "
+            "in place in its forward, after the library saved it to recompute the module in backward (fast's "
+            "warm-up, or a memory_budget's plan): the recomputation would not read what the forward read (R6). "
+            "This module is not recomputed again from the next step on; for this step, write out of place "
+            "(x = x * 2, not x.mul_(2)), or pass warmup='offload' and no memory_budget."
         )
     return RuntimeError(
         f"one of the tensors saved for backward in offload group {group.name!r} (shape {list(shape)}) "

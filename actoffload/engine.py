@@ -617,8 +617,8 @@ class Engine(Generic[GroupT, MovedT]):
             if group.recompute:
                 self.plan.inputs_written(group)
             if not self._copied_before_write(group, s):
-                raise modified_error(group, s.view.size if s.view is not None else held.shape, s.version,
-                                     held._version)
+                shape = s.view.size if s.view is not None else (s.tensor if s.tensor is not None else held).shape
+                raise modified_error(group, shape, s.version, held._version)
         if s.tensor is not None:
             t = s.tensor
             if group.release_inputs and s.derived and compat.in_backward() and not compat.backward_keeps_graph():
@@ -649,7 +649,8 @@ class Engine(Generic[GroupT, MovedT]):
         copy holds the bytes as saved: the recomputation reads that copy, as the forward read
         the input (autograd itself saved no such tensor, so it raises nothing either)."""
         copied = s.view is not None and s.view.moved.version_at_copy == s.version
-        return group.guard_inputs and (copied or s.cloned)
+        # (not where the module wrote it in its own forward: the copy came after that write)
+        return group.guard_inputs and not group.wrote_inputs and (copied or s.cloned)
 
     # ------------------------------------------------------------------ stats
     def _stats(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import contextlib
 import copyreg
 import functools
 import itertools
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -194,13 +195,17 @@ def _class_name(module: torch.nn.Module) -> str:
 class _Wrap:
     """A wrapped module's bookkeeping (kept out of its copies and pickles)."""
 
-    __slots__ = ("off", "name", "parts", "norms", "own_forward", "writes_inputs")
+    __slots__ = ("off", "name", "parts", "norms", "own_forward")
 
     def __init__(self, off: Offloader, name: str, parts: int, norms: list[torch.nn.modules.batchnorm._NormBase],
                  own_forward: Callable[..., Any] | None):
         self.off, self.name, self.parts, self.norms = off, name, parts, norms
         self.own_forward = own_forward  # a forward the instance had of its own before wrapping
-        self.writes_inputs = False  # recomputed once, it wrote its own input in place: never again
+
+
+# modules that, recomputed once, wrote a tensor they were called with in place in their forward:
+# never recomputed again, whatever wraps them (the integrations wrap anew at every step)
+_WRITES_INPUTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
@@ -249,7 +254,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
-                        and not _appends_to_cache(args, kwargs) and not w.writes_inputs)
+                        and not _appends_to_cache(args, kwargs) and self not in _WRITES_INPUTS)
         group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
@@ -264,7 +269,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             raise
         _close(group, False)
         if group.wrote_inputs:
-            w.writes_inputs = True
+            _WRITES_INPUTS.add(self)
         return out
 
     def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
@@ -347,7 +352,10 @@ def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
                 key = (id(t), 0)
             if key not in seen:
                 seen.add(key)
-                total += t.numel() * t.element_size()
+                try:  # (an expanded tensor: its storage, not its elements)
+                    total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                except (NotImplementedError, RuntimeError):
+                    total += t.numel() * t.element_size()
     return total
 
 
@@ -452,7 +460,9 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
     state = _ForwardState(module)
     calls = 0
     leaves, spec = tree_flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # (an inference tensor cannot be saved for backward, nor written in place outside inference
+    # mode: it is held by reference, as autograd would hold it)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
     tensors = [leaves[i] for i in at]
     for i in at:  # held by checkpoint's saves alone (which the group may move, or let go of)
         leaves[i] = None

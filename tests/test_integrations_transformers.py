@@ -260,3 +260,17 @@ def test_checkpointing_enabled_after_offload_is_said_once_and_attaching_again_mo
     handle.attach()
     assert step(2) > 0 and handle.checkpointed
     handle.remove()
+
+
+def test_a_model_attached_and_let_go_without_remove_is_freed():
+    """The registry the warning's hook looks a layer up in holds its layers and handles weakly."""
+    import gc
+    import weakref
+
+    model = tiny.llama(layers=2)
+    handle = offload(model, **SETTINGS)
+    _step(model)
+    layer, off = weakref.ref(model.model.layers[0]), weakref.ref(handle.offloader)
+    del model, handle
+    gc.collect()
+    assert layer() is None and off() is None

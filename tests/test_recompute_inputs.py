@@ -177,12 +177,16 @@ class _WritesItsInput(torch.nn.Module):
         return self.block(h)
 
 
+@pytest.mark.parametrize("per_step", [False, True], ids=["wrapped-once", "wrapped-per-step"])
+@pytest.mark.parametrize("save_policy", ["all", "marked"])
 @pytest.mark.parametrize("name", ["warm-up", "budget, everything fits"])
-def test_R6_a_module_writing_its_own_input_raises_once_and_is_not_recomputed_again(name):
+def test_R6_a_module_writing_its_own_input_raises_once_and_is_not_recomputed_again(name, save_policy, per_step):
     """Checkpoint saved the input before the module's forward wrote it: the recomputation
     cannot read what the forward read. The first step that recomputes the module raises R6's
-    error saying so and what to do; from the next step on the module is not recomputed, and
-    steps are bitwise as without an offloader."""
+    error saying so and what to do (an input that stays on the device, under policy="marked",
+    is cloned after the write: that clone stands for nothing); from the next step on the module
+    is not recomputed, also where it is wrapped anew at every step (as the integrations do),
+    and steps are bitwise as without an offloader."""
     def step(blocks, seed):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
         h = x * 1
@@ -195,14 +199,54 @@ def test_R6_a_module_writing_its_own_input_raises_once_and_is_not_recomputed_aga
         return grads
 
     expected = [step(torch.nn.ModuleList(map(_WritesItsInput, _blocks())), seed) for seed in range(STEPS)]
-    off = ao.Offloader(impl="fast", device="cpu", **{"min_offload_bytes": 0, **SETTINGS[name]})
+    off = ao.Offloader(impl="fast", device="cpu", policy=save_policy, **{"min_offload_bytes": 0, **SETTINGS[name]})
     blocks = torch.nn.ModuleList(map(_WritesItsInput, _blocks()))
-    with ao.wrap(blocks, off):
-        with pytest.raises(RuntimeError, match=r"wrote its own input .* in place in its forward.*not recomputed again "
-                                               r"from the next step on.*write out of place"):
-            step(blocks, 0)
-        for p in blocks.parameters():
-            p.grad = None
-        for seed in range(1, STEPS):
-            assert_bitwise(step(blocks, seed), expected[seed])
-            assert not any(g.get("recomputed") for g in off.stats()["groups"].values())
+    handle = ao.wrap(blocks, off)
+    with pytest.raises(RuntimeError, match=r"wrote a tensor it was called with \(shape \[32, 64\]\) in place in its "
+                                           r"forward.*not recomputed again from the next step on.*write out of place"):
+        step(blocks, 0)
+    for p in blocks.parameters():
+        p.grad = None
+    for seed in range(1, STEPS):
+        if per_step:
+            handle.remove()
+            handle = ao.wrap(blocks, off)
+        assert_bitwise(step(blocks, seed), expected[seed])
+        assert not any(g.get("recomputed") for g in off.stats()["groups"].values())
+    handle.remove()
+
+
+def test_an_inference_tensor_given_by_keyword_to_a_recomputed_module_is_held_as_autograd_holds_it():
+    """Checkpoint cannot save an inference tensor (made under ``torch.inference_mode()``), and
+    nothing can write one in place outside it: it is held by reference, as autograd holds it."""
+    with torch.inference_mode():
+        shift = torch.randn(64)
+
+    class Shifted(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, h, *, shift):
+            return self.block(h + shift)
+
+    def run(off):
+        blocks = torch.nn.ModuleList(map(Shifted, _blocks()))
+        handle = ao.wrap(blocks, off) if off is not None else None
+        grads = []
+        for seed in range(STEPS):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+            h = x * 1
+            for b in blocks:
+                h = h + b(h, shift=shift)
+            h.square().sum().backward()
+            grads.append([x.grad] + [p.grad.clone() for p in blocks.parameters()])
+            blocks.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+        return grads
+
+    expected = run(None)
+    for name in ("warm-up", "budget, least memory"):
+        for got, want in zip(run(ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, **SETTINGS[name])), expected):
+            assert_bitwise(got, want)

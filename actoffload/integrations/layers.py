@@ -212,8 +212,9 @@ def checkpointed(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "gradient_checkpointing", False)) and callable(vars(module).get(_CHECKPOINT_FUNC))
 
 
-# layers attached by ao.wrap -> their handle (a copy of a layer is in none: its hook does nothing)
-_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, "OffloadHandle"] = weakref.WeakKeyDictionary()
+# layers attached by ao.wrap -> their handle, weakly (it holds the layer: a strong value would keep
+# the key alive); a copy of a layer is in none, and its hook does nothing
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[OffloadHandle]] = weakref.WeakKeyDictionary()
 
 
 def _checkpointed_since(module: torch.nn.Module, args: Any) -> None:
@@ -222,7 +223,8 @@ def _checkpointed_since(module: torch.nn.Module, args: Any) -> None:
     nothing moves and a budget plans nothing. Said once per handle; attaching again groups its
     checkpoint function instead. (A function, not a bound method: a deep copy of the model
     copies its hooks, and a handle holds locks.)"""
-    handle = _ATTACHED.get(module)
+    ref = _ATTACHED.get(module)
+    handle = ref() if ref is not None else None
     if handle is not None and not handle.warned and checkpointed(module):
         handle.warned = True
         warnings.warn("gradient checkpointing was enabled on the model after its layers were attached for "
@@ -291,7 +293,7 @@ class OffloadHandle:
             if plain:
                 self._wrap = wrap(plain, self.offloader, names=names)
                 for m in plain:  # checkpointing enabled after attaching: say that nothing moves
-                    _ATTACHED[m] = self
+                    _ATTACHED[m] = weakref.ref(self)
                     hook = m.register_forward_pre_hook(_checkpointed_since)
                     self._undo.append(functools.partial(_detach_hook, m, hook))
         except BaseException:
