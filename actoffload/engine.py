@@ -328,9 +328,6 @@ class Engine(Generic[GroupT, MovedT]):
         group.exited_at = self._openings
         self._pending.append(weakref.ref(group))
         if group.recompute:
-            # Its module wrote an input in place in its own forward, after checkpoint saved it:
-            # the recomputation cannot read what the forward read (R6 raises in backward)
-            group.wrote_inputs = any(s.tensor is not None and s.tensor._version != s.version for s in group.saved)
             # What a recomputed group saves are its module's inputs, which the caller may write
             # in place once the forward is over (``h += block(h)``, which autograd allows where
             # nothing saved h): committed now, and where the plan guards them, copied before any

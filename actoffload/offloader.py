@@ -90,7 +90,7 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group", "wrote_inputs")
+    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group")
 
     def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0,
                  inputs: int = 0):
@@ -100,7 +100,6 @@ class GroupContext:
         # ao.wrap's modules given with parts: a group only when run whole, saving ``inputs`` bytes
         self._parts, self._inputs = parts, inputs
         self._group: Any = None  # the group it opened, until it closes
-        self.wrote_inputs = False  # once closed: the module wrote an input its recomputation reads
 
     def open(self) -> GroupContext:
         """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``)."""
@@ -119,6 +118,13 @@ class GroupContext:
         """Whether a memory plan runs this group under activation checkpointing."""
         return self._group is not None and self._group.recompute
 
+    def inputs_written(self) -> None:
+        """The recomputed module wrote a tensor it was called with in place in its forward,
+        after checkpoint saved it: its recomputation cannot read what the forward read (R6
+        says so in backward, and no copy made after the write stands for it)."""
+        if self._group is not None:
+            self._group.wrote_inputs = True
+
     def checkpoint_contexts(self) -> tuple[Any, Any]:
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` when :attr:`recompute`."""
         return self._offloader._checkpoint_contexts(self._group)
@@ -129,7 +135,6 @@ class GroupContext:
         if group is None and self._parts:
             self._offloader.plan.whole_closed(self._parts)
         self._offloader._exit(group, failed=failed)
-        self.wrote_inputs = group is not None and group.wrote_inputs
 
     @compat.not_traced
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -268,8 +268,6 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             _close(group, True)  # (failed; positional: not_traced takes no keywords)
             raise
         _close(group, False)
-        if group.wrote_inputs:
-            _WRITES_INPUTS.add(self)
         return out
 
     def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:
@@ -481,8 +479,12 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
         with state.restored():  # a recomputation
             return inner(*a, **k)
 
-    return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
-                                             context_fn=group.checkpoint_contexts)
+    versions = [t._version for t in tensors]
+    out = torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, context_fn=group.checkpoint_contexts)
+    if any(t._version != v for t, v in zip(tensors, versions)):  # written by the module itself
+        group.inputs_written()
+        _WRITES_INPUTS.add(module)
+    return out
 
 
 @compat.not_traced

@@ -558,12 +558,9 @@ def test_a_recomputation_that_runs_no_costly_op_keeps_none():
     assert modes[0].cache.kept == {}
 
 
-@pytest.mark.parametrize("min_offload_bytes", [0, 1 << 20])
-def test_what_the_model_moves_is_what_the_engine_moves_under_min_offload_bytes(min_offload_bytes):
-    """Inputs and kept outputs under ``min_offload_bytes`` stay, as the engine's policy keeps them
-    (the profiling step moved every input, small ones too): the plan's figures say so."""
-    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=min_offload_bytes)
-    blocks = _blocks()
+def _moving_what_is_kept(off, blocks):
+    """The plan's rows after a step forced to move what two selective recomputations keep and
+    one recomputation's inputs, each checked against what the engine moved."""
     with ao.wrap(blocks, off):
         for step in range(PROFILE_STEPS + 1):
             _step(blocks, step)
@@ -572,7 +569,16 @@ def test_what_the_model_moves_is_what_the_engine_moves_under_min_offload_bytes(m
         engine = off.stats()["groups"]
     plan = off.stats()["plan"]["groups"]
     for i in (0, 1, 2):
-        assert plan[i]["offloaded_bytes"] == engine[str(i)]["offloaded_bytes"]
+        assert plan[i]["offloaded_bytes"] == engine[str(i)]["offloaded_bytes"], (i, plan[i], engine[str(i)])
+    return plan
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, 1 << 20])
+def test_what_the_model_moves_is_what_the_engine_moves_under_min_offload_bytes(min_offload_bytes):
+    """Inputs and kept outputs under ``min_offload_bytes`` stay, as the engine's policy keeps them
+    (the profiling step moved every input, small ones too): the plan's figures say so."""
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=min_offload_bytes)
+    plan = _moving_what_is_kept(off, _blocks())
     moves = min_offload_bytes == 0  # the tiny blocks' inputs and outputs are all under 1 MiB
     assert plan[0]["offloaded_bytes"] == (ROWS * D * 4 + COSTLY if moves else 0)
     assert plan[1]["resident_bytes"] == (0 if moves else ROWS * D * 4)
@@ -611,15 +617,7 @@ def test_what_the_model_moves_is_what_the_policy_and_the_marks_let_move(save_pol
     if mark is not None:
         for b in blocks:
             b[0].register_forward_hook(lambda module, args, out: mark(out))
-    with ao.wrap(blocks, off):
-        for step in range(PROFILE_STEPS + 1):
-            _step(blocks, step)
-        _forced(off, ["recompute_selective_offload", "recompute_offload", "recompute_selective_offload", "keep"])
-        _step(blocks, PROFILE_STEPS + 1)
-        engine = off.stats()["groups"]
-    plan = off.stats()["plan"]["groups"]
-    for i in (0, 1, 2):
-        assert plan[i]["offloaded_bytes"] == engine[str(i)]["offloaded_bytes"], (i, plan[i], engine[str(i)])
+    plan = _moving_what_is_kept(off, blocks)
     inputs = ROWS * D * 4
     assert plan[0]["offloaded_bytes"] == (inputs if moves_inputs else 0) + (COSTLY if moves_kept else 0)
     assert plan[0]["resident_bytes"] == (0 if moves_inputs else inputs) + (0 if moves_kept else COSTLY)
