@@ -250,3 +250,42 @@ def test_an_inference_tensor_given_by_keyword_to_a_recomputed_module_is_held_as_
     for name in ("warm-up", "budget, least memory"):
         for got, want in zip(run(ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, **SETTINGS[name])), expected):
             assert_bitwise(got, want)
+
+
+def test_R6_a_subclass_input_written_by_its_module_is_seen_too():
+    """A wrapper tensor subclass (R7) written in place by the module it is given to: its own
+    version counter says so, as a plain tensor's does; the steps after are bitwise."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor", reason="this torch has no TwoTensor")
+
+    class Writes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, h, *, t):
+            t.mul_(2)
+            return torch.tanh(self.fc(h)) * t
+
+    def step(blocks, seed):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        t = two_tensor.TwoTensor(torch.ones(4, 16), torch.ones(4, 16)) * 1
+        h = x * 1
+        for b in blocks:
+            h = b(h, t=t * 1)
+        h.sum().backward()
+        grads = [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+        blocks.zero_grad(set_to_none=True)
+        return grads
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(Writes() for _ in range(2))
+
+    expected = [step(model(), seed) for seed in range(3)]
+    blocks = model()
+    with ao.wrap(blocks, ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, memory_budget=1 << 40)):
+        with pytest.raises(RuntimeError, match="wrote a tensor it was called with"):
+            step(blocks, 0)
+        blocks.zero_grad(set_to_none=True)
+        for seed in (1, 2):
+            assert_bitwise(step(blocks, seed), expected[seed])
