@@ -344,16 +344,15 @@ def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     seen, total = set(), 0
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and not policy.is_parameter(t):
-            try:
+            nbytes = t.numel() * t.element_size()
+            try:  # (an expanded tensor: its storage, not its elements)
                 key = (compat.storage_key(t), t.storage_offset())
+                nbytes = min(nbytes, t.untyped_storage().nbytes())
             except (NotImplementedError, RuntimeError):  # no storage of its own (a wrapper subclass)
                 key = (id(t), 0)
             if key not in seen:
                 seen.add(key)
-                try:  # (an expanded tensor: its storage, not its elements)
-                    total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                except (NotImplementedError, RuntimeError):
-                    total += t.numel() * t.element_size()
+                total += nbytes
     return total
 
 

@@ -267,13 +267,12 @@ class Profile:
 def with_inputs(g: GroupProfile, inputs: int) -> GroupProfile:
     """``g`` saving ``inputs`` bytes (a module recomputed whole, whose first part it is): as
     much of them held by the policy and the marks as of its own."""
-    return replace(g, inputs=inputs, inputs_moving=_less_held(inputs, g.inputs_moving, g.held_inputs))
+    return replace(g, inputs=inputs, inputs_moving=_less_held(inputs, g.held_inputs))
 
 
-def _less_held(inputs: int, moving: int | None, held: int) -> int | None:
-    """Of ``inputs`` bytes, those that may move where ``held`` stay (``None``: all, where
-    ``moving`` says all moved before)."""
-    return None if moving is None else max(inputs - held, 0)
+def _less_held(inputs: int, held: int) -> int | None:
+    """Of ``inputs`` bytes, those that may move where ``held`` stay (``None``: all)."""
+    return max(inputs - held, 0) if held else None
 
 
 def moved(d: GroupDecision, g: GroupProfile) -> int:
@@ -1617,8 +1616,7 @@ def merged(a: Profile, b: Profile) -> Profile:
                            costly=_larger(x.costly, y.costly), costly_share=_least(x.costly_share, y.costly_share),
                            costly_moving=_with(x.costly, y.costly, x.costly_moving, y.costly_moving),
                            attention_moving=_with(x.attention, y.attention, x.attention_moving, y.attention_moving),
-                           inputs_moving=_less_held(y.inputs or 0, x.inputs_moving if y.inputs_moving is None
-                                                    else y.inputs_moving, max(x.held_inputs, y.held_inputs)),
+                           inputs_moving=_less_held(y.inputs or 0, max(x.held_inputs, y.held_inputs)),
                            dispatch_host_s=x.dispatch_host_s or y.dispatch_host_s,
                            costly_calls=x.costly_calls if x.costly is not None else y.costly_calls,
                            attention=_larger(x.attention, y.attention),
