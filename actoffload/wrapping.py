@@ -134,6 +134,12 @@ def wrap(
         if inner is not None:  # its group would open around the inner one's
             raise ValueError(f"{_class_name(m)} holds {inner!r}, which is already wrapped: groups do not nest "
                              "(R2); wrap one or the other (remove() the inner one's handle first)")
+    within = {id(x): w for w in list(_WRAPPED) for x in w.modules() if x is not w}
+    for m in modules:  # its group would open inside an outer one's
+        outer = within.get(id(m))
+        if outer is not None:
+            raise ValueError(f"{_class_name(m)} is inside {_class_name(outer)}, which is already wrapped: groups "
+                             "do not nest (R2); wrap one or the other (remove() the outer one's handle first)")
     if parts is None:
         return _wrap_all([(m, name, 0) for m, name in zip(modules, names)], off)
     inner_of = [_parts_of(m, parts) for m in modules]
@@ -206,6 +212,8 @@ class _Wrap:
 # modules that, recomputed once, wrote a tensor they were called with in place in their forward:
 # never recomputed again, whatever wraps them (the integrations wrap anew at every step)
 _WRITES_INPUTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# the modules wrapped now, so that wrapping a module inside one of them is refused at once
+_WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
@@ -216,6 +224,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
     state = _Wrap(off, name, parts, norms, own)
     module.__class__ = cls
     vars(module)[_WRAP] = state
+    _WRAPPED.add(module)
     if own is not None:
         del vars(module)["forward"]
 
@@ -223,6 +232,7 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
         if vars(module).get(_WRAP) is not state:
             return  # already undone
         del vars(module)[_WRAP]
+        _WRAPPED.discard(module)
         if own is not None and "forward" not in vars(module):
             vars(module)["forward"] = own
         now = type(module)

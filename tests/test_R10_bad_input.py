@@ -140,6 +140,12 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
     ao.wrap(block.mlp, off)
     with pytest.raises(ValueError, match="Module holds 'mlp', which is already wrapped: groups do not nest"):
         ao.wrap(block, off)  # (found at its forward before, as group '0' inside group '0')
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    whole = ao.wrap([model], off)
+    with pytest.raises(ValueError, match="Linear is inside Sequential, which is already wrapped: groups do not nest"):
+        ao.wrap(model, off)  # its blocks, wrapped inside the whole (found at its forward before)
+    whole.remove()
+    ao.wrap(model, off).remove()  # once the outer one's handle is removed
 
 
 @pytest.mark.parametrize("device", DEVICES)
