@@ -220,6 +220,55 @@ def test_lengths_drawn_from_a_continuous_range_profile_once_and_are_predicted_af
         assert_bitwise(a, b)
 
 
+class _Positioned(torch.nn.Module):
+    """A block called as transformers calls its layers: besides the hidden states, tensors whose
+    last dimension is the length (``position_ids`` ``[1, L]``, an eager mask ``[1, 1, L, L]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(D, H), torch.nn.Linear(H, D)
+
+    def forward(self, h, position_ids, attention_mask):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(h + position_ids.unsqueeze(-1) * 1e-3)))
+        return attention_mask[:, 0] @ h
+
+
+def test_layers_called_with_positions_and_a_mask_are_predicted_at_lengths_not_profiled():
+    """Only the hidden states' last dimension says which model it is: a workload whose position
+    ids and mask end with the length is predicted from another length's profile (each length
+    profiled in turn before: two slow steps each, and no plan settled in a loop of lengths)."""
+    from actoffload.budget import workloads
+
+    assert doctest.testmod(workloads).failed == 0
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_Positioned() for _ in range(3))
+
+    def step(rows, seed):
+        for p in blocks.parameters():
+            p.grad = None
+        h = torch.randn(1, rows, D, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        positions = torch.arange(rows).unsqueeze(0)
+        mask = torch.ones(rows, rows).tril().div(rows)[None, None]
+        x = h * 1
+        for b in blocks:
+            x = x + b(x, position_ids=positions, attention_mask=mask)
+        x.square().sum().backward()
+        return [h.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+
+    lengths = [96, 40, 120, 64, 104, 48]
+    expected = [step(rows, i) for i, rows in enumerate(lengths)]
+    off = ao.Offloader(device="cpu", memory_budget=64 * _bytes(128), min_offload_bytes=0)
+    got, plans = [], []
+    with ao.wrap(blocks, off):
+        for i, rows in enumerate(lengths):
+            got.append(step(rows, i))
+            plans.append(off.stats()["plan"])
+    assert [p["state"] for p in plans] == ["profiling"] + ["settled"] * (len(lengths) - 1)
+    assert all(p["workload"]["predicted_from"].startswith("[1, 96, 256]") for p in plans[1:])
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+
+
 def test_the_lengths_of_a_bucket_share_one_prediction_and_its_search():
     """Lengths never seen, within one bucket (tokens up to 80: 73 to 80 rows), are predicted at
     the bucket's tokens, one profile and one search for them all; each keeps its own workload,

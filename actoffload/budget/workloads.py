@@ -124,12 +124,20 @@ def _tensors_in(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _same_model(a: Signature, b: Signature) -> bool:
     """Two signatures one could be predicted from the other: the same tensors (names, dtypes,
-    devices, dimensions and features) in the same mode, other tokens."""
+    devices and dimensions) in the same mode, the first of the same features (its last
+    dimension: the model's width), other tokens. The others' last dimensions may differ: a
+    transformers layer's ``position_ids`` (``[1, L]``) and eager mask (``[B, 1, L, L]``) end
+    with the length.
+
+    >>> def sig(length, width=64):
+    ...     return signature_of((torch.zeros(2, length, width),), {"position_ids": torch.zeros(1, length)})
+    >>> _same_model(sig(128), sig(96)), _same_model(sig(128), sig(96, width=32))
+    (True, False)
+    """
     if (a.inputs is None or b.inputs is None or len(a.inputs) != len(b.inputs) or not a.tokens or not b.tokens
-            or a.mode != b.mode):
+            or a.mode != b.mode or a.inputs[0][1][-1:] != b.inputs[0][1][-1:]):
         return False
-    return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1]) and x[1][-1:] == y[1][-1:]
-               for x, y in zip(a.inputs, b.inputs))
+    return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1]) for x, y in zip(a.inputs, b.inputs))
 
 
 def _measured(e: "Workload") -> bool:
