@@ -103,6 +103,25 @@ def test_the_sweep_runs_lengths_that_rarely_recur_bitwise(tmp_path):
     assert doc["verdicts"]["llama"]["asks"]["variable_length_bitwise"] is True
 
 
+def test_transformers_llama_wrapped_whole_runs_both_loops_bitwise_its_lengths_predicted(tmp_path):
+    """transformers' Llama, its layers wrapped whole and called by the model's own forward (with
+    position ids and a mask whose last dimension is the length): every budget bitwise, and a
+    length after the first two profiles is predicted, not profiled."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "hf.json"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = loop_sweep.main(["--small", "--steps", "8", "--opt-steps", "1", "--only", "hf_llama_eager",
+                              "--out", str(path)])
+    assert rc == 0
+    doc = read_results(path)
+    asks = doc["verdicts"]["hf_llama_eager"]["asks"]
+    assert asks["variable_length_bitwise"] is True and asks["accumulation_bitwise"] is True
+    assert asks["variable_length_budgets_run"] == 5
+    var = doc["workloads"][0]["variable_length"]
+    predicted = [w for b in var["budgets"] for w in b["workloads"] if w["predicted_from"] is not None]
+    assert predicted and all("position_ids=[1, " in w["signature"] for w in predicted)
+
+
 def test_gradients_are_compared_bit_for_bit_and_equal_on_the_cpu(run):
     doc, _ = run
     for w in doc["workloads"]:

@@ -74,6 +74,7 @@ from actoffload.budget.tolerances import least_margin
 from .models import GPT, GPTConfig, Llama, LlamaConfig, block_parts, next_token_loss
 from .peaks import Peaks
 from .plan_trace import PlanTrace
+from .sweep_models import Call, hf_shape, llama_for_causal_lm, plain, routed
 from .workloads import sync
 
 GiB = 1 << 30
@@ -91,17 +92,15 @@ WARM_UP_BUDGET = 1 << 50  # bytes: a budget every plan fits, for the warm-up
 ASK_AT_CHECKPOINT_PEAK = 1.00
 ASK_AT_HALFWAY = 0.90
 
-Call = Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor]
-
-
 # ---------------------------------------------------------------- workloads
 @dataclass
 class LoopWorkload:
     """A model and how a step runs it at any length up to ``seq_len``: ``tokens(key, length)``
     makes a batch (the same for every method: seeded by ``key``), ``loss(call, tokens)`` runs
-    the forward with each block called through ``call``. ``embed`` is the module every
-    forward calls once, outside the blocks (never checkpointed or recomputed): counting its
-    calls counts forwards."""
+    the forward with each block called through ``call`` (``_logits(call, ids)``: the model's
+    logits so). ``embed`` is the module every forward calls once, outside the blocks (never
+    checkpointed or recomputed): counting its calls counts forwards. ``parts``: what
+    :func:`actoffload.wrap` gets as the blocks' parts (``None``: each block whole)."""
 
     name: str
     model: torch.nn.Module
@@ -111,19 +110,27 @@ class LoopWorkload:
     batch: int
     vocab: int
     device: torch.device
-    _embed: Callable[[torch.Tensor], torch.Tensor]
-    _head: Callable[[torch.Tensor], torch.Tensor]
+    _logits: Callable[[Call, torch.Tensor], torch.Tensor]
+    parts: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = block_parts
 
     def tokens(self, key: int, length: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(1_000_003 + key)
         return torch.randint(0, self.vocab, (self.batch, length + 1), generator=gen).to(self.device)
 
     def loss(self, call: Call, tokens: torch.Tensor) -> torch.Tensor:
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        h = self._embed(x)
-        for i, b in enumerate(self.blocks):
+        return next_token_loss(self._logits(call, tokens[:, :-1]).float(), tokens[:, 1:])
+
+
+def _stacked(blocks: torch.nn.ModuleList, embed: Callable[[torch.Tensor], torch.Tensor],
+             head: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Call, torch.Tensor], torch.Tensor]:
+    """The logits of a model that embeds, runs ``blocks`` in turn, and projects."""
+    def logits(call: Call, ids: torch.Tensor) -> torch.Tensor:
+        h = embed(ids)
+        for i, b in enumerate(blocks):
             h = call(i, b, h)
-        return next_token_loss(self._head(h).float(), y)
+        return head(h)
+
+    return logits
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -138,7 +145,7 @@ def llama(device: torch.device, small: bool) -> LoopWorkload:
            LlamaConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=8, ffn=5632))
     model = Llama(cfg).to(device=device, dtype=_dtype(device))
     return LoopWorkload("llama", model, model.blocks, model.embed, cfg.seq_len, 2 if small else 4, cfg.vocab_size,
-                        device, model.embed, lambda h: model.head(model.norm(h)))
+                        device, _stacked(model.blocks, model.embed, lambda h: model.head(model.norm(h))))
 
 
 def gpt_moe(device: torch.device, small: bool) -> LoopWorkload:
@@ -155,10 +162,30 @@ def gpt_moe(device: torch.device, small: bool) -> LoopWorkload:
         return model.embed(x) + model.pos[: x.shape[1]]  # type: ignore[misc]
 
     return LoopWorkload("gpt_moe", model, model.blocks, model.embed, cfg.seq_len, 2 if small else 16,
-                        cfg.vocab_size, device, embed, lambda h: model.head(model.ln_f(h)))
+                        cfg.vocab_size, device, _stacked(model.blocks, embed, lambda h: model.head(model.ln_f(h))))
 
 
-WORKLOADS: dict[str, Callable[[torch.device, bool], LoopWorkload]] = {"llama": llama, "gpt_moe": gpt_moe}
+def hf_llama_eager(device: torch.device, small: bool) -> LoopWorkload:
+    """budget_sweep's ``hf_llama_eager``: transformers' ``LlamaForCausalLM`` (random init from a
+    config; d2048, 8 layers, GQA 16/4, eager attention, 4 x 2048 tokens; tiny with ``small``),
+    its layers wrapped whole and called by the model's own forward (with their position ids,
+    rotary embeddings and mask), run at any length up to its sequence length. Raises
+    ``ImportError`` without transformers."""
+    shape = hf_shape("hf_llama_eager", small)
+    model = llama_for_causal_lm(shape, device, _dtype(device))
+    layers = model.model.layers
+
+    def logits(call: Call, ids: torch.Tensor) -> torch.Tensor:
+        with routed(layers, call):
+            return model(input_ids=ids).logits
+
+    return LoopWorkload("hf_llama_eager", model, layers, model.model.embed_tokens, shape.seq, shape.batch,
+                        shape.vocab, device, logits, parts=None)
+
+
+WORKLOADS: dict[str, Callable[[torch.device, bool], LoopWorkload]] = {
+    "llama": llama, "gpt_moe": gpt_moe, "hf_llama_eager": hf_llama_eager}
+DEFAULT = ("llama", "gpt_moe")  # what runs without --only (transformers' is asked for by name)
 
 
 def draw_lengths(full: int, steps: int, seed: int = 0, spread: str = "quarters") -> list[int]:
@@ -232,12 +259,11 @@ class Fingerprint:
         return h.hexdigest()[:32]
 
 
-def _plain(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return b(h)
+_plain = plain
 
 
-def _checkpointed(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+def _checkpointed(i: int, b: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, **kwargs)
 
 
 @dataclass
@@ -285,7 +311,7 @@ class _Loop:
         off: ao.Offloader | None = None
         if m.budget is not None:
             off = ao.Offloader(impl="fast", device=self.device, memory_budget=m.budget)
-        handle = ao.wrap(w.blocks, off, parts=block_parts) if off is not None else None
+        handle = ao.wrap(w.blocks, off, parts=w.parts) if off is not None else None
         try:
             with self.peaks:  # its steps' peaks, read across the budget's own resets
                 yield off
@@ -536,12 +562,12 @@ def saved_bytes_at_full_length(loop: _Loop, checkpoint: bool) -> int:
     w = loop.w
     inputs = 0
 
-    def call(i: int, b: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def call(i: int, b: torch.nn.Module, h: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         nonlocal inputs
         if not checkpoint:
-            return b(h)
+            return b(h, *args, **kwargs)
         inputs += h.numel() * h.element_size()
-        return _checkpointed(i, b, h)
+        return _checkpointed(i, b, h, *args, **kwargs)
 
     with loop.method(Method("stand-in")):
         with SavedTracker(exclude=loop.params) as tracker:
@@ -920,7 +946,7 @@ def sweep(device: torch.device, small: bool, steps: int, opt_steps: int, seed: i
         _compile_kernels(device)  # Triton's kernels compile once per process, not in a method's first step
     out: list[dict[str, Any]] = []
     for name, build in WORKLOADS.items():
-        if only and name not in only:
+        if name not in (only or DEFAULT):
             continue
         partial: dict[str, Any] = {"workload": name}
         out.append(partial)
@@ -955,7 +981,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "with evaluation, against no offloading and checkpointing.")
     p.add_argument("--out", help="results JSON (written after each method, so a run cut short keeps its figures)")
     p.add_argument("--small", action="store_true", help="tiny models (the CPU always uses them)")
-    p.add_argument("--only", default="", help=f"comma-separated workloads (default: all of {', '.join(WORKLOADS)})")
+    p.add_argument("--only", default="", help=f"comma-separated workloads of {', '.join(WORKLOADS)} "
+                                              f"(default: {', '.join(DEFAULT)})")
     p.add_argument("--steps", type=int, default=48, help="steps of the variable-length loop (default 48)")
     p.add_argument("--opt-steps", type=int, default=20,
                    help=f"optimizer steps of the accumulation loop, {MICRO_BATCHES} micro-batches each (default 20)")

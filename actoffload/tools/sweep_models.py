@@ -197,9 +197,28 @@ HF_SCALES = {
 }
 
 
-def _small_shape(shape: HFShape) -> HFShape:
+def hf_shape(name: str, small: bool) -> HFShape:
+    """``HF_SHAPES[name]``, or with ``small`` a tiny model of its attention."""
+    shape = HF_SHAPES[name]
     return HFShape(hidden=64, intermediate=172, layers=2, heads=4, kv_heads=2, batch=2, seq=64,
-                   attention=shape.attention, vocab=512)
+                   attention=shape.attention, vocab=512) if small else shape
+
+
+def llama_for_causal_lm(shape: HFShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' ``LlamaForCausalLM`` of ``shape``, random init from a config (seeded: the same
+    weights in every run), made on ``device`` in ``dtype``, in training mode. Raises
+    ``ImportError`` without transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+        max_position_embeddings=shape.seq, pad_token_id=0, bos_token_id=None, eos_token_id=1, use_cache=False,
+        attn_implementation=shape.attention)
+    torch.manual_seed(0)
+    with torch.device(device):  # random init where it trains
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).train()
 
 
 class _Routed(torch.nn.Module):
@@ -242,17 +261,9 @@ def hf_llama(name: str, device: torch.device, small: bool) -> Workload:
     on random token ids. Raises ``ImportError`` without transformers."""
     import transformers
 
-    shape = _small_shape(HF_SHAPES[name]) if small else HF_SHAPES[name]
+    shape = hf_shape(name, small)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = transformers.LlamaConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-        max_position_embeddings=shape.seq, pad_token_id=0, bos_token_id=None, eos_token_id=1, use_cache=False,
-        attn_implementation=shape.attention)
-    torch.manual_seed(0)
-    with torch.device(device):  # random init where it trains: the same weights in every run
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(dtype).train()
+    model = llama_for_causal_lm(shape, device, dtype)
     layers = model.model.layers
     ids = torch.randint(2, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(1)).to(device)
 
