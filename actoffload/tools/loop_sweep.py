@@ -6,15 +6,17 @@ step to step (batches of several lengths), or runs several forwards per optimize
 evaluates now and then; each shape, and each base of memory a step begins on, is a workload
 of its own for a budget's plan (docs/budgets.md, "A plan per workload"). This tool runs
 both loops on the Llama-style decoder and the GPT-MoE of ``budget_sweep`` (the same model
-classes and sizes, built here with a length per step), every method side by side in one
+classes and sizes, built here with a length per step; each block's three parts a group), and on
+request (``--only hf_llama_eager``) on its transformers ``LlamaForCausalLM`` with eager attention
+(its layers wrapped whole, called by the model's own forward), every method side by side in one
 process on one card:
 
 - **variable lengths**: ``--steps`` training steps (forward, backward, an SGD step), each at
   a length drawn by a seeded generator from 1/4, 1/2, 3/4 and all of the workload's sequence
   length, the same draw for every method. Methods: no offloading (run twice: the second run
   shows whether the loop repeats bit for bit at all), activation checkpointing of every block
-  (non-reentrant), and fast with a ``memory_budget`` (each block's three parts a group,
-  :func:`~actoffload.tools.models.block_parts`; a fresh offloader per budget) at five budgets:
+  (non-reentrant), and fast with a ``memory_budget`` (the blocks' parts, :attr:`LoopWorkload.parts`;
+  a fresh offloader per budget) at five budgets:
   checkpointing's peak, halfway from it to no offloading's, no offloading's, 1.25 times
   checkpointing's, and the least peak a plan reaches (read from the run at checkpointing's
   peak);
