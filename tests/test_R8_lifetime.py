@@ -101,6 +101,11 @@ def test_R8_exception_inside_a_group_leaves_the_offloader_usable(impl, device, u
     gc.collect()
     assert off.stats()["host_bytes_in_use"] == 0
     y = run_groups(model, x, off)  # usable afterwards, nothing nested left open
+    # the cut-short forward's groups went with its graph: each group counts once, under its own
+    # name (not "0#2"), and what they moved is what host memory holds
+    stats = off.stats()
+    assert list(stats["groups"]) == ["0", "1", "2"]
+    assert stats["offloaded_bytes"] == stats["host_bytes_in_use"] > 0
     y.sum().backward()
     assert_bitwise(grads_of(model, x), expected)
 
