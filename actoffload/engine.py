@@ -427,10 +427,13 @@ class Engine(Generic[GroupT, MovedT]):
         try:
             if moved:  # nothing to move (a plan keeps its inputs): no copy to order or await
                 self._move_out(group, moved)
-        except HostMemoryError:
+        except HostMemoryError as e:
             group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
             group.decided()
+            advice = self.plan.host_short()
+            if advice:
+                raise HostMemoryError(f"{e} {advice}") from e
             raise
         needed: list[Moved] = list(moved)
         uses = [len(span.members) for span in plan.spans]

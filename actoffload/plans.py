@@ -184,6 +184,11 @@ class Plan:
         """Entries for the offloader's ``stats()``."""
         return {}
 
+    def host_short(self) -> str:
+        """What to do, besides what :class:`~actoffload.HostMemoryError` says, where this plan's
+        commit could not have host memory ("": nothing)."""
+        return ""
+
 
 WARMUPS = ("auto", "offload", "recompute")
 

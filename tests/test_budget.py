@@ -62,6 +62,19 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
                               "predicted_step_s", "measured_peak_bytes", "measured_step_s"}
 
 
+def test_budget_a_host_budget_its_profiling_steps_exceed_says_to_raise_it():
+    """Profiling steps move every recomputed module's inputs whatever host_budget allows: a host
+    budget under them raises HostMemoryError saying so, not only R10's advice (keep_last, which a
+    budget refuses)."""
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0,
+                       host_budget=4096)
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        with pytest.raises(ao.HostMemoryError, match="memory budget's profiling steps move every recomputed "
+                                                     "module's inputs out.*raise host_budget, or leave it unset"):
+            _step(blocks, 0)
+
+
 def test_budget_plans_within_the_host_budget():
     """A plan holds no more host memory than host_budget allows: one that moved more would raise
     HostMemoryError at every commit (the profiling steps' inputs fit; the plan after them would

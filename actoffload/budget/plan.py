@@ -205,6 +205,12 @@ class BudgetPlan(Plan):
             # nothing of theirs). The step begins here, with nothing for the plan to decide.
             self._begin(in_backward=True)
 
+    def host_short(self) -> str:
+        if self.workloads is None or not self.controller.profiling:
+            return ""  # (the plans keep within host_budget: budgets.md, "Candidate plans")
+        return ("A memory budget's profiling steps move every recomputed module's inputs out, whatever "
+                "host_budget allows (the plans after them keep within it): raise host_budget, or leave it unset.")
+
     def copy_window(self) -> tuple[int, int] | None:
         return self.controller.window() if self.workloads is not None or self._fixed is not None else None
 
