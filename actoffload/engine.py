@@ -71,9 +71,9 @@ class Engine(Generic[GroupT, MovedT]):
         self._window: dict[str, dict[str, Any]] = {}
         self._repeats: dict[str, int] = {}  # name -> the last "#k" given to it in the window
         self._backward_began = False
-        self._backwards = 0  # backward passes begun: a group let go before the next one was discarded
-        # groups let go so (name, backward passes begun when it exited), unlisted where it is safe
-        self._discards: collections.deque[tuple[str, int]] = collections.deque()
+        # the listed group of each name in the window: a name whose group was let go (its forward
+        # cut short by an exception, or discarded) is given again, not "name#2"
+        self._holders: dict[str, weakref.ref[GroupT]] = {}
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
@@ -203,11 +203,10 @@ class Engine(Generic[GroupT, MovedT]):
             opening = self.plan.opening(name, recomputable, parts) if "opening" in self._asks else OFFLOAD
             if not opening.hooked:
                 return None  # autograd holds what it saves, as without an offloader
-        self._unlist_discarded()
         unique = name
-        if name in self._window:  # "name#k": counted on from the last k given, not from 2
+        if self._taken(name):  # "name#k": counted on from the last k given, not from 2
             k = self._repeats.get(name, 1)
-            while unique in self._window:
+            while self._taken(unique):
                 k += 1
                 unique = f"{name}#{k}"
             self._repeats[name] = k
@@ -250,22 +249,22 @@ class Engine(Generic[GroupT, MovedT]):
         """Take group ``name`` out of the window; nor does it keep its number, where it was the
         last "name#k" given."""
         self._window.pop(name, None)
+        self._holders.pop(name, None)
         base, _, k = name.rpartition("#")
         if k.isdigit() and self._repeats.get(base) == int(k):
             self._repeats[base] = int(k) - 1
 
-    def _discarded(self, name: str, backwards: int) -> None:
-        """A listed group was let go (a finalizer: it may run anywhere, inside a loop over the
-        window too, so the group is only noted)."""
-        self._discards.append((name, backwards))
-
-    def _unlist_discarded(self) -> None:
-        """Unlist the groups let go where no backward pass began since each exited (its graph was
-        discarded; until then the name is its own: a later group of the name is "name#k")."""
-        while self._discards:
-            name, backwards = self._discards.popleft()
-            if self._backwards == backwards and name in self._window:
-                self._unlist(name)
+    def _taken(self, name: str) -> bool:
+        """Whether ``name`` is a group's in the window. One whose group was let go before any
+        backward pass (its graph with it: a forward an exception cut short, retried) is not: it
+        leaves the window, its saves freed (R8), and the name is given again."""
+        if name not in self._window:
+            return False
+        holder = self._holders.get(name)
+        if holder is None or holder() is not None:
+            return True  # (open, or alive)
+        self._unlist(name)
+        return False
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -278,6 +277,7 @@ class Engine(Generic[GroupT, MovedT]):
             new_step = self._backward_began or not self._in_step
             if self._backward_began:
                 self._window.clear()
+                self._holders.clear()
                 self._repeats.clear()
                 self._backward_began = False
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
@@ -339,9 +339,7 @@ class Engine(Generic[GroupT, MovedT]):
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary
-            # its graph let go before any backward (a forward an exception cut short, or one
-            # discarded): its saves are freed, and it is no longer counted (R8)
-            weakref.finalize(group, self._discarded, group.name, self._backwards)
+            self._holders[group.name] = weakref.ref(group)
         else:
             # It saved nothing (frozen, or only ops that save nothing): not listed, so that steps
             # whose backward never reaches a group (it has nothing to unpack) add nothing either
@@ -568,7 +566,6 @@ class Engine(Generic[GroupT, MovedT]):
         forward again): the next group opened outside backward begins a step."""
         if not self._backward_began:
             self._backward_began = True
-            self._backwards += 1
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
 
@@ -680,7 +677,6 @@ class Engine(Generic[GroupT, MovedT]):
     # ------------------------------------------------------------------ stats
     def _stats(self) -> dict[str, Any]:
         with self._lock:
-            self._unlist_discarded()
             for ref in list(self._pending):  # not committed yet: report as keep_last would leave them
                 g = ref()
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:

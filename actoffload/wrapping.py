@@ -72,7 +72,9 @@ def wrap(
     precedence over the wrapper: no group opens.
 
     ``names`` must be strings (``TypeError`` otherwise), and ``parts(module)`` must return a
-    sequence of submodules of the module.
+    sequence of submodules of the module. Groups do not nest (R2): a module inside another
+    wrapped one, or holding one (given in the same call, or wrapped already), raises
+    ``ValueError`` at once.
 
     Composes with: ``torch.compile`` of the blocks or of the whole model (the group
     boundary is a graph break), FSDP2's ``fully_shard`` on the same modules (before or after
@@ -125,21 +127,25 @@ def wrap(
     for m, name in zip(modules, names):
         first.setdefault(id(m), (m, name))
     modules, names = [m for m, _ in first.values()], [name for _, name in first.values()]
+    # groups do not nest (R2): a module given is neither inside another (a module wrapped with
+    # parts runs whole too, as one group) nor holds one, wrapped already or given in this call
+    given = {id(m): m for m in modules}
+    within = {id(x): w for w in list(_WRAPPED) for x in w.modules() if x is not w}
     for m in modules:
         if _is_wrapped(m):
             raise ValueError(f"{_class_name(m)} is already wrapped; remove() its handle before wrapping it again")
-        if parts is not None:
-            continue  # (its parts are checked below)
         inner = next((path for path, x in m.named_modules() if x is not m and _is_wrapped(x)), None)
         if inner is not None:  # its group would open around the inner one's
             raise ValueError(f"{_class_name(m)} holds {inner!r}, which is already wrapped: groups do not nest "
                              "(R2); wrap one or the other (remove() the inner one's handle first)")
-    within = {id(x): w for w in list(_WRAPPED) for x in w.modules() if x is not w}
-    for m in modules:  # its group would open inside an outer one's
         outer = within.get(id(m))
         if outer is not None:
             raise ValueError(f"{_class_name(m)} is inside {_class_name(outer)}, which is already wrapped: groups "
                              "do not nest (R2); wrap one or the other (remove() the outer one's handle first)")
+        both = next((path for path, x in m.named_modules() if x is not m and id(x) in given), None)
+        if both is not None:
+            raise ValueError(f"wrap got {_class_name(m)} and its {both!r}: groups do not nest (R2); give one or "
+                             "the other (a module's parts: parts=)")
     if parts is None:
         return _wrap_all([(m, name, 0) for m, name in zip(modules, names)], off)
     inner_of = [_parts_of(m, parts) for m in modules]

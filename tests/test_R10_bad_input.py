@@ -146,6 +146,19 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
         ao.wrap(model, off)  # its blocks, wrapped inside the whole (found at its forward before)
     whole.remove()
     ao.wrap(model, off).remove()  # once the outer one's handle is removed
+    with pytest.raises(ValueError, match="wrap got Sequential and its '0': groups do not nest"):
+        ao.wrap([model, model[0]], off)  # one inside the other, in one call
+    block = torch.nn.Module()
+    block.attn, block.mlp = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    block.norm = torch.nn.LayerNorm(2)  # not a part: it runs inside the block, which may run whole
+    with_parts = ao.wrap([block], off, parts=lambda b: [b.attn, b.mlp])
+    with pytest.raises(ValueError, match="LayerNorm is inside Module, which is already wrapped"):
+        ao.wrap(block.norm, off)
+    with_parts.remove()
+    norm = ao.wrap(block.norm, off)
+    with pytest.raises(ValueError, match="Module holds 'norm', which is already wrapped"):
+        ao.wrap([block], off, parts=lambda b: [b.attn, b.mlp])
+    norm.remove()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1036,12 +1036,12 @@ def test_controller_a_cache_shorter_steps_grew_is_given_back_before_a_longer_wor
     assert reserve.trims_by == {"first": 1, "outgrown": 1}
 
 
-def test_controller_a_cache_longer_steps_grew_is_given_back_before_a_shorter_workloads_profiling_step():
+def test_controller_a_cache_longer_steps_grew_is_given_back_before_a_shorter_workloads_first_profiling_step():
     """Idle blocks of a longer length's steps count into what a profiling step reserves beyond its
-    allocation, the reserve every plan after is judged with (on transformers' eager Llama a
-    1536-token profiling step on the cache 2048-token steps had grown to 16.32 GiB reserved 16.33
-    for 4.23 allocated: a reserve of 12.10 GiB left every length the least memory): given back
-    before it, so that it measures its own share."""
+    allocation, the reserve every plan after is judged with (docs/budgets.md, "The reserve on a
+    GPU"): given back before it, so that it measures its own share. Its second profiling step runs
+    on the cache as it stands (its times are the profile's), and what it reserves there beyond its
+    allocation, on the longer steps' blocks, is not counted."""
     probe, reserve, keep_all, long, short = _sharing_a_cache()
     long.adopt_profile(_profile())
     _step_of(long, reserve, 2048, keep_all.peak, 5 * MiB)  # grows the cache the first trim left
@@ -1050,6 +1050,17 @@ def test_controller_a_cache_longer_steps_grew_is_given_back_before_a_shorter_wor
     short.step_begins()  # profiling
     assert short.state is State.PROFILING and reserve.trims_by == {"first": 1, "outgrown": 1}
     assert probe.reserved_bytes == BASE  # the step begins on a cache of its own
+    probe.peak_bytes, probe.cached_bytes = BASE + 10 * MiB, 2 * MiB
+    short.backward_ends()
+    probe.reserved_bytes = BASE + 12 * MiB
+    _step_of(long, reserve, 2048, keep_all.peak, 5 * MiB)  # grows it again
+    reserve.step_of(512)
+    before = reserve.bytes
+    short.step_begins()  # its second profiling step: on the cache as it stands
+    assert short.state is State.PROFILING and reserve.trims_by == {"first": 1, "outgrown": 1}
+    probe.peak_bytes, probe.cached_bytes = BASE + 10 * MiB, keep_all.peak + 6 * MiB - BASE - 10 * MiB
+    short.backward_ends()  # it grew the longer steps' cache: what it reserved beyond its allocation is theirs too
+    assert reserve.bytes == before
 
 
 @pytest.mark.parametrize("first_tokens", [2048, None])

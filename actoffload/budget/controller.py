@@ -578,7 +578,8 @@ class BudgetController:
         if self._beginning:
             self._raise_found()  # found choosing above, or where raising would have broken a pass
         self._reserve.step_begins(self._probe, self._budget, reachable=self._reaches_budget,
-                                  needs=self._needs_on_a_new_cache, profiling=self._step is not None)
+                                  needs=self._needs_on_a_new_cache,
+                                  profiling=len(self._pending_steps) + 1 if self._step is not None else 0)
         if (self._reserve.trims != self._trims_judged and self._step is None and self._plan is not None
                 and self._forced is None and self._plan.key in self._served):
             # it may have been judged on a cache given back since (as this step began, or in another
@@ -621,12 +622,11 @@ class BudgetController:
         fits, until it went over on such a cache); else ``None`` (a forced plan). On an H200 the
         decoder's 2048 tokens at checkpointing's peak, the least memory there, reserved 5.67 GiB on
         caches their own steps built, and 7.86 on one 1536-token steps had built after the cache
-        was given back: 1.70 over. A profiling step's need is not known (``None``): it begins on a
-        cache of its own wherever steps of other lengths grew the one there
-        (:meth:`~.reserve.AllocatorReserve.step_begins`: on the GPT-MoE at lengths of any multiple of
-        8, a first 1024-token step profiling on a cache 41 shorter lengths had grown reserved 10.85
-        GiB for 5.61 allocated, and the reserve, 5.24 GiB from then on, left the longer lengths after
-        it no plan but the least memory, each profiling in turn)."""
+        was given back: 1.70 over. A profiling step's need is not known (``None``): a workload's
+        first begins on a cache of its own wherever steps of other lengths grew the one there
+        (:meth:`~.reserve.AllocatorReserve.step_begins`, docs/budgets.md "The reserve on a GPU");
+        its second on the cache as it stands (its times are the profile's, without the
+        allocator's growth)."""
         if self._step is not None:
             return None
         plan = self._plan

@@ -24,11 +24,11 @@ plan, judged within the budget, would go over, or, over it by the model, could n
 as on a cache of its own: on the GPT-MoE the first full-length step after a 768-token one had
 grown the cache by 5.2 GiB reserved 12.40 GiB for 10.78 allocated, over 11.80, in every run;
 blocks only steps as long or longer added serve the step, and a few MiB a short step added take
-none over); before a profiling step, where steps of other lengths grew the cache since it was
-given back, shorter or longer (it measures the reserve, which their idle blocks would inflate for
-every plan after: on transformers' eager Llama a 1536-token profiling step on the cache 2048-token
-steps had grown to 16.32 GiB reserved 16.33 for 4.23 allocated, and the reserve of 12.10 GiB left
-every length the least memory); and
+none over); before a workload's first profiling step, where steps of other lengths grew the
+cache since it was given back, shorter or longer (it measures the reserve, which their idle
+blocks would inflate for every plan after; its second step runs on the cache as it stands, since
+its times are the profile's, and where other lengths grew that cache what it reserves beyond its
+allocation is not counted); and
 before a step whose plan is judged within the budget (or is being profiled), where
 the cache is over it: another workload's step that cannot reach the budget left it so (else
 every later step, however small, would reserve what that one did), or a cache that served the
@@ -97,6 +97,7 @@ class AllocatorReserve:
         # bytes the cache grew by since it was given back, by the tokens of the steps that grew it
         self._growth: collections.Counter[int] = collections.Counter()
         self._grown_this_step = 0  # bytes the latest step grew the cache by, so far
+        self._uncounted = False  # the latest step's share is not counted (step_begins)
         self._bound: weakref.WeakSet[Any] = weakref.WeakSet()  # workloads bound to the cache (bind)
 
     def bind(self, workload: Any, bound: bool) -> None:
@@ -121,13 +122,14 @@ class AllocatorReserve:
         self._tokens = tokens
 
     def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True,
-                    needs: Callable[[], int | None] = lambda: None, profiling: bool = False) -> None:
+                    needs: Callable[[], int | None] = lambda: None, profiling: int = 0) -> None:
         """A step begins: give back a cache that is not the loop's, or over the budget where the
         step's plan may be within it on a cache of its own (``reachable()``, asked only then: see
         the module), or one shorter steps built that the step outgrows (``needs()``: the reserved
         peak the plan is judged by, bytes, where it has not run on the cache and may stay within
-        the budget on a cache of its own; else ``None``), or, for a ``profiling`` step, one that
-        steps of other lengths grew; and note what is reserved now."""
+        the budget on a cache of its own; else ``None``), or, for a workload's first profiling
+        step (``profiling``: the how manieth, 0 for a step that does not profile), one that steps
+        of other lengths grew; and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()
@@ -137,7 +139,7 @@ class AllocatorReserve:
             why = "grown between steps"
         elif now > budget and reachable():
             why = "over the budget"
-        elif self._outgrown(budget, needs, profiling):
+        elif self._outgrown(budget, needs, profiling == 1):
             why = "outgrown"
         else:
             why = None
@@ -146,6 +148,8 @@ class AllocatorReserve:
             self._give_back(probe, why)
         self._over = False
         self._start, self._grown_this_step = probe.reserved(), 0
+        # a later profiling step on a cache other lengths grew: its share is theirs as much as its own
+        self._uncounted = profiling > 1 and self._others_grew()
 
     def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
         """A step's backward pass ended with these peaks so far (bytes; a step of several
@@ -160,8 +164,8 @@ class AllocatorReserve:
         if self._tokens is not None and grown > self._grown_this_step:
             self._growth[self._tokens] += grown - self._grown_this_step
         self._grown_this_step = grown
-        if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes:
-            return False  # its cache served it, or it adds nothing
+        if reserved_peak <= self._start or reserved_peak - allocated_peak <= self.bytes or self._uncounted:
+            return False  # its cache served it, or it adds nothing, or its cache is not its own
         self.bytes = reserved_peak - allocated_peak
         return True
 
@@ -184,12 +188,17 @@ class AllocatorReserve:
         if self._tokens is None:
             return False
         if profiling:
-            return any(grown for tokens, grown in self._growth.items() if tokens != self._tokens)
+            return self._others_grew()
         shorter = sum(grown for tokens, grown in self._growth.items() if tokens < self._tokens)
         if not shorter:
             return False
         need = needs()
         return need is not None and need + shorter > budget
+
+    def _others_grew(self) -> bool:
+        """Whether steps of other tokens than this one's grew the cache since it was given back."""
+        return self._tokens is not None and any(grown for tokens, grown in self._growth.items()
+                                                if tokens != self._tokens)
 
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()

@@ -124,20 +124,25 @@ def _tensors_in(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _same_model(a: Signature, b: Signature) -> bool:
     """Two signatures one could be predicted from the other: the same tensors (names, dtypes,
-    devices and dimensions) in the same mode, the first of the same features (its last
-    dimension: the model's width), other tokens. The others' last dimensions may differ: a
-    transformers layer's ``position_ids`` (``[1, L]``) and eager mask (``[B, 1, L, L]``) end
-    with the length.
+    devices and dimensions) in the same mode, other tokens; the first of the same features (its
+    last dimension: the model's width), and each other one too, or ending with the length (the
+    first's last dimension but one) in both: a transformers layer's ``position_ids``
+    (``[1, L]``) and eager mask (``[B, 1, L, L]``) do. (A last dimension that varies apart
+    from the length, a cross-attention mask's, is not scaled by the tokens.)
 
-    >>> def sig(length, width=64):
-    ...     return signature_of((torch.zeros(2, length, width),), {"position_ids": torch.zeros(1, length)})
-    >>> _same_model(sig(128), sig(96)), _same_model(sig(128), sig(96, width=32))
-    (True, False)
+    >>> def sig(length, width=64, memory=None):
+    ...     return signature_of((torch.zeros(2, length, width),),
+    ...                         {"position_ids": torch.zeros(1, length if memory is None else memory)})
+    >>> _same_model(sig(128), sig(96)), _same_model(sig(128), sig(96, width=32)), _same_model(sig(128), sig(96, memory=9))
+    (True, False, False)
     """
     if (a.inputs is None or b.inputs is None or len(a.inputs) != len(b.inputs) or not a.tokens or not b.tokens
             or a.mode != b.mode or a.inputs[0][1][-1:] != b.inputs[0][1][-1:]):
         return False
-    return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1]) for x, y in zip(a.inputs, b.inputs))
+    length_a, length_b = a.inputs[0][1][-2:-1], b.inputs[0][1][-2:-1]
+    return all(x[0] == y[0] and x[2:] == y[2:] and len(x[1]) == len(y[1])
+               and (x[1][-1:] == y[1][-1:] or (x[1][-1:] == length_a and y[1][-1:] == length_b))
+               for x, y in zip(a.inputs, b.inputs))
 
 
 def _measured(e: "Workload") -> bool:

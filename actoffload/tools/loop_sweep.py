@@ -939,7 +939,7 @@ def sweep(device: torch.device, small: bool, steps: int, opt_steps: int, seed: i
           only: set[str] | None = None, log: Callable[[str], None] = print,
           done: Callable[[list[dict[str, Any]]], object] = lambda results: None,
           spread: str = "quarters") -> list[dict[str, Any]]:
-    """Every workload in turn (``only``: those named); ``done(results so far)`` after each
+    """Each workload in turn, those named in ``only`` (default: :data:`DEFAULT`); ``done(results so far)`` after each
     method (``spread``: the lengths' draw, :func:`draw_lengths`). A workload that fails is
     reported with its error and the sweep goes on."""
     if device.type == "cuda":
