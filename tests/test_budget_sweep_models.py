@@ -140,6 +140,21 @@ def test_only_names_a_workload_of_any_set(capsys):
     assert set(sm.HF_WORKLOADS) <= set(names) and "stack_small" in names
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--out", "{tmp}/no/such/x.json"], "--out {tmp}/no/such/x.json: folder '{tmp}/no/such' does not exist"),
+    (["--out", "{tmp}"], "--out {tmp}: is a folder"),
+    (["--plot", "{tmp}/no/x.png"], "--plot {tmp}/no/x.png: folder '{tmp}/no' does not exist"),
+    (["--only", ","], "--only: no workload ''"),
+])
+def test_results_paths_and_names_are_checked_before_any_workload_runs(tmp_path, monkeypatch, capsys, flags, message):
+    """A results file that cannot be written is said before the sweep, not as a traceback when the
+    first workload's results are saved (hours in on a GPU)."""
+    monkeypatch.setattr(bs, "sweep", lambda *a, **k: pytest.fail("a workload ran"))
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--small"] + [f.format(tmp=tmp_path) for f in flags])
+    assert e.value.code == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
 @needs_transformers
 def test_small_sweep_of_hf_llama_eager_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(bs, "PAIRED_S", 0.0)

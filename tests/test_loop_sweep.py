@@ -122,6 +122,18 @@ def test_transformers_llama_wrapped_whole_runs_both_loops_bitwise_its_lengths_pr
     assert predicted and all("position_ids=[1, " in w["signature"] for w in predicted)
 
 
+def test_a_results_file_that_cannot_be_written_is_said_before_any_method_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(loop_sweep, "sweep", lambda *a, **k: pytest.fail("a method ran"))
+    for out, message in ((tmp_path / "no" / "x.json", "folder"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            loop_sweep.main(["--small", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--out {out}: " in err and message in err
+    with pytest.raises(SystemExit):
+        loop_sweep.main(["--small", "--only", "llama,,gpt_moe"])
+    assert "unknown workload(s) ['']" in capsys.readouterr().err
+
+
 def test_gradients_are_compared_bit_for_bit_and_equal_on_the_cpu(run):
     doc, _ = run
     for w in doc["workloads"]:

@@ -208,16 +208,33 @@ def _device(value: str | None) -> str:
     return value
 
 
-def _plot_path(path: str) -> str:
-    """A file matplotlib can write, checked before minutes of training rather than after."""
+def out_file(flag: str, path: str) -> str:
+    """A results file that can be written (its folder exists, it is no folder itself), checked
+    before the work rather than when its results are saved.
+
+    Example::
+
+        out_file("--out", "results/x.json")    # "results/x.json", or UsageError naming the problem
+    """
     target = Path(path)
     folder = target.parent
     if not folder.is_dir():
-        raise UsageError(f"--plot {path}: folder {str(folder)!r} does not exist")
+        raise UsageError(f"{flag} {path}: folder {str(folder)!r} does not exist"
+                         + (" (it is a file)" if folder.exists() else ""))
+    if target.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name in it")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{flag} {path}: cannot write there (no permission)")
+    return path
+
+
+def plot_file(path: str) -> str:
+    """``--plot``'s file: one matplotlib can write (:func:`out_file`, in a format it writes, and
+    it installed), checked before minutes of training rather than after."""
+    target = Path(path)
     if target.is_dir():
         raise UsageError(f"--plot {path}: is a folder; give a file name such as {target / 'demo.png'}")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f"--plot {path}: cannot write there (no permission)")
+    out_file("--plot", path)
     try:
         import matplotlib  # noqa: F401  (first: a submodule already imported would not fail)
         from matplotlib.backend_bases import FigureCanvasBase
@@ -283,7 +300,7 @@ def check_demo(args: argparse.Namespace) -> DemoOptions:
         device=device, configs=(("none", None), ("none (again)", None)) + tuple((k, k) for k in chosen),
         steps=steps, batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads, layers=layers,
         experts=experts, top_k=top_k, vocab=defaults["vocab"], keep_last=keep_last, min_offload_bytes=min_bytes,
-        policy=args.policy, roles=frozenset(roles), plot=_plot_path(args.plot) if args.plot is not None else None,
+        policy=args.policy, roles=frozenset(roles), plot=plot_file(args.plot) if args.plot is not None else None,
     )
 
 

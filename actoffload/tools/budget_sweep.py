@@ -629,10 +629,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
+    from .arguments import UsageError, out_file, plot_file
     from .determinism import use_deterministic
     from .provenance import describe, results_json
 
-    p = argparse.ArgumentParser(prog="python -m actoffload.tools.budget_sweep")
+    p = argparse.ArgumentParser(prog="python -m actoffload.tools.budget_sweep",
+                                description="Memory budgets against no offloading, checkpointing and the other "
+                                            "alternatives, workload by workload, at one shape each.")
     p.add_argument("--small", action="store_true", help="tiny workloads (the CPU always uses them)")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--plot", help="peak memory against step time, as a PNG")
@@ -644,6 +647,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="results of an earlier run on the same GPU: its workloads join these (and are not run "
                         "again), so a sweep can be split over several sessions")
     args = p.parse_args(argv)
+    try:  # before any workload runs, not when its results are saved
+        if args.out:
+            out_file("--out", args.out)
+        if args.plot:
+            plot_file(args.plot)
+    except UsageError as e:
+        p.error(str(e))
     earlier: list[dict[str, Any]] = []
     for path in args.include:
         try:
@@ -653,10 +663,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--include {path}: not a budget sweep's results ({e})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = args.small or device.type != "cuda"
-    only = {name for name in args.only.split(",") if name}
+    only = set(args.only.split(",")) if args.only else set()
     unknown = only - set(workload_names(small))
     if unknown:
-        p.error(f"--only: no workload {', '.join(sorted(unknown))}{' with --small' if small else ''}; "
+        p.error(f"--only: no workload {', '.join(repr(n) for n in sorted(unknown))}{' with --small' if small else ''}; "
                 f"valid: {', '.join(workload_names(small))}")
     use_deterministic(True)
     env = describe(device)

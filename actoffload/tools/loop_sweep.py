@@ -975,6 +975,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m actoffload.tools.loop_sweep [--out FILE.json] [--small] [--only llama,gpt_moe]
     [--steps 48] [--opt-steps 20] [--lengths quarters|any]``: 1 where a workload failed as a
     whole, else 0 (whatever the figures say)."""
+    from .arguments import UsageError, out_file
     from .determinism import use_deterministic
     from .provenance import describe, write_results
 
@@ -993,7 +994,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the variable-length loop's lengths: quarters of the full length (default), or any "
                         f"multiple of {PADDED_TO} from a quarter of it to all of it (few recur, as with dynamic padding)")
     args = p.parse_args(argv)
-    only = {n for n in args.only.split(",") if n}
+    if args.out:
+        try:  # before any method runs, not when its results are saved
+            out_file("--out", args.out)
+        except UsageError as e:
+            p.error(str(e))
+    only = set(args.only.split(",")) if args.only else set()
     if only - set(WORKLOADS):
         p.error(f"--only: unknown workload(s) {sorted(only - set(WORKLOADS))}; valid: {', '.join(WORKLOADS)}")
     if args.steps < 1 or args.opt_steps < 1:
