@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from actoffload.tools.arguments import UsageError, out_folder  # noqa: E402
 from actoffload.tools.determinism import use_deterministic  # noqa: E402
 from actoffload.tools.progress import Progress  # noqa: E402
 from actoffload.tools.provenance import git_commit, results_json  # noqa: E402
@@ -36,7 +37,7 @@ def _ranges(seeds: list[int]) -> list[list[int]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m conformance", description="fast vs ref vs no offloader, scenario by scenario")
     p.add_argument("--impl", default="fast", choices=["fast", "ref"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--seeds", type=int, default=200, help="how many scenarios")
     p.add_argument("--start", type=int, default=0, help="first seed")
     p.add_argument("--scenario", help="run one scenario given as JSON (as printed for a failure)")
@@ -44,16 +45,32 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for the results JSON (default: conformance/results on CUDA)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes sharing the device")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new scenarios after this long; the results say which seeds ran")
+                   help="start no new scenarios after this long (the first always runs); the results say which "
+                        "seeds ran")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda asked for, but CUDA is not available here; use --device cpu")
-    use_deterministic(True)  # before any scenario touches cuBLAS; workers inherit its environment
-
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.max_seconds is not None and not args.max_seconds >= 0:
+        p.error(f"--max-seconds must be at least 0, got {args.max_seconds}")
+    if args.out is not None:
+        try:  # before the scenarios run, not when their results are written
+            out_folder("--out", args.out)
+        except UsageError as e:
+            p.error(str(e))
+    scenario = None
     if args.scenario:
-        s = Scenario.from_json(args.scenario)
+        try:
+            scenario = Scenario.from_json(args.scenario)
+        except (ValueError, TypeError) as e:  # (json's errors are ValueErrors; an unknown field a TypeError)
+            p.error(f"--scenario: not a scenario as a failure prints it ({type(e).__name__}: {e})")
+    use_deterministic(True)  # before any scenario touches cuBLAS; workers inherit its environment
+
+    if scenario is not None:
+        s = scenario
         problems = compare(s, args.impl)
         print(s)
         print("\n".join(problems) or "passed")
@@ -94,7 +111,7 @@ def main(argv=None) -> int:
                         other.cancel()  # the ones not started; running ones finish and count
     else:
         for c in chunks:
-            if out_of_time():
+            if ran and out_of_time():  # (the first runs whatever the limit: a run reports something)
                 break
             failures += check_seeds(c, args.device, args.impl)
             ran += c

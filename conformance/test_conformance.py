@@ -110,6 +110,26 @@ def test_a_run_cut_short_by_max_seconds_reports_what_ran(tmp_path):
     assert {f["seed"] for f in result["failures"]} <= ran  # (a known failure among them is still reported)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--max-seconds", "-1"], "--max-seconds must be at least 0, got -1.0"),
+    (["--scenario", "{bad"], "--scenario: not a scenario as a failure prints it (JSONDecodeError"),
+    (["--scenario", '{"a": 1}'], "--scenario: not a scenario as a failure prints it (TypeError"),
+    (["--out", "{file}/x"], "cannot make this folder: '{file}' is a file"),
+])
+def test_bad_arguments_are_refused_before_any_scenario_runs(tmp_path, monkeypatch, capsys, flags, message):
+    from conformance import __main__ as cli
+
+    monkeypatch.setattr(cli, "check_seeds", lambda *a, **k: pytest.fail("a scenario ran"))
+    monkeypatch.setattr(cli, "compare", lambda *a, **k: pytest.fail("a scenario ran"))
+    file = tmp_path / "a-file"
+    file.write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--device", "cpu"] + [f.replace("{file}", str(file)) for f in flags])
+    assert e.value.code == 2 and message.replace("{file}", str(file)) in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- what users do: one scenario per theme
 # Fixed scenarios (CPU) for each theme the generator draws (scenario.P): each compares fast with
 # ref and with no offloader, as the seeds do. Those that fail until a fix lands are xfail (not

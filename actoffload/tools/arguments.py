@@ -310,14 +310,25 @@ def _out_folder(out: str | None) -> Path:
     if out is None:
         checkout = Path("benchmarks/results")
         return checkout if checkout.is_dir() else Path(".")
+    return out_folder("--out", out)
+
+
+def out_folder(flag: str, out: str) -> Path:
+    """A results folder that exists and is writable, or can be made: the nearest folder above it
+    that exists is one, and writable (it is made only when the results are written).
+
+    Example::
+
+        out_folder("--out", "results/today")    # Path("results/today"), or UsageError naming the problem
+    """
     folder = Path(out)
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"--out {out}: cannot make this folder: {str(existing)!r} is a file")
+        raise UsageError(f"{flag} {out}: cannot make this folder: {str(existing)!r} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: cannot write in {str(existing)!r} (no permission)")
+        raise UsageError(f"{flag} {out}: cannot write in {str(existing)!r} (no permission)")
     return folder
 
 
