@@ -80,7 +80,7 @@ def mark_activation_offload(*tensors: torch.Tensor | None) -> None:
         with off.group("mlp"):
             h = fc1(x)
             ao.mark_activation_offload(h)   # h is offloaded; nothing else is
-            y = fc2(torch.relu(h))
+            y = fc2(torch.nn.functional.gelu(h))  # (GELU saves its input, h; ReLU would save its output)
     """
     _mark(tensors, OPT_IN, "mark_activation_offload")
 
