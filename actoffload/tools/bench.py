@@ -294,8 +294,10 @@ def measure(sections: set[str], quick: bool) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = quick or device.type != "cuda"
     settings = group_offloader(device).settings
+    # what the copy sections run fast with (no reload ahead: one group's copies at a time), which
+    # is not the library's default (prefetch=1)
     res: dict[str, Any] = {"env": describe(device), "quick": quick,
-                           "fast_defaults": {k: settings[k] for k in ("max_inflight", "prefetch", "pack_below")}}
+                           "fast_settings": {k: settings[k] for k in ("max_inflight", "prefetch", "pack_below")}}
     print(f"benchmarks on {res['env']['gpu']} (torch {res['env']['torch']}, triton {res['env']['triton']})", file=sys.stderr)
     res["pinned_bandwidth"] = bw = pinned_bandwidth(device, (16 if quick else 256) * MiB, 5 if quick else 20)
     if "copies" in sections:
