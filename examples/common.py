@@ -150,7 +150,23 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Resolve the defaults that depend on the device."""
+    """Check the arguments before any process starts, and resolve the defaults that depend on
+    the device."""
+    for flag in ("nproc", "steps", "vocab", "seq_len", "d_model", "heads", "layers", "batch"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')}: at least 1, got {getattr(args, flag)}")
+    if args.steps < 2:
+        raise SystemExit(f"--steps: at least 2 (the first is not timed), got {args.steps}")
+    if args.d_model % args.heads:
+        raise SystemExit(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.out:
+        existing = Path(args.out).parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if Path(args.out).is_dir():
+            raise SystemExit(f"--out {args.out}: is a folder; give a file name in it")
+        if not existing.is_dir():
+            raise SystemExit(f"--out {args.out}: cannot make its folder: {str(existing)!r} is a file")
     cuda = args.device == "cuda"
     default = ["none", "offload", "checkpoint"] if cuda else ["none", "offload"]
     args.modes = args.modes.split(",") if args.modes else default + (["budget"] if args.memory_budget else [])

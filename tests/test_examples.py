@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,24 @@ def test_the_budget_mode_needs_a_budget_and_a_bad_one_fails_before_any_process_s
         common.finish_args(args)
     args = common.finish_args(common.parser("x").parse_args(["--device", "cpu", "--memory-budget", "auto"]))
     assert args.modes == ["none", "offload", "budget"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "0"], "--nproc: at least 1, got 0"),
+    (["--steps", "1"], "--steps: at least 2 (the first is not timed), got 1"),
+    (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
+    (["--out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/a-file/x.json"], "cannot make its folder"),
+])
+def test_bad_arguments_fail_before_any_process_starts(tmp_path, flags, message):
+    """(They crashed inside the ranks, or after training: no median of no steps, a shape error,
+    a folder that could not be made.)"""
+    import common
+
+    (tmp_path / "a-file").write_text("")
+    args = common.parser("x").parse_args(["--device", "cpu"] + [f.replace("{tmp}", str(tmp_path)) for f in flags])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        common.finish_args(args)
 
 
 def test_ddp_offloads_activations_only_and_gradients_are_bitwise_equal_also_with_checkpointing(run_example):
