@@ -128,8 +128,8 @@ class AllocatorReserve:
         the module), or one shorter steps built that the step outgrows (``needs()``: the reserved
         peak the plan is judged by, bytes, where it has not run on the cache and may stay within
         the budget on a cache of its own; else ``None``), or, for a workload's first profiling
-        step (``profiling``: the how manieth, 0 for a step that does not profile), one that steps
-        of other lengths grew; and note what is reserved now."""
+        step (``profiling``: which of its profiling steps this is, 1 for the first; 0 for a step
+        that does not profile), one that steps of other lengths grew; and note what is reserved now."""
         if not probe.cuda:
             return
         now = probe.reserved()

@@ -261,7 +261,7 @@ class Fingerprint:
         return h.hexdigest()[:32]
 
 
-_plain = plain
+_plain = plain  # (the very function routed knows: with it a model calls its layers as they are)
 
 
 def _checkpointed(i: int, b: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
