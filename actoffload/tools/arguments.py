@@ -218,9 +218,10 @@ def out_file(flag: str, path: str) -> str:
     """
     target = Path(path)
     folder = target.parent
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {path}: {str(folder)!r} is a file, not a folder")
     if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: folder {str(folder)!r} does not exist"
-                         + (" (it is a file)" if folder.exists() else ""))
+        raise UsageError(f"{flag} {path}: folder {str(folder)!r} does not exist")
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name in it")
     if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
