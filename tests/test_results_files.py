@@ -5,6 +5,8 @@ again (the working tree reached 54 MiB and a call was refused)."""
 import json
 from pathlib import Path
 
+import pytest
+
 from actoffload.tools.provenance import results_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,3 +26,12 @@ def test_committed_results_json_are_compact():
     indented = [str(p.relative_to(ROOT)) for p in files if "\n " in p.read_text()]
     assert not indented, ("results JSON written indented; write them with actoffload.tools.provenance.results_json "
                           f"(or re-serialize them compactly): {indented}")
+
+
+def test_a_results_file_writes_nan_as_null():
+    """JSON has no NaN: Python would write a bare NaN (the CPU's pinned bandwidth), which other
+    readers refuse."""
+    text = results_json({"gbps": float("nan"), "runs": [1.5, float("nan")], "pair": (float("nan"), 2)})
+    assert text == '{"gbps":null,"runs":[1.5,null],"pair":[null,2]}'
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a results file"))
+
