@@ -71,9 +71,11 @@ class Engine(Generic[GroupT, MovedT]):
         self._window: dict[str, dict[str, Any]] = {}
         self._repeats: dict[str, int] = {}  # name -> the last "#k" given to it in the window
         self._backward_began = False
-        # the listed group of each name in the window: a name whose group was let go (its forward
-        # cut short by an exception, or discarded) is given again, not "name#2"
-        self._holders: dict[str, weakref.ref[GroupT]] = {}
+        # the listed group of each name in the window, and the groups an exception had closed as
+        # it exited: a name whose group was let go (its forward cut short by an exception, or
+        # discarded) is given again, not "name#2"; one cut short is not reported
+        self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
+        self._failures = 0  # groups an exception closed
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
@@ -261,10 +263,16 @@ class Engine(Generic[GroupT, MovedT]):
         if name not in self._window:
             return False
         holder = self._holders.get(name)
-        if holder is None or holder() is not None:
+        if holder is None or holder[0]() is not None:
             return True  # (open, or alive)
         self._unlist(name)
         return False
+
+    def _cut_short(self, name: str) -> bool:
+        """Whether group ``name`` was let go after an exception closed a later group (its forward
+        cut short, its saves freed with its graph): not reported, whatever opens next."""
+        holder = self._holders.get(name)
+        return holder is not None and holder[0]() is None and self._failures > holder[1]
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -336,10 +344,11 @@ class Engine(Generic[GroupT, MovedT]):
             # Never committed; it stays with its graph and is freed with it (R8).
             group.state = GroupState.ABORTED
             self._window.pop(group.name, None)
+            self._failures += 1
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary
-            self._holders[group.name] = weakref.ref(group)
+            self._holders[group.name] = (weakref.ref(group), self._failures)
         else:
             # It saved nothing (frozen, or only ops that save nothing): not listed, so that steps
             # whose backward never reaches a group (it has nothing to unpack) add nothing either
@@ -682,7 +691,7 @@ class Engine(Generic[GroupT, MovedT]):
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in list(self._window.items()) if s}
+                      for name, s in list(self._window.items()) if s and not self._cut_short(name)}
         in_use, pooled = self._host_bytes()
         return {
             "impl": self.impl,
