@@ -175,19 +175,20 @@ class AllocatorReserve:
         if self._over and not self._trimmed:
             self._give_back(probe, "plan changed")
 
-    def _outgrown(self, budget: int, needs: Callable[[], int | None], profiling: bool = False) -> bool:
+    def _outgrown(self, budget: int, needs: Callable[[], int | None], first_profiling: bool = False) -> bool:
         """Whether this step outgrows a cache shorter steps grew: were the blocks that steps of
         fewer tokens added since it was given back of no use to it (cut to their sizes, too small
         for this step's tensors, whatever this step allocates in all), the step would go over the
         budget: it needs what its plan is judged to reserve besides them. The GPT-MoE's first
         full-length step after a 768-token step had grown the profiling steps' cache by 5.2 GiB
         reserved 12.40 GiB for 10.78 allocated; a few MiB a short step added (the decoder's 512
-        tokens, 8 MiB) take no step over and leave a longer step's cache as it is. A profiling
-        step's need is not known, and what it reserves beyond its allocation is the reserve every
-        plan after is judged with: any bytes steps of other lengths added are not its own."""
+        tokens, 8 MiB) take no step over and leave a longer step's cache as it is. A workload's
+        first profiling step's need is not known, and what it reserves beyond its allocation is
+        the reserve every plan after is judged with: any bytes steps of other lengths added are
+        not its own."""
         if self._tokens is None:
             return False
-        if profiling:
+        if first_profiling:
             return self._others_grew()
         shorter = sum(grown for tokens, grown in self._growth.items() if tokens < self._tokens)
         if not shorter:

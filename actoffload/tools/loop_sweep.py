@@ -261,9 +261,6 @@ class Fingerprint:
         return h.hexdigest()[:32]
 
 
-_plain = plain  # (the very function routed knows: with it a model calls its layers as they are)
-
-
 def _checkpointed(i: int, b: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.utils.checkpoint.checkpoint(b, *args, use_reentrant=False, **kwargs)
 
@@ -279,7 +276,7 @@ class Method:
     level: str | None = None
 
     def call(self) -> Call:
-        return _checkpointed if self.checkpoint else _plain
+        return _checkpointed if self.checkpoint else plain
 
 
 class _Loop:
@@ -588,11 +585,11 @@ def _warm_up(loop: _Loop, lengths: list[int]) -> None:
     w = loop.w
     with loop.method(Method("warm-up")):
         for n in sorted(set(lengths)):
-            for call in (_plain, _checkpointed):
+            for call in (plain, _checkpointed):
                 w.loss(call, w.tokens(0, n)).backward()
     with loop.method(Method("warm-up", budget=WARM_UP_BUDGET)):
         for _ in range(2):  # its profiling steps: every kind of copy, and the bus measured
-            w.loss(_plain, w.tokens(0, max(lengths))).backward()
+            w.loss(plain, w.tokens(0, max(lengths))).backward()
     sync(loop.device)
 
 
