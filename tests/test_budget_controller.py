@@ -825,6 +825,31 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
     assert reserve.trims_by == {"first": 1, "grown between steps": 1}
 
 
+def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than_it_grew_the_cache():
+    """A short step on the cache long steps built, growing it a little, shows their idle blocks
+    beyond its own small allocation: the reserve grows by what it grew the cache, not by them.
+    On a cache only its own length grew, a step's whole share counts."""
+    probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB
+    reserve.step_of(2048)
+    reserve.step_begins(probe, budget)  # the first: given back
+    assert reserve.step_ended(probe, budget, allocated_peak=600 * MiB, reserved_peak=700 * MiB)
+    assert reserve.bytes == 100 * MiB
+    probe.reserved_bytes = 700 * MiB
+    reserve.step_of(512)
+    reserve.step_begins(probe, budget)
+    assert probe.trims == 1  # the loop's cache stays
+    assert reserve.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=708 * MiB)
+    assert reserve.bytes == 108 * MiB  # not the 508 MiB beyond its own 200
+    own = AllocatorReserve()
+    own.step_of(512)
+    own.step_begins(probe, budget)
+    own.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=300 * MiB)
+    probe.reserved_bytes = 300 * MiB
+    own.step_begins(probe, budget)  # the same length again, on its own cache
+    assert own.step_ended(probe, budget, allocated_peak=150 * MiB, reserved_peak=320 * MiB)
+    assert own.bytes == 170 * MiB
+
+
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
     """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
     it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of
