@@ -827,8 +827,9 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
 
 def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than_it_grew_the_cache():
     """A short step on the cache long steps built, growing it a little, shows their idle blocks
-    beyond its own small allocation: the reserve grows by what it grew the cache, not by them.
-    On a cache only its own length grew, a step's whole share counts."""
+    beyond its own small allocation: the reserve grows by what it grew the cache, not by them,
+    and keeps that growth on top of the long steps' own share, which they fill the cache to. On
+    a cache only its own length grew, a step's whole share counts."""
     probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB
     reserve.step_of(2048)
     reserve.step_begins(probe, budget)  # the first: given back
@@ -840,6 +841,11 @@ def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than
     assert probe.trims == 1  # the loop's cache stays
     assert reserve.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=708 * MiB)
     assert reserve.bytes == 108 * MiB  # not the 508 MiB beyond its own 200
+    probe.reserved_bytes = 708 * MiB
+    reserve.step_of(2048)
+    reserve.step_begins(probe, budget)  # the longest step on the cache: its whole share is its own
+    assert reserve.step_ended(probe, budget, allocated_peak=640 * MiB, reserved_peak=760 * MiB)
+    assert reserve.bytes == 128 * MiB  # its 120 MiB, and room for the 8 MiB the short step adds
     own = AllocatorReserve()
     own.step_of(512)
     own.step_begins(probe, budget)

@@ -82,7 +82,9 @@ class AllocatorReserve:
     """
 
     def __init__(self) -> None:
-        self.bytes = 0  # the most a step that grew the cache reserved beyond its allocated peak
+        self.bytes = 0  # the reserve: the own share and the growth on shared caches, summed
+        self._own = 0  # the most a step that grew a cache of its own length reserved beyond its allocated peak
+        self._growth_on_shared = 0  # the most a step grew a cache longer steps had grown
         self.trims = 0  # times the cache was given back
         # ... by why: "first" (before the first step), "grown between steps", "over the budget",
         # "outgrown" (as a step began: see step_begins), "plan changed" (after a step over the budget)
@@ -98,7 +100,7 @@ class AllocatorReserve:
         self._growth: collections.Counter[int] = collections.Counter()
         self._grown_this_step = 0  # bytes the latest step grew the cache by, so far
         self._uncounted = False  # the latest step's share is not counted (step_begins)
-        self._shared = False  # the latest step began on a cache steps of other lengths grew
+        self._shared = False  # the latest step began on a cache steps of more tokens grew
         self._bound: weakref.WeakSet[Any] = weakref.WeakSet()  # workloads bound to the cache (bind)
 
     def bind(self, workload: Any, bound: bool) -> None:
@@ -149,10 +151,11 @@ class AllocatorReserve:
             self._give_back(probe, why)
         self._over = False
         self._start, self._grown_this_step = probe.reserved(), 0
-        # a cache other lengths grew: its idle blocks are theirs (see step_ended)
-        self._shared = self._others_grew()
-        # a later profiling step on such a cache: its share is theirs as much as its own
-        self._uncounted = profiling > 1 and self._shared
+        # a cache longer steps grew: its idle blocks are theirs (see step_ended)
+        self._shared = self._tokens is not None and any(grown for tokens, grown in self._growth.items()
+                                                        if tokens > self._tokens)
+        # a later profiling step on a cache other lengths grew: its share is theirs as much as its own
+        self._uncounted = profiling > 1 and self._others_grew()
 
     def step_ended(self, probe: Any, budget: int, allocated_peak: int, reserved_peak: int) -> bool:
         """A step's backward pass ended with these peaks so far (bytes; a step of several
@@ -171,13 +174,16 @@ class AllocatorReserve:
             return False  # its cache served it, or its cache is not its own
         share = reserved_peak - allocated_peak
         if self._shared:
-            # a step on blocks other lengths left grows the reserve by no more than it grew the
-            # cache: a 512-token step that added 8 MiB to the 2048-token steps' cache shows 2.47
-            # GiB beyond its own small allocation, idle blocks it did not need
-            share = min(share, self.bytes + grown)
-        if share <= self.bytes:
+            # on blocks longer steps left, a step shows their idle blocks beyond its own small
+            # allocation (a 512-token step adding 8 MiB to the 2048-token steps' cache, 2.47 GiB):
+            # what it grew the cache by is what counts, and on top of the own share, since the
+            # longer steps fill the cache to their plan's judged peak
+            self._growth_on_shared = max(self._growth_on_shared, min(grown, max(share - self._own, 0)))
+        else:
+            self._own = max(self._own, share)
+        if self._own + self._growth_on_shared <= self.bytes:
             return False  # it adds nothing
-        self.bytes = share
+        self.bytes = self._own + self._growth_on_shared
         return True
 
     def plan_changed(self, probe: Any) -> None:
