@@ -273,34 +273,39 @@ def test_the_results_table_is_the_json_it_cites():
 
 
 def test_the_loops_table_is_the_json_it_cites():
-    """Each row: no offloading's and checkpointing's loop seconds, then per budget level its
-    seconds, its ratio to checkpointing's and the steps whose reserved peak went over. A row
-    named with a commit and maybe a word ("decoder, lengths, e30ee96 again") is of the first loop
-    sweep cited whose file names them all and holds that workload, the others of the first one
-    cited that holds theirs."""
+    """Each row, a workload's loop: no offloading's and checkpointing's loop seconds, then per
+    budget level the loop's time x checkpointing's and the steps whose reserved peak went over
+    (the smallest reachable led by its budget). Where several runs of a workload are cited,
+    each cell gives theirs in the order cited, " / " between them; every workload cited has
+    both its loops in the table."""
     text = _results_section()
-    links = re.findall(r"\]\((benchmarks/results/[^)]+-loop-sweep(?:-[a-z-]+)?\.json\.gz)\)", text)
+    links = re.findall(r"\]\((benchmarks/results/[^)]+-loop-sweep(?:-[a-z_-]+)?\.json\.gz)\)", text)
     runs = {link: read_results(ROOT / link) for link in links}
-    assert all(data["env"]["commit"] in link for link, data in runs.items())
+    assert runs and all(data["env"]["commit"] in link for link, data in runs.items())
     rows = _tables(text)[1]
-    names = {"decoder": "llama", "GPT-MoE": "gpt_moe"}
+    names = {"decoder": "llama", "GPT-MoE": "gpt_moe", "transformers' Llama": "hf_llama_eager"}
     loops = {"lengths": "variable_length", "accumulation": "accumulation"}
-    plain = [r for r in rows if len(r.strip("|").split("|")[0].split(", ")) == 2]
-    assert len(plain) == 2 * len({name for data in runs.values() for name in data["verdicts"]})
+    levels = ("checkpoint_all_peak", "halfway", "none_peak", "checkpoint_all_peak_x1.25", "smallest_reachable")
+    assert len(rows) == 2 * len({name for data in runs.values() for name in data["verdicts"]})
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        workload, loop, *label = cells[0].split(", ")
-        data = next(runs[link] for link in links if names[workload] in runs[link]["verdicts"])
-        if label:
-            data = next(runs[link] for link in links if all(word in link for word in label[0].split())
-                        and names[workload] in runs[link]["verdicts"])
-        v = data["verdicts"][names[workload]][loops[loop]]
-        assert cells[1:3] == [f"{v['methods'][m]['total_s']:.2f}" for m in ("none", "checkpoint_all")], row
-        by_level = {b["level"]: b for b in v["budgets"]}
-        for cell, level in zip(cells[3:], ("checkpoint_all_peak", "halfway", "none_peak")):
-            b = by_level[level]
-            assert cell.startswith(f"{b['total_s']:.2f} ({b['vs_checkpoint_all']:.2f}), {b['steps_over_budget']}"), (row, level)
-            assert b["bitwise"], (row, level)
+        workload, loop = cells[0].split(", ")
+        runs_of = [runs[link]["verdicts"][names[workload]][loops[loop]] for link in links
+                   if names[workload] in runs[link]["verdicts"]]
+        assert cells[1:3] == [" / ".join(f"{v['methods'][m]['total_s']:.2f}" for v in runs_of)
+                              for m in ("none", "checkpoint_all")], row
+        for cell, level in zip(cells[3:], levels):
+            budgets = [{b["level"]: b for b in v["budgets"]}.get(level) for v in runs_of]
+            if budgets[0] is None:
+                assert cell == "" and not any(budgets), (row, level)
+                continue
+            figures = [f"{b['vs_checkpoint_all']:.2f}, {b['steps_over_budget']}" for b in budgets]
+            if level == "smallest_reachable":
+                sizes = {f"{b['budget_bytes'] / 2**30:.2f}" for b in budgets}
+                assert len(sizes) == 1, (row, sizes)  # the table names one budget for its runs
+                figures[0] = f"{sizes.pop()} GiB: {figures[0]}"
+            assert cell == " / ".join(figures), (row, level, figures)
+            assert all(b["bitwise"] for b in budgets), (row, level)
 
 
 # ------------------------------------------------------------------ links
