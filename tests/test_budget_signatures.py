@@ -12,7 +12,7 @@ import torch
 
 import actoffload as ao
 from actoffload.budget import buckets, predict
-from actoffload.budget.controller import PROFILE_STEPS
+from actoffload.budget.controller import LIGHTER_STEPS, PROFILE_STEPS
 from actoffload.budget.costmodel import GroupProfile, Profile
 from actoffload.budget.workloads import CAPACITY, signature_of
 from actoffload.settings import AUTO_FRACTION, budget_of, parse_memory_budget
@@ -85,6 +85,60 @@ def test_alternating_lengths_profile_each_once_then_run_their_own_plans():
         by_rows.setdefault(rows, set()).add(tuple(g["action"] for g in p["groups"]))
     assert all(len(v) == 1 for v in by_rows.values())  # one plan each, the same at every step
     assert off.stats()["plan"]["workload"]["kept"] == 3
+
+
+class _Variants(torch.nn.Module):
+    """A block that saves more while ``wide`` (a second activation on the same shapes): two
+    variants of one signature, as two LoRA adapters of different ranks trained in turns."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(D, H), torch.nn.Linear(H, D)
+        self.wide = False
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if self.wide:
+            h = h * torch.sigmoid(h)  # saves h and its sigmoid: more bytes than the tolerance
+        return self.fc2(h)
+
+
+def _variants_run(wide_at, steps, budget):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_Variants() for _ in range(4))
+    off = ao.Offloader(device="cpu", memory_budget=budget, min_offload_bytes=0)
+    states = []
+    with ao.wrap(blocks, off):
+        for i in range(steps):
+            for b in blocks:
+                b.wide = wide_at(i)
+            _step(blocks, 64, i)
+            states.append(off.stats()["plan"]["state"])
+    return states
+
+
+def test_variants_of_one_signature_taking_turns_profile_once_and_settle():
+    """Steps of one signature whose groups save more, then less, by turns (two adapters trained
+    in alternation): the plan made for the heavier variant stays within the budget for the
+    lighter, so the lighter steps do not profile again; a heavier step than profiled does, at
+    once (profiling the light variant first, here, costs one profile more)."""
+    budget = 3 * _bytes(64)
+    states = _variants_run(lambda i: i % 2 == 1, 16, budget)  # profiled on the heavy step
+    assert states[:2] == ["profiling"] * 2 and "profiling" not in states[2:], states
+    assert states[-1] == "settled"
+    states = _variants_run(lambda i: i % 2 == 0, 16, budget)  # profiled on the light step
+    assert states.count("profiling") == 2 * PROFILE_STEPS and states[-1] == "settled", states
+    assert "profiling" not in states[2 * PROFILE_STEPS + 1:], states
+
+
+def test_a_variant_lighter_than_profiled_for_steps_in_a_row_is_profiled_again():
+    """A workload that for good saves less than profiled (the heavy variant gone) runs the plan
+    made for more for ``LIGHTER_STEPS`` steps, then is profiled again and planned for itself."""
+    states = _variants_run(lambda i: i < 4, 4 + LIGHTER_STEPS + 4, 3 * _bytes(64))
+    light = states[4:]
+    assert "profiling" not in light[:LIGHTER_STEPS], states
+    assert light[LIGHTER_STEPS - 1] == "re-planning" and light[LIGHTER_STEPS:LIGHTER_STEPS + PROFILE_STEPS] == [
+        "profiling"] * PROFILE_STEPS, states
 
 
 def test_alternating_lengths_are_bitwise():

@@ -27,8 +27,8 @@ the first group opened after a backward pass began. The controller is a state ma
 - **settled**: the plan is final (on CUDA: measured, with nothing left to try; on the CPU,
   where nothing is timed: once chosen). An overshoot may still move it back to exploring.
 - **re-planning**: a step found the workload changed (more groups than profiled, a group
-  saving other bytes, another base): the plan still runs to the end of this step, and the
-  next step profiles again.
+  saving more bytes, or less in ``LIGHTER_STEPS`` steps in a row, another base): the plan still
+  runs to the end of this step, and the next step profiles again.
 
 A step whose backward never ended (it raised) is closed when the next one begins, and
 what was measured of it is dropped.
@@ -70,9 +70,13 @@ PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: it
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
+# steps in a row saving less than profiled before the workload is profiled again (one saving more
+# is profiled at the next step): a plan made for more stays within the budget, and variants of one
+# signature taking turns (two LoRA adapters trained in alternation) would otherwise profile at each turn
+LIGHTER_STEPS = 8
 
 __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_STEPS", "EXPLORE", "TIMINGS",
-           "CALIBRATIONS"]
+           "CALIBRATIONS", "LIGHTER_STEPS"]
 
 
 class State(enum.Enum):
@@ -218,6 +222,8 @@ class BudgetController:
         self._last_span: tuple[Any, Any] | None = None  # (start, end) marks of the latest step
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
+        self._lighter_steps = 0  # steps in a row, the latest included, that saved less than profiled
+        self._lighter_now = False  # the step running saved less than profiled (and counted so)
         self._hooked = 0  # the kept group that keeps its hooks: the first whose saves backward unpacks
         # BudgetTooSmall is raised once, where a step begins (the first choice under a profile, the
         # step after a choice made in backward found no plan fits, or a step whose plan another
@@ -487,6 +493,7 @@ class BudgetController:
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
         self._kept_first, self._host_of, self._moves_of, self._host_bound = {}, {}, {}, None
+        self._lighter_steps, self._lighter_now = 0, False
         self._served, self._went_over = {}, set()
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
         self._untimed = []  # steps of the old profile's plans, maybe not over when profiling began
@@ -535,6 +542,9 @@ class BudgetController:
         now = self._probe.mark()
         unfinished, self._awaiting_end = self._awaiting_end, False  # its backward raised
         self._step_number += 1
+        if not self._lighter_now:
+            self._lighter_steps = 0
+        self._lighter_now = False
         if self._step is not None:
             if unfinished:
                 self._step = None  # what it measured is dropped: profile again
@@ -672,6 +682,18 @@ class BudgetController:
         if self._state is not State.PROFILING:
             self._state = State.REPLANNING
 
+    def _saves_differ(self, more: bool) -> None:
+        """A group of this step saves another workload's bytes: ``more`` than profiled, profile
+        at the next step; less, once ``LIGHTER_STEPS`` steps in a row did (a predicted profile's
+        bound from above aside: it is profiled at once, as its plan was made for a guess)."""
+        if more or self.predicted:
+            self._replan()
+        elif not self._lighter_now:
+            self._lighter_now = True
+            self._lighter_steps += 1
+            if self._lighter_steps >= LIGHTER_STEPS:
+                self._replan()
+
     def whole_next(self, parts: int, inputs: int) -> bool:
         """Whether the module opening now, whose ``parts`` are groups, runs whole as one
         recomputed group (saving its ``inputs``, bytes). While profiling its parts are the
@@ -795,7 +817,7 @@ class BudgetController:
             kept = sum(n for r, n in plan.stayed if r == "budget")
             first = self._kept_first.setdefault(position, kept)
             if new_workload(kept, first):
-                self._replan()
+                self._saves_differ(more=kept > first)
             return
         g = self._profile.groups[position]
         now = (moved + kept) if recomputed else (moved + sum(n for r, n in plan.stayed if r == "budget"))
@@ -810,7 +832,7 @@ class BudgetController:
         least = (self._least_shares[position] if not recomputed and position < len(self._least_shares)
                  else self._bucket_share)
         if new_workload(now, then) and not then * least * (1 - WORKLOAD_CHANGE) <= now < then:
-            self._replan()
+            self._saves_differ(more=now > then)
 
     def backward_reaches(self, position: int) -> None:
         if not self._awaiting_end:
