@@ -6,6 +6,7 @@ import contextlib
 import copyreg
 import functools
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -269,8 +270,11 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
+        cache = _appends_to_cache(args, kwargs)
+        if cache:
+            _say_a_cache_rules_out_recomputing(w.off, w.name)
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
-                        and not _appends_to_cache(args, kwargs) and self not in _WRITES_INPUTS)
+                        and not cache and self not in _WRITES_INPUTS)
         group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
@@ -384,6 +388,21 @@ def _appends_to_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     would append again, and attend over twice the keys."""
     return any(callable(getattr(v, "get_seq_length", None)) and callable(getattr(v, "update", None))
                for v in itertools.chain(args, kwargs.values()))
+
+
+_TOLD_OF_A_CACHE: weakref.WeakSet[Offloader] = weakref.WeakSet()  # offloaders warned (once each)
+
+
+def _say_a_cache_rules_out_recomputing(off: Offloader, name: str) -> None:
+    """Under a memory budget, warn once that a training forward handed a key-value cache is never
+    recomputed: transformers makes one whenever ``use_cache`` is on, in training too, and a user
+    setting a budget expects recomputation among its choices."""
+    if off in _TOLD_OF_A_CACHE or getattr(off, "memory_budget", None) is None or not torch.is_grad_enabled():
+        return
+    _TOLD_OF_A_CACHE.add(off)
+    warnings.warn(f"actoffload: {name!r} is called with a key-value cache (transformers' use_cache=True), so the "
+                  "memory budget never recomputes it, only keeps or moves what it saves; for training set "
+                  "model.config.use_cache = False (as transformers' gradient checkpointing does)", stacklevel=3)
 
 
 # what every nn.Module has in its __dict__ from Module.__init__ (hooks, registries), except the training flag

@@ -430,6 +430,7 @@ def test_a_prediction_scales_the_attentions_bytes_like_every_byte_figure():
     assert (g.attention, g.attention_share) == ((400,), 0.25)
 
 
+@pytest.mark.filterwarnings("ignore:actoffload.*key-value cache")
 def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_still_trains_bitwise():
     """transformers makes a cache whenever ``use_cache`` is on (its default), in training too, and
     each layer appends to it: recomputed, a layer would append again and attend over twice the keys
@@ -443,6 +444,31 @@ def test_a_layer_handed_a_key_value_cache_is_never_recomputed_and_the_budget_sti
         assert all(g.inputs is None for g in off.plan.controller.profile.groups)  # profiled moving, not recomputing
     for a, b in zip(got, expected):
         assert_bitwise(a, b)
+
+
+def test_a_budget_says_once_that_a_layer_handed_a_key_value_cache_is_never_recomputed():
+    """A user who sets a budget on a transformers model left at ``use_cache=True`` (its default)
+    is told, once, why no layer is recomputed and what to set; not without a budget, nor with
+    ``use_cache=False``, nor for a forward under ``no_grad`` (generation)."""
+    import warnings as w
+
+    def caught(use_cache, budget, grad=True):
+        model, layers = _hf_model("llama", use_cache=use_cache)
+        off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
+        with ao.wrap(layers, off), w.catch_warnings(record=True) as seen:
+            w.simplefilter("always")
+            for k in range(3):
+                with torch.set_grad_enabled(grad):
+                    loss = model(input_ids=torch.randint(0, 128, (2, 16)), labels=torch.randint(0, 128, (2, 16))).loss
+                if grad:
+                    loss.backward()
+        return [str(x.message) for x in seen if "key-value cache" in str(x.message)]
+
+    told = caught(use_cache=True, budget=1 << 40)
+    assert len(told) == 1 and "use_cache = False" in told[0], told
+    assert caught(use_cache=True, budget=None) == []
+    assert caught(use_cache=False, budget=1 << 40) == []
+    assert caught(use_cache=True, budget=1 << 40, grad=False) == []
 
 
 def test_R1_an_out_variant_of_a_costly_op_runs_again_in_the_recomputation():
