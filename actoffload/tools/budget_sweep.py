@@ -134,14 +134,18 @@ class _Runner:
 
     def _plan_note(self) -> dict[str, Any] | None:
         """What a memory budget did in the latest step (``None`` without one): the plan that ran
-        (:class:`~.plan_trace.PlanTrace`), the state and plan after it, and the allocator's
-        reserve: which step of a warm-up went over, running what."""
+        (:class:`~.plan_trace.PlanTrace`), the state and plan after it, the allocator's reserve,
+        and each plan tried so far, its steps and times: which step of a warm-up went over,
+        running what, and what each of the steps to settle went to."""
         plan = self.off.stats().get("plan") if self.off is not None else None
         if not plan:
             return None
+        tried = [{k: t.get(k) for k in ("steps", "max_inflight", "prefetch", "predicted_step_s", "measured_step_s")}
+                 for t in plan.get("tried", [])]
         return {"ran": self._trace.ran(plan), "state": plan.get("state"),
                 "actions": [g["action"] for g in plan.get("groups", [])],
-                "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims")}
+                "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
+                "tried": tried}
 
     def warming_up(self) -> bool:
         """Whether the offloader still recomputes while it pins (its warm-up on CUDA)."""
