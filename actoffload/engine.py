@@ -41,6 +41,12 @@ _OPEN: dict[str, Any] = {}  # the stats() entry of a group still open: none (nev
 _open_on: dict[int, tuple[str, bool]] = {}
 
 
+def _numbered(name: str) -> tuple[str, int]:
+    """A window name as (the name given, its number): "name#k" is k, "name" 1."""
+    base, _, k = name.rpartition("#")
+    return (base, int(k)) if base and k.isdigit() else (name, 1)
+
+
 def group_open() -> bool:
     """Whether an offload group is open on this thread (ops skip offload work otherwise)."""
     return threading.get_ident() in _open_on
@@ -76,6 +82,7 @@ class Engine(Generic[GroupT, MovedT]):
         # discarded) is given again, not "name#2"; one cut short is not reported
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
+        self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
@@ -268,11 +275,30 @@ class Engine(Generic[GroupT, MovedT]):
         self._unlist(name)
         return False
 
-    def _cut_short(self, name: str) -> bool:
-        """Whether group ``name`` was let go after an exception closed a later group (its forward
-        cut short, its saves freed with its graph): not reported, whatever opens next."""
+    def _let_go_before_backward(self, name: str, latest: dict[str, int]) -> bool:
+        """Whether group ``name`` was let go with its graph, its saves freed (R8), and so is not
+        reported: after an exception closed a later group (its forward cut short), or before any
+        backward pass began once a later group of its name opened (a forward discarded and run
+        again: ``out = model(x); out = model(x)``). A forward discarded and not run again stays
+        reported as it ran until the next one. ``latest``: the highest number of each name in
+        the window ("name" is 1, "name#k" k)."""
+        if name in self._gone:
+            return True
         holder = self._holders.get(name)
-        return holder is not None and holder[0]() is None and self._failures > holder[1]
+        if holder is None or holder[0]() is not None:
+            return False
+        if self._failures > holder[1]:
+            return True
+        base, k = _numbered(name)
+        return not self._backward_began and latest.get(base, k) > k
+
+    def _latest(self) -> dict[str, int]:
+        """The highest number of each name in the window ("name" is 1, "name#k" k)."""
+        latest: dict[str, int] = {}
+        for name in self._window:
+            base, k = _numbered(name)
+            latest[base] = max(latest.get(base, 0), k)
+        return latest
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -286,6 +312,7 @@ class Engine(Generic[GroupT, MovedT]):
             if self._backward_began:
                 self._window.clear()
                 self._holders.clear()
+                self._gone = set()
                 self._repeats.clear()
                 self._backward_began = False
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
@@ -574,7 +601,9 @@ class Engine(Generic[GroupT, MovedT]):
         """A backward pass is running (it unpacked a save of this step, or checkpointing runs a
         forward again): the next group opened outside backward begins a step."""
         if not self._backward_began:
-            self._backward_began = True
+            with self._lock:  # (what was let go before it began, run again since, stays unreported)
+                self._gone = {name for name in self._window if self._let_go_before_backward(name, self._latest())}
+                self._backward_began = True
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
 
@@ -690,8 +719,9 @@ class Engine(Generic[GroupT, MovedT]):
                 g = ref()
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
+            latest = self._latest()
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in list(self._window.items()) if s and not self._cut_short(name)}
+                      for name, s in list(self._window.items()) if s and not self._let_go_before_backward(name, latest)}
         in_use, pooled = self._host_bytes()
         return {
             "impl": self.impl,

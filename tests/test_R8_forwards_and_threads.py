@@ -61,6 +61,24 @@ def test_R8_stats_cover_the_forwards_since_backward_last_began(impl):
     assert sorted(off.stats()["groups"]) == ["0", "1"]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_a_forward_discarded_after_it_ran_again_leaves_the_window(impl):
+    """``out = model(x); out = model(x)`` (an evaluation forward with gradients, run again): the
+    first graph is let go only after the second forward named its groups ``name#2``; from then
+    on the first's groups are not reported, and ``offloaded_bytes`` is what host memory holds."""
+    model = mlp_stack(3, 32, "cpu")
+    off = off_for(impl, "cpu", keep_last=1)
+    run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()
+    y = run_groups(model, torch.randn(8, 32, requires_grad=True), off)
+    y = run_groups(model, torch.randn(8, 32, requires_grad=True), off)
+    gc.collect()
+    s = off.stats()
+    assert list(s["groups"]) == ["0#2", "1#2", "2#2"]
+    assert s["offloaded_bytes"] == s["host_bytes_in_use"] > 0
+    y.sum().backward()
+    assert list(off.stats()["groups"]) == ["0#2", "1#2", "2#2"]  # backward began: reported as they ran
+
+
 def test_R8_prefetch_never_reaches_into_another_micro_batch():
     """Forward a, forward b, backward b: b's first group must not prefetch a's last one,
     which only a's backward needs (it would be held in device memory meanwhile)."""
