@@ -602,7 +602,8 @@ class Engine(Generic[GroupT, MovedT]):
         forward again): the next group opened outside backward begins a step."""
         if not self._backward_began:
             with self._lock:  # (what was let go before it began, run again since, stays unreported)
-                self._gone = {name for name in self._window if self._let_go_before_backward(name, self._latest())}
+                latest = self._latest()
+                self._gone = {name for name in self._window if self._let_go_before_backward(name, latest)}
                 self._backward_began = True
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
