@@ -190,6 +190,11 @@ ARCHITECTURES = {
     "GPT2": (dict(n_embd=16, n_layer=2, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0), "transformer.h"),
     "GPTNeoX": (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                      vocab_size=64), "gpt_neox.layers"),
+    # a hybrid: Mamba and attention layers alternate in one ModuleList, both classes listed
+    "Jamba": (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=64, num_experts=1, attn_layer_period=2, attn_layer_offset=1,
+                   mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
+              "model.layers"),
 }
 
 

@@ -52,12 +52,13 @@ def no_split_modules(model: torch.nn.Module) -> set[str]:
 Stack = Union[torch.nn.ModuleList, torch.nn.Sequential]
 
 
-def _stacks(model: torch.nn.Module) -> list[tuple[str, Stack]]:
-    """Every ``ModuleList`` (or ``Sequential``) of one layer class, with its path."""
+def _stacks(model: torch.nn.Module, one_class: bool = True) -> list[tuple[str, Stack]]:
+    """Every ``ModuleList`` (or ``Sequential``) of layers, with its path: of one layer class
+    (``one_class``), or of any."""
     found: list[tuple[str, Stack]] = []
     for path, m in model.named_modules():
         if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 0:
-            if len({type(x) for x in m}) == 1:
+            if not one_class or len({type(x) for x in m}) == 1:
                 found.append((path, m))
     return found
 
@@ -81,9 +82,10 @@ def _get_path(model: torch.nn.Module, path: str) -> Any:
 def find_layers(model: torch.nn.Module) -> list[tuple[str, Stack]]:
     """The stacks of layers to wrap in ``model``, each as ``(path, ModuleList)``.
 
-    1. The outermost ``ModuleList``s whose layers are all of one class the model lists in
-       ``_no_split_modules`` (transformers' models list their decoder layer there): every such
-       stack, so a vision-language model's vision tower is found too.
+    1. The outermost ``ModuleList``s whose layers are each of a class the model lists in
+       ``_no_split_modules`` (transformers' models list their decoder layers there; a hybrid
+       model's, Jamba's or Zamba2's, alternate two such classes): every such stack, so a
+       vision-language model's vision tower is found too.
     2. Otherwise the first of :data:`KNOWN_PATHS` that holds a ``ModuleList`` of one class.
     3. Otherwise the ``ModuleList`` of one class with the most layers (at least two), if no
        other has as many.
@@ -93,7 +95,8 @@ def find_layers(model: torch.nn.Module) -> list[tuple[str, Stack]]:
     stacks = _stacks(model)
     no_split = no_split_modules(model)
     if no_split:
-        listed = _outermost([(p, m) for p, m in stacks if _class_names(m[0]) & no_split])
+        listed = _outermost([(p, m) for p, m in _stacks(model, one_class=False)
+                             if all(_class_names(layer) & no_split for layer in m)])
         if listed:
             return listed
     by_path = dict(stacks)
