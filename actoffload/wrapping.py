@@ -401,8 +401,9 @@ def _say_a_cache_rules_out_recomputing(off: Offloader, name: str) -> None:
         return
     _TOLD_OF_A_CACHE.add(off)
     warnings.warn(f"actoffload: {name!r} is called with a key-value cache (transformers' use_cache=True), so the "
-                  "memory budget never recomputes it, only keeps or moves what it saves; for training set "
-                  "model.config.use_cache = False (as transformers' gradient checkpointing does)", stacklevel=3)
+                  "memory budget never recomputes it, only keeps or moves what it saves; for training, call the "
+                  "model with use_cache=False or set model.config.use_cache = False (an encoder-decoder's decoder, "
+                  "T5's, keeps a config of its own), as transformers' gradient checkpointing does", stacklevel=3)
 
 
 # what every nn.Module has in its __dict__ from Module.__init__ (hooks, registries), except the training flag
