@@ -41,12 +41,6 @@ _OPEN: dict[str, Any] = {}  # the stats() entry of a group still open: none (nev
 _open_on: dict[int, tuple[str, bool]] = {}
 
 
-def _numbered(name: str) -> tuple[str, int]:
-    """A window name as (the name given, its number): "name#k" is k, "name" 1."""
-    base, _, k = name.rpartition("#")
-    return (base, int(k)) if base and k.isdigit() else (name, 1)
-
-
 def group_open() -> bool:
     """Whether an offload group is open on this thread (ops skip offload work otherwise)."""
     return threading.get_ident() in _open_on
@@ -83,6 +77,9 @@ class Engine(Generic[GroupT, MovedT]):
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
+        self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
+        self._last_opened: dict[str, int] = {}  # the name given -> the number of its latest opening
+        self._opening_number = 0
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
@@ -221,6 +218,9 @@ class Engine(Generic[GroupT, MovedT]):
             self._repeats[name] = k
         position = len(self._window)
         self._window[unique] = _OPEN  # (not in stats() until it exits)
+        self._opening_number += 1
+        self._opened[unique] = (name, self._opening_number)
+        self._last_opened[name] = self._opening_number
         prev = self._last_group() if self._last_group is not None and self._prefetches else None
         # a node of the graph that tells whether backward reaches prev (graph.py), only where
         # reloading ahead may go there: each costs a node its Python object
@@ -259,6 +259,7 @@ class Engine(Generic[GroupT, MovedT]):
         last "name#k" given."""
         self._window.pop(name, None)
         self._holders.pop(name, None)
+        self._opened.pop(name, None)
         base, _, k = name.rpartition("#")
         if k.isdigit() and self._repeats.get(base) == int(k):
             self._repeats[base] = int(k) - 1
@@ -275,13 +276,12 @@ class Engine(Generic[GroupT, MovedT]):
         self._unlist(name)
         return False
 
-    def _let_go_before_backward(self, name: str, latest: dict[str, int]) -> bool:
+    def _let_go_before_backward(self, name: str) -> bool:
         """Whether group ``name`` was let go with its graph, its saves freed (R8), and so is not
         reported: after an exception closed a later group (its forward cut short), or before any
-        backward pass began once a later group of its name opened (a forward discarded and run
-        again: ``out = model(x); out = model(x)``). A forward discarded and not run again stays
-        reported as it ran until the next one. ``latest``: the highest number of each name in
-        the window ("name" is 1, "name#k" k)."""
+        backward pass began once a group of the name it was given opened after it (a forward
+        discarded and run again: ``out = model(x); out = model(x)``). A forward discarded and
+        not run again stays reported as it ran until the next one."""
         if name in self._gone:
             return True
         holder = self._holders.get(name)
@@ -289,16 +289,8 @@ class Engine(Generic[GroupT, MovedT]):
             return False
         if self._failures > holder[1]:
             return True
-        base, k = _numbered(name)
-        return not self._backward_began and latest.get(base, k) > k
-
-    def _latest(self) -> dict[str, int]:
-        """The highest number of each name in the window ("name" is 1, "name#k" k)."""
-        latest: dict[str, int] = {}
-        for name in self._window:
-            base, k = _numbered(name)
-            latest[base] = max(latest.get(base, 0), k)
-        return latest
+        given, number = self._opened.get(name, (name, 0))
+        return not self._backward_began and self._last_opened.get(given, number) > number
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -312,6 +304,8 @@ class Engine(Generic[GroupT, MovedT]):
             if self._backward_began:
                 self._window.clear()
                 self._holders.clear()
+                self._opened.clear()
+                self._last_opened.clear()
                 self._gone = set()
                 self._repeats.clear()
                 self._backward_began = False
@@ -602,8 +596,7 @@ class Engine(Generic[GroupT, MovedT]):
         forward again): the next group opened outside backward begins a step."""
         if not self._backward_began:
             with self._lock:  # (what was let go before it began, run again since, stays unreported)
-                latest = self._latest()
-                self._gone = {name for name in self._window if self._let_go_before_backward(name, latest)}
+                self._gone = {name for name in list(self._window) if self._let_go_before_backward(name)}
                 self._backward_began = True
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
@@ -720,9 +713,8 @@ class Engine(Generic[GroupT, MovedT]):
                 g = ref()
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
-            latest = self._latest()
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in list(self._window.items()) if s and not self._let_go_before_backward(name, latest)}
+                      for name, s in list(self._window.items()) if s and not self._let_go_before_backward(name)}
         in_use, pooled = self._host_bytes()
         return {
             "impl": self.impl,

@@ -75,8 +75,20 @@ def test_R8_a_forward_discarded_after_it_ran_again_leaves_the_window(impl):
     s = off.stats()
     assert list(s["groups"]) == ["0#2", "1#2", "2#2"]
     assert s["offloaded_bytes"] == s["host_bytes_in_use"] > 0
+    y = run_groups(model, torch.randn(8, 32, requires_grad=True), off)  # a third: the first's names, given up
+    gc.collect()
+    s = off.stats()
+    assert sorted(s["groups"]) == ["0", "1", "2"] and s["offloaded_bytes"] == s["host_bytes_in_use"]
     y.sum().backward()
-    assert list(off.stats()["groups"]) == ["0#2", "1#2", "2#2"]  # backward began: reported as they ran
+    assert sorted(off.stats()["groups"]) == ["0", "1", "2"]  # backward began: reported as they ran
+    # names given with a "#" (the next step's): told apart by when they opened, not by their numbers
+    with off.group("x#2"):
+        y = model[0](torch.randn(8, 32, requires_grad=True) * 1)
+    with off.group("x#2"):
+        y = model[0](torch.randn(8, 32, requires_grad=True) * 1)
+    gc.collect()
+    s = off.stats()
+    assert list(s["groups"]) == ["x#2#2"] and s["offloaded_bytes"] == s["host_bytes_in_use"], s["groups"]
 
 
 def test_R8_prefetch_never_reaches_into_another_micro_batch():

@@ -129,6 +129,12 @@ def test_variants_of_one_signature_taking_turns_profile_once_and_settle():
     states = _variants_run(lambda i: i % 2 == 0, 16, budget)  # profiled on the light step
     assert states.count("profiling") == 2 * PROFILE_STEPS and states[-1] == "settled", states
     assert "profiling" not in states[2 * PROFILE_STEPS + 1:], states
+    # a plan keeping every group: counted against its first step under the plan, not the profile;
+    # where that was the light one, the heavy step profiles once more, and its count holds after
+    for heavy_first in (True, False):
+        states = _variants_run(lambda i: i % 2 == (1 if heavy_first else 0), 16, 1 << 40)
+        assert states.count("profiling") <= 2 * PROFILE_STEPS and states[-1] == "settled", (heavy_first, states)
+        assert "profiling" not in states[2 * PROFILE_STEPS + 2:], (heavy_first, states)
 
 
 def test_a_variant_lighter_than_profiled_for_steps_in_a_row_is_profiled_again():

@@ -222,6 +222,7 @@ class BudgetController:
         self._last_span: tuple[Any, Any] | None = None  # (start, end) marks of the latest step
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
+        self._kept_carried: dict[int, int] = {}  # ... raised by a step that saved more: the next profile's
         self._lighter_steps = 0  # steps in a row, the latest included, that saved less than profiled
         self._lighter_now = False  # the step running saved less than profiled (and counted so)
         self._hooked = 0  # the kept group that keeps its hooks: the first whose saves backward unpacks
@@ -492,7 +493,8 @@ class BudgetController:
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
         self._unheld = set()
-        self._kept_first, self._host_of, self._moves_of, self._host_bound = {}, {}, {}, None
+        self._kept_first, self._host_of, self._moves_of, self._host_bound = self._kept_carried, {}, {}, None
+        self._kept_carried = {}
         self._lighter_steps, self._lighter_now = 0, False
         self._served, self._went_over = {}, set()
         self._hooked = next((i for i, g in enumerate(profile.groups) if g.reached), 0)
@@ -817,6 +819,12 @@ class BudgetController:
             kept = sum(n for r, n in plan.stayed if r == "budget")
             first = self._kept_first.setdefault(position, kept)
             if new_workload(kept, first):
+                if kept > first:
+                    # counted against the first step under the plan, not the profile: the next
+                    # profile's steps count from this one, so that a lighter variant's first step,
+                    # where variants take turns, does not set them a count the heavier one passes
+                    self._kept_first[position] = kept
+                    self._kept_carried = dict(self._kept_first)
                 self._saves_differ(more=kept > first)
             return
         g = self._profile.groups[position]

@@ -15,7 +15,7 @@ BASE_TOLERANCE_FLOOR = MiB  # what is allocated when a step begins moves a littl
 BASE_TOLERANCE_DIVISOR = 100  # ... up to a hundredth of the budget; more is kept gradients or new optimizer state
 
 # ---------------------------------------------------------------- tolerances (shares)
-WORKLOAD_CHANGE = 0.10  # a group saving this share more or less than profiled is another workload (batch noise is less)
+WORKLOAD_CHANGE = 0.10  # a group saving this share more or less than profiled is another workload (batch noise is less; when it is profiled: the controller's LIGHTER_STEPS)
 TIE = 0.01  # modelled step times this close are alike: the model cannot tell them apart, so the plan doing less it cannot see goes first
 CALIBRATION_SLACK = 0.05  # a measured step this close to the model is noise, not an error of the model to correct
 HOST_PACED = 0.9  # a forward whose host time is at least this share of its device time ran at the host's pace

@@ -140,8 +140,8 @@ class _Runner:
         plan = self.off.stats().get("plan") if self.off is not None else None
         if not plan:
             return None
-        tried = [{k: t.get(k) for k in ("steps", "max_inflight", "prefetch", "predicted_step_s", "measured_step_s")}
-                 for t in plan.get("tried", [])]
+        tried = [{k: t.get(k) for k in ("actions", "steps", "max_inflight", "prefetch", "predicted_step_s",
+                                        "measured_step_s")} for t in plan.get("tried", [])]
         return {"ran": self._trace.ran(plan), "state": plan.get("state"),
                 "actions": [g["action"] for g in plan.get("groups", [])],
                 "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
