@@ -240,6 +240,16 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
     return _reparametrize_module(module, tensors, tie_weights=False, strict=False)
 
 
+def parameters_swapped_by_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages ``module``'s own parameters: it swaps them between
+    sharded and gathered around each of its forwards, and gathers them again for a recomputation."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def own_tensors(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of the registries of the parameters and of the buffers ``module`` holds itself
     (not its submodules'), by name; a value may be ``None``. A fraction of the time of

@@ -438,14 +438,18 @@ class _ForwardState:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.entries = [(m, _plain_attributes(m), compat.own_tensors(m)) for m in module.modules()]
+        # (a module FSDP2 shards is left its own: it gathers its parameters for the recomputation
+        # as for the forward, and those of the forward, swapped back in, would be mixed with its)
+        self.entries = [(m, _plain_attributes(m),
+                         None if compat.parameters_swapped_by_fsdp(m) else compat.own_tensors(m))
+                        for m in module.modules()]
 
     def _changed_tensors(self) -> dict[str, torch.Tensor] | None:
         """The forward's parameters and buffers by dotted name, if any of them is not the
         module's now; else ``None``."""
-        if all(compat.holds_own_tensors(m, tensors) for m, _, tensors in self.entries):
+        if all(tensors is None or compat.holds_own_tensors(m, tensors) for m, _, tensors in self.entries):
             return None
-        own = {id(m): tensors for m, _, tensors in self.entries}
+        own = {id(m): tensors for m, _, tensors in self.entries if tensors is not None}
         out: dict[str, torch.Tensor] = {}
         for path, m in self.module.named_modules():
             for registry in own.get(id(m), ()):

@@ -295,3 +295,24 @@ def test_fully_shard_before_or_after_wrapping_on_one_cpu_rank(one_rank, wrap_fir
     assert not any(wrapping._BASE in vars(k) for b in model for k in type(b).__mro__)
     got = _run(model)
     assert_bitwise([t.full_tensor() if hasattr(t, "full_tensor") else t for t in got], expected)
+
+
+def test_fully_shard_inside_a_recomputed_block_on_one_cpu_rank(one_rank):
+    """FSDP2 on the layers inside each wrapped block, with a budget whose profiling steps
+    recompute the blocks: the recomputation leaves those layers' parameters to FSDP2, which
+    gathers them again for it, as under torch's own checkpoint (restored to the forward's, they
+    were mixed with the sharded ones: "got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _blocks()
+    expected = [_run(_plain_twin(model), step) for step in range(3)]
+    for b in model:
+        fully_shard(b[0], mesh=one_rank)
+        fully_shard(b[2], mesh=one_rank)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, memory_budget="1GiB")
+    with ao.wrap(model, off):
+        for step in range(3):
+            got = _run(model, step)
+            assert_bitwise([t.full_tensor() if hasattr(t, "full_tensor") else t for t in got], expected[step])
+        assert off.stats()["plan"]["settled"]
+
