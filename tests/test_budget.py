@@ -70,8 +70,8 @@ def test_budget_a_host_budget_its_profiling_steps_exceed_says_to_raise_it():
                        host_budget=4096)
     blocks = _blocks()
     with ao.wrap(blocks, off):
-        with pytest.raises(ao.HostMemoryError, match="memory budget's profiling steps move every recomputed "
-                                                     "module's inputs out.*raise host_budget, or leave it unset"):
+        with pytest.raises(ao.HostMemoryError, match="memory budget's profiling steps move out every recomputed "
+                                                     "module's inputs.*raise host_budget, or leave it unset"):
             _step(blocks, 0)
 
 

@@ -208,8 +208,10 @@ class BudgetPlan(Plan):
     def host_short(self) -> str:
         if self.workloads is None or not self.controller.profiling:
             return ""  # (the plans keep within host_budget: budgets.md, "Candidate plans")
-        return ("A memory budget's profiling steps move every recomputed module's inputs out, whatever "
-                "host_budget allows (the plans after them keep within it): raise host_budget, or leave it unset.")
+        return ("A memory budget's profiling steps move out every recomputed module's inputs and every other "
+                "group whole (a module traced by torch.compile or handed a key-value cache is not recomputed), "
+                "whatever host_budget allows (the plans after them keep within it): raise host_budget, or leave "
+                "it unset.")
 
     def copy_window(self) -> tuple[int, int] | None:
         return self.controller.window() if self.workloads is not None or self._fixed is not None else None
