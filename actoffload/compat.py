@@ -240,14 +240,21 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
     return _reparametrize_module(module, tensors, tie_weights=False, strict=False)
 
 
-def parameters_swapped_by_fsdp(module: torch.nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) manages ``module``'s own parameters: it swaps them between
-    sharded and gathered around each of its forwards, and gathers them again for a recomputation."""
+@functools.cache
+def _fsdp_module_class() -> type | tuple[()]:
+    """FSDP2's module class, looked up once (asked of every submodule at every recomputed forward);
+    ``()`` where torch has no distributed package, which ``isinstance`` matches with nothing."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(module, FSDPModule)
+        return ()
+    return FSDPModule
+
+
+def parameters_swapped_by_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages ``module``'s own parameters: it swaps them between
+    sharded and gathered around each of its forwards, and gathers them again for a recomputation."""
+    return isinstance(module, _fsdp_module_class())
 
 
 def own_tensors(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
