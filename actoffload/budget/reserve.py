@@ -158,8 +158,7 @@ class AllocatorReserve:
         self._over = False
         self._start, self._grown_this_step = probe.reserved(), 0
         # a cache longer steps grew: its idle blocks are theirs (see step_ended)
-        self._shared = self._tokens is not None and any(grown for tokens, grown in self._growth.items()
-                                                        if tokens > self._tokens)
+        self._shared = self._others_grew(longer=True)
         # a later profiling step on a cache other lengths grew: its share is theirs as much as its own
         self._uncounted = profiling > 1 and self._others_grew()
 
@@ -219,10 +218,11 @@ class AllocatorReserve:
         need = needs()
         return need is not None and need + shorter > budget
 
-    def _others_grew(self) -> bool:
-        """Whether steps of other tokens than this one's grew the cache since it was given back."""
+    def _others_grew(self, longer: bool = False) -> bool:
+        """Whether steps of other tokens than this one's (``longer``: of more) grew the cache since
+        it was given back."""
         return self._tokens is not None and any(grown for tokens, grown in self._growth.items()
-                                                if tokens != self._tokens)
+                                                if (tokens > self._tokens if longer else tokens != self._tokens))
 
     def _give_back(self, probe: Any, why: str) -> None:
         probe.trim()
