@@ -251,6 +251,17 @@ def _fsdp_module_class() -> type | tuple[()]:
     return FSDPModule
 
 
+@functools.cache
+def compiled_module_class() -> type | tuple[()]:
+    """The class ``torch.compile(module)`` returns (Dynamo's ``OptimizedModule``), looked up once;
+    ``()`` where torch has none, which ``isinstance`` matches with nothing."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return ()
+    return OptimizedModule
+
+
 def parameters_swapped_by_fsdp(module: torch.nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) manages ``module``'s own parameters: it swaps them between
     sharded and gathered around each of its forwards, and gathers them again for a recomputation."""

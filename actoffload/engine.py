@@ -76,6 +76,7 @@ class Engine(Generic[GroupT, MovedT]):
         # discarded) is given again, not "name#2"; one cut short is not reported
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
+        self._step_failures = 0  # ... when the step began (or was last found to go on: _cut_short)
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
         self._last_opened: dict[str, int] = {}  # the name given -> the number of its latest opening
@@ -201,7 +202,7 @@ class Engine(Generic[GroupT, MovedT]):
                 return None
         if self._pending:  # (a group is only added by this thread: read without the lock)
             self._advance_schedule(opening=True)
-        if self._backward_began or not self._in_step:  # (read again under the lock)
+        if self._backward_began or not self._in_step or self._failures > self._step_failures:  # (read again under the lock)
             self._begin_step_if_new()
         if self._tells_opening:
             self._group_opening()
@@ -297,11 +298,23 @@ class Engine(Generic[GroupT, MovedT]):
         depth = self._prefetch_depth()
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
+    def _cut_short(self) -> bool:
+        """Whether an exception cut the step's forward short and every group it opened was let
+        go with its graph (R8): the forward opening now is the step's again, from its first
+        group, as after a batch skipped or retried. Where a group of the step lives on (an earlier
+        micro-batch's forward), the step goes on. Decided once per exception (the lock held)."""
+        if self._failures == self._step_failures or self._backward_began:
+            return False
+        self._step_failures = self._failures
+        return all(ref() is None for ref, _ in self._holders.values())
+
     def _begin_step_if_new(self) -> None:
-        """A group opening after a backward pass began (or the first ever) begins a step."""
+        """A group opening after a backward pass began (or the first ever, or after an exception
+        cut the forward short: :meth:`_cut_short`) begins a step."""
         with self._lock:
-            new_step = self._backward_began or not self._in_step
-            if self._backward_began:
+            cut_short = self._cut_short()
+            new_step = self._backward_began or not self._in_step or cut_short
+            if self._backward_began or cut_short:
                 self._window.clear()
                 self._holders.clear()
                 self._opened.clear()
@@ -310,6 +323,8 @@ class Engine(Generic[GroupT, MovedT]):
                 self._repeats.clear()
                 self._backward_began = False
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
+            if new_step:
+                self._step_failures = self._failures
         if new_step:
             marks.new_step()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
@@ -366,6 +381,7 @@ class Engine(Generic[GroupT, MovedT]):
             group.state = GroupState.ABORTED
             self._window.pop(group.name, None)
             self._failures += 1
+            self.plan.group_failed()
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary

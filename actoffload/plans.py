@@ -113,7 +113,11 @@ class Plan:
         self.offloader = offloader
 
     def step_begins(self) -> None:
-        """A step's first group is opening (the first after a backward pass began)."""
+        """A step's first group is opening (the first after a backward pass began, or after an
+        exception cut the step's forward short and its groups were let go)."""
+
+    def group_failed(self) -> None:
+        """An exception closed a group: the forward it ran in was cut short (R8)."""
 
     def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None) -> None:
         """``module``, given to ``ao.wrap``, is called with ``args`` and ``kwargs`` (outside

@@ -274,7 +274,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         if cache:
             _say_a_cache_rules_out_recomputing(w.off, w.name)
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
-                        and not cache and self not in _WRITES_INPUTS)
+                        and not cache and self not in _WRITES_INPUTS and not _runs_compiled(self))
         group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
@@ -380,6 +380,16 @@ def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
     """Whether a forward updates running statistics (batch norm in training): recomputing it
     would update them twice."""
     return any(m.training and m.track_running_stats for m in norms)
+
+
+def _runs_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is compiled (``torch.compile(m)``, ``m.compile()``). A
+    plan's recomputation may run under a dispatch mode (profiling meters its ops; a selective
+    recomputation picks what to keep), and Dynamo, meeting one, runs the compiled code eagerly
+    and marks it never to compile again, for every module compiled alike in the process. Asked
+    at each call (about 8 us for a decoder layer): a submodule may be compiled after wrapping."""
+    return any(isinstance(m, compat.compiled_module_class()) or m._compiled_call_impl is not None
+               for m in module.modules())
 
 
 def _appends_to_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -62,6 +62,35 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
                               "predicted_step_s", "measured_peak_bytes", "measured_step_s"}
 
 
+def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan():
+    """A forward cut short by an exception (a bad batch skipped, a retry: R8), its groups let go:
+    the next forward is the step's again, from its first group, on the plan it had (not the
+    plan's later groups, one position per group the cut-short forward opened), and the step
+    after it too; gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+        settled = off.stats()["plan"]
+        assert settled["state"] == "settled" and len(settled["groups"]) == 4
+
+        def cut_short():  # a model's forward: what it computed goes with its frame
+            h = torch.randn(64, D) * 1
+            for i, b in enumerate(blocks):
+                h = h + b(h if i < 2 else h[:, :10])  # the third block is handed a bad input
+
+        for failures in range(1, 3):  # once, then twice in a row
+            for _ in range(failures):
+                with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                    cut_short()
+            for step in range(2):
+                assert_bitwise(_step(blocks, step), _step(expected, step))
+                plan = off.stats()["plan"]
+                assert plan["state"] == "settled" and plan["groups"] == settled["groups"]
+                assert list(off.stats()["groups"]) == ["0", "1", "2"]  # the kept last group has no hooks
+
+
 def test_budget_a_host_budget_its_profiling_steps_exceed_says_to_raise_it():
     """Profiling steps move every recomputed module's inputs whatever host_budget allows: a host
     budget under them raises HostMemoryError saying so, not only R10's advice (keep_last, which a

@@ -87,6 +87,25 @@ def test_alternating_lengths_profile_each_once_then_run_their_own_plans():
     assert off.stats()["plan"]["workload"]["kept"] == 3
 
 
+def test_steps_calling_the_first_block_with_a_leaf_requiring_grad_are_a_workload_of_their_own():
+    """A gradient penalty's step calls the first block with a leaf that requires grad, which
+    stays where it is (a parameter, to the offloader): it saves less than a step of the same
+    shapes whose first block gets an activation. Taking turns, each is profiled once, then
+    settles (as one workload they profiled each other out, step after step)."""
+    blocks, states = _blocks(), []
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(64), min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for i in range(12):
+            x = torch.randn(64, D, generator=torch.Generator().manual_seed(i), requires_grad=i % 2 == 0)
+            h = x if i % 2 == 0 else x * 1
+            for b in blocks:
+                h = h + b(h)
+            h.square().sum().backward()
+            states.append(off.stats()["plan"]["state"])
+    for parity in (0, 1):
+        assert states[parity::2] == ["profiling"] * PROFILE_STEPS + ["settled"] * (6 - PROFILE_STEPS), states
+
+
 class _Variants(torch.nn.Module):
     """A block that saves more while ``wide`` (a second activation on the same shapes): two
     variants of one signature, as two LoRA adapters of different ranks trained in turns."""
@@ -399,6 +418,9 @@ def test_the_signature_is_the_first_inputs_shapes_dtypes_and_devices():
     assert a != signature_of((torch.zeros(2, 9, 4),), {})
     assert a != signature_of((torch.zeros(2, 8, 4, dtype=torch.bfloat16),), {})
     assert a != signature_of((torch.zeros(2, 8, 4),), {"mask": torch.zeros(8)})
+    # a leaf that requires grad stays where it is: a step called with one saves less
+    assert a != signature_of((torch.zeros(2, 8, 4, requires_grad=True),), {})
+    assert a == signature_of((torch.zeros(2, 8, 4, requires_grad=True) * 1,), {})
     assert signature_of((3, "x"), {}).tokens is None
     # tensors inside tuples, lists and dicts count, named by where they are, and inside a type
     # registered with pytree by their place among its leaves (it need not give their keys)

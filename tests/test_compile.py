@@ -139,3 +139,31 @@ def test_compile_with_group_inside_a_compiled_function_runs_it_eagerly_and_exact
     _assert_bitwise(got, expected)
     assert off.stats()["offloaded_bytes"] > 0
     assert not [k for k in counters["graph_break"] if "RLock" in k or "set_()" in k]
+
+
+def test_compile_blocks_compiled_before_wrapping_stay_compiled_under_a_budget_and_elsewhere():
+    """Blocks compiled before they are wrapped (``torch.compile(block)``: Dynamo's module) are
+    kept or moved by a budget's plan, never recomputed: its profiling meters their ops under a
+    dispatch mode, and Dynamo, meeting one, runs the compiled code eagerly and never compiles
+    it again, for every module compiled alike in the process (docs/semantics.md)."""
+    def compiled(counter):
+        model = Model()
+        model.blocks = torch.nn.ModuleList(torch.compile(b, backend=counter) for b in model.blocks)
+        return model
+
+    plain_counter = CompileCounterWithBackend("inductor")
+    plain = compiled(plain_counter)
+    expected = _steps(plain, plain, 0, 3)
+    counter = CompileCounterWithBackend("inductor")
+    model = compiled(counter)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget="1GB", min_offload_bytes=0)
+    handle = ao.wrap(model.blocks, off)
+    got = _steps(model, model, 0, 3)
+    handle.remove()
+    _assert_bitwise(got, expected)
+    assert counter.frame_count >= 1  # its blocks ran compiled
+    assert off.stats()["plan"]["state"] == "settled"
+    later_counter = CompileCounterWithBackend("inductor")
+    later = compiled(later_counter)
+    _steps(later, later, 0, 1)
+    assert later_counter.frame_count >= 1  # a model compiled alike afterwards still compiles

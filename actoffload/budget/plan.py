@@ -197,6 +197,11 @@ class BudgetPlan(Plan):
     def reached(self, group: Group) -> None:
         group.plan_state.controller.backward_reaches(group.plan_state.position)
 
+    def group_failed(self) -> None:
+        # the forward may be run again (a batch retried or skipped): its first inputs are read
+        # again, for the step it begins once every group it opened was let go
+        self.wants_inputs = True
+
     def backward_begins(self) -> None:
         self.wants_inputs = True  # the next group opened outside backward begins a step
         if self._pending:

@@ -98,9 +98,13 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any], mode: tuple[str,
     "[0]=[2, 8, 4] torch.float32 cpu, state['h']=[3] torch.float32 cpu"
     """
     named = [("", a) for a in args] + sorted(kwargs.items())
-    inputs = tuple((where, tuple(t.shape), str(t.dtype), str(t.device))
-                   for name, value in named for where, t in _tensors_in(name, value))
-    return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]), mode)
+    tensors = [(where, t) for name, value in named for where, t in _tensors_in(name, value)]
+    inputs = tuple((where, tuple(t.shape), str(t.dtype), str(t.device)) for where, t in tensors)
+    # a leaf that requires grad stays where it is (docs/semantics.md, "parameter"): called with
+    # one (a gradient penalty's inputs), a step saves less than with the same shapes otherwise
+    held = [f"{where or f'[{i}]'} a leaf requiring grad" for i, (where, t) in enumerate(tensors)
+            if t.is_leaf and t.requires_grad]
+    return Signature(inputs, predict.tokens([shape for _, shape, _, _ in inputs]), mode + tuple(held))
 
 
 def _tensors_in(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
