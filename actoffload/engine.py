@@ -163,9 +163,11 @@ class Engine(Generic[GroupT, MovedT]):
         return 0, None
 
     # ------------------------------------------------------------------ opening and closing
-    def _enter(self, name: str, recomputable: bool = False, parts: int = 0, inputs: int = 0) -> GroupT | None:
+    def _enter(self, name: str, recomputable: bool = False, parts: int = 0, inputs: int = 0,
+               compiled: bool = False) -> GroupT | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,
-        opened as one group only where the plan recomputes it whole (else ``None``: nothing)."""
+        opened as one group only where the plan recomputes it whole (else ``None``: nothing);
+        ``compiled``: a recomputable module running compiled code, recomputed plainly only."""
         if compat.in_backward():
             # Activation checkpointing re-runs a forward inside backward, under hooks of its
             # own that must see what it saves: a group opened there does nothing. (A backward pass
@@ -230,6 +232,8 @@ class Engine(Generic[GroupT, MovedT]):
         if links:
             group.link_tries = graph.LINK_TRIES
         group.position, group.recomputable, group.parts = position, recomputable, parts
+        if compiled:
+            group.compiled = True
         if self._prefetches:
             self._last_group = weakref.ref(group)
         if outer is not None:
@@ -240,7 +244,7 @@ class Engine(Generic[GroupT, MovedT]):
                 group.release_inputs = group.recompute and opening.release_inputs
                 group.kept_whole = opening.keep_all and not group.recompute
                 group.guard_inputs = group.recompute and opening.guard_inputs
-                group.selective = group.recompute and opening.selective
+                group.selective = group.recompute and opening.selective and not compiled
                 group.selective_calls = opening.selective_calls if group.selective else None
                 group.selective_attention = group.selective and opening.selective_attention
             if "opened" in self._asks:
@@ -299,14 +303,12 @@ class Engine(Generic[GroupT, MovedT]):
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
     def _cut_short(self) -> bool:
-        """Whether an exception cut the step's forward short and every group it opened was let
-        go with its graph (R8): the forward opening now is the step's again, from its first
-        group, as after a batch skipped or retried. Where a group of the step lives on (an earlier
-        micro-batch's forward), the step goes on. Decided once per exception (the lock held)."""
-        if self._failures == self._step_failures or self._backward_began:
-            return False
-        self._step_failures = self._failures
-        return all(ref() is None for ref, _ in self._holders.values())
+        """Whether an exception cut the step's forward short since the step began (R8): the
+        forward opening now is the step's again, from its first group, as after a batch skipped
+        or retried. Told by the exception alone, not by whether the cut-short forward's groups
+        were freed yet: a copy still in flight may hold one a while, and the step's beginning
+        must not depend on when it completes."""
+        return self._failures > self._step_failures and not self._backward_began
 
     def _begin_step_if_new(self) -> None:
         """A group opening after a backward pass began (or the first ever, or after an exception
@@ -351,7 +353,8 @@ class Engine(Generic[GroupT, MovedT]):
     def _checkpoint_contexts(self, group: GroupT) -> tuple[Any, Any]:
         """``context_fn`` for the activation checkpointing the plan runs ``group`` under."""
         return checkpointing.contexts(group, self.plan.checkpoint_saves_observer(group),
-                                      partial(self._recomputation, group), self.plan.op_meter(group),
+                                      partial(self._recomputation, group),
+                                      self.plan.op_meter(group) if not group.compiled else None,
                                       (partial(self._pack, group), self._unpack))
 
     def _recomputation(self, group: GroupT) -> Any:

@@ -90,20 +90,22 @@ class ObserverHandle:
 class GroupContext:
     """Context manager returned by :meth:`Offloader.group`."""
 
-    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_group")
+    __slots__ = ("_offloader", "_name", "_recomputable", "_parts", "_inputs", "_compiled", "_group")
 
     def __init__(self, offloader: Offloader, name: str, recomputable: bool = False, parts: int = 0,
-                 inputs: int = 0):
+                 inputs: int = 0, compiled: bool = False):
         self._offloader = offloader
         self._name = name
         self._recomputable = recomputable  # ao.wrap's groups: the module can be run again
+        self._compiled = compiled  # ... and runs compiled code: never under a dispatch mode
         # ao.wrap's modules given with parts: a group only when run whole, saving ``inputs`` bytes
         self._parts, self._inputs = parts, inputs
         self._group: Any = None  # the group it opened, until it closes
 
     def open(self) -> GroupContext:
         """``__enter__`` for callers already kept out of ``torch.compile`` (``ao.wrap``)."""
-        self._group = self._offloader._enter(self._name, self._recomputable, self._parts, self._inputs)
+        self._group = self._offloader._enter(self._name, self._recomputable, self._parts, self._inputs,
+                                             self._compiled)
         return self
 
     __enter__ = compat.not_traced(open)

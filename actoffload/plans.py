@@ -114,7 +114,7 @@ class Plan:
 
     def step_begins(self) -> None:
         """A step's first group is opening (the first after a backward pass began, or after an
-        exception cut the step's forward short and its groups were let go)."""
+        exception closed a group: the step's forward was cut short)."""
 
     def group_failed(self) -> None:
         """An exception closed a group: the forward it ran in was cut short (R8)."""

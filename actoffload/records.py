@@ -148,6 +148,7 @@ class Group:
     link_tries = 0
     position = 0  # its place among the groups of its step
     recomputable = False  # a wrapped module: it can run under activation checkpointing
+    compiled = False  # ... compiled, or with a compiled submodule: never run under a dispatch mode (wrapping.py)
     parts = 0  # a module opened whole in place of its parts, this many (a memory plan's)
     recompute = False  # it does: its plan says so (plans.Opening)
     selective = False  # recomputed, it keeps its costly ops' outputs and runs only the rest again (selective.py)

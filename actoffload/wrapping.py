@@ -274,8 +274,9 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         if cache:
             _say_a_cache_rules_out_recomputing(w.off, w.name)
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
-                        and not cache and self not in _WRITES_INPUTS and not _runs_compiled(self))
-        group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs)
+                        and not cache and self not in _WRITES_INPUTS)
+        group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs,
+                      recomputable and _runs_compiled(self))  # (positional: not_traced takes no keywords)
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 inner = w.own_forward if w.own_forward is not None else functools.partial(base.forward, self)
@@ -383,11 +384,12 @@ def _updates_stats(norms: list[torch.nn.modules.batchnorm._NormBase]) -> bool:
 
 
 def _runs_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or a submodule is compiled (``torch.compile(m)``, ``m.compile()``). A
-    plan's recomputation may run under a dispatch mode (profiling meters its ops; a selective
-    recomputation picks what to keep), and Dynamo, meeting one, runs the compiled code eagerly
-    and marks it never to compile again, for every module compiled alike in the process. Asked
-    at each call (about 8 us for a decoder layer): a submodule may be compiled after wrapping."""
+    """Whether ``module`` or a submodule is compiled (``torch.compile(m)``, ``m.compile()``): its
+    group is then recomputed plainly, never under a dispatch mode (a budget's profiling meters
+    the ops of a recomputed forward with one; a selective recomputation picks what to keep with
+    one), since Dynamo, meeting one, runs the compiled code eagerly and marks it never to compile
+    again, for every module compiled alike in the process. Asked at each call of a recomputable
+    module (about 8 us for a decoder layer): a submodule may be compiled after wrapping."""
     return any(isinstance(m, compat.compiled_module_class()) or m._compiled_call_impl is not None
                for m in module.modules())
 
@@ -538,11 +540,11 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
 
 @compat.not_traced
 def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int,
-          args: tuple[Any, ...], kwargs: dict[str, Any]) -> GroupContext:
+          args: tuple[Any, ...], kwargs: dict[str, Any], compiled: bool) -> GroupContext:
     inputs = _input_bytes(args, kwargs) if parts else 0
     if off.plan.wants_inputs and not compat.in_backward():  # a memory budget's step signature
         off.plan.step_inputs(args, kwargs, module)
-    group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs).open()
+    group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs, compiled=compiled).open()
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a
     # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)
     if group.opened:

@@ -143,9 +143,11 @@ def test_compile_with_group_inside_a_compiled_function_runs_it_eagerly_and_exact
 
 def test_compile_blocks_compiled_before_wrapping_stay_compiled_under_a_budget_and_elsewhere():
     """Blocks compiled before they are wrapped (``torch.compile(block)``: Dynamo's module) are
-    kept or moved by a budget's plan, never recomputed: its profiling meters their ops under a
-    dispatch mode, and Dynamo, meeting one, runs the compiled code eagerly and never compiles
-    it again, for every module compiled alike in the process (docs/semantics.md)."""
+    recomputed plainly under a budget, never under a dispatch mode: a budget's profiling meters
+    a recomputed forward's ops with one (and a selective recomputation picks what to keep with
+    one), and Dynamo, meeting one, runs the compiled code eagerly and never compiles it again,
+    for every module compiled alike in the process (docs/semantics.md). Unmetered, no plan
+    recomputes them selectively."""
     def compiled(counter):
         model = Model()
         model.blocks = torch.nn.ModuleList(torch.compile(b, backend=counter) for b in model.blocks)
@@ -158,11 +160,14 @@ def test_compile_blocks_compiled_before_wrapping_stay_compiled_under_a_budget_an
     model = compiled(counter)
     off = ao.Offloader(impl="fast", device="cpu", memory_budget="1GB", min_offload_bytes=0)
     handle = ao.wrap(model.blocks, off)
-    got = _steps(model, model, 0, 3)
+    got = _steps(model, model, 0, 1)
+    assert all(g["recomputed"] for g in off.stats()["groups"].values())  # profiling: recomputed, plainly
+    got += _steps(model, model, 1, 2)
     handle.remove()
     _assert_bitwise(got, expected)
     assert counter.frame_count >= 1  # its blocks ran compiled
     assert off.stats()["plan"]["state"] == "settled"
+    assert [g.costly for g in off.plan.controller.profile.groups] == [None] * 3  # not metered: never selective
     later_counter = CompileCounterWithBackend("inductor")
     later = compiled(later_counter)
     _steps(later, later, 0, 1)

@@ -763,6 +763,13 @@ class BudgetController:
         g = profile.groups[position]
         return g.attention_calls if attention_only else g.costly_calls
 
+    def unmetered(self, position: int) -> None:
+        """The group at ``position`` runs compiled code: its ops are not metered (profiling), so
+        that no plan recomputes it selectively (both run the forward under a dispatch mode)."""
+        step = self._step
+        if step is not None and position < len(step.groups):
+            step.groups[position].meter = None
+
     def op_meter(self, position: int) -> OpMeter | None:
         """The meter of the costly ops of the group at ``position`` (profiling), else ``None``."""
         step = self._step

@@ -157,6 +157,8 @@ class BudgetPlan(Plan):
 
     def opened(self, group: Group) -> None:
         group.plan_state, self._opening = self._opening, None
+        if group.compiled and group.plan_state is not None:  # recomputed plainly: no meter, so never selective
+            group.plan_state.controller.unmetered(group.plan_state.position)
 
     def closing(self, group: Group) -> None:
         group.plan_state.controller.group_closing(group.plan_state.position)
@@ -199,7 +201,7 @@ class BudgetPlan(Plan):
 
     def group_failed(self) -> None:
         # the forward may be run again (a batch retried or skipped): its first inputs are read
-        # again, for the step it begins once every group it opened was let go
+        # again, for the step its next group begins
         self.wants_inputs = True
 
     def backward_begins(self) -> None:
