@@ -304,19 +304,20 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _cut_short(self) -> bool:
         """Whether an exception cut the step's forward short since the step began (R8): the
-        forward opening now is the step's again, from its first group, as after a batch skipped
-        or retried. Told by the exception alone, not by whether the cut-short forward's groups
-        were freed yet: a copy still in flight may hold one a while, and the step's beginning
-        must not depend on when it completes."""
+        forward opening now begins a step for the plan, from its first group, as after a batch
+        skipped or retried. Told by the exception alone, not by whether the cut-short forward's
+        groups were freed yet: a copy still in flight may hold one a while, and the step's
+        beginning must not depend on when it completes."""
         return self._failures > self._step_failures and not self._backward_began
 
     def _begin_step_if_new(self) -> None:
         """A group opening after a backward pass began (or the first ever, or after an exception
         cut the forward short: :meth:`_cut_short`) begins a step."""
         with self._lock:
-            cut_short = self._cut_short()
-            new_step = self._backward_began or not self._in_step or cut_short
-            if self._backward_began or cut_short:
+            # (a step cut short keeps its window: the cut-short forward's groups are let go as R8
+            # says, by their graphs, and their names given again once they are)
+            new_step = self._backward_began or not self._in_step or self._cut_short()
+            if self._backward_began:
                 self._window.clear()
                 self._holders.clear()
                 self._opened.clear()
