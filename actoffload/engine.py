@@ -77,6 +77,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
         self._step_failures = 0  # ... when the step began (or was last found to go on: _cut_short)
+        self._step_first: str | None = None  # the name the step's first group was opened with
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
         self._last_opened: dict[str, int] = {}  # the name given -> the number of its latest opening
@@ -199,13 +200,13 @@ class Engine(Generic[GroupT, MovedT]):
         if outer is not None and not compat.hooks_own_saves(outer):
             outer = None  # other hooks (a tool watching saves): the group's own take precedence
         if parts:
-            self._begin_step_if_new()  # the plan to ask is this step's
+            self._begin_step_if_new(name)  # the plan to ask is this step's
             if outer is not None or not (recomputable and self.plan.runs_whole(parts, inputs)):
                 return None
         if self._pending:  # (a group is only added by this thread: read without the lock)
             self._advance_schedule(opening=True)
         if self._backward_began or not self._in_step or self._failures > self._step_failures:  # (read again under the lock)
-            self._begin_step_if_new()
+            self._begin_step_if_new(name)
         if self._tells_opening:
             self._group_opening()
         if outer is None:
@@ -302,21 +303,27 @@ class Engine(Generic[GroupT, MovedT]):
         depth = self._prefetch_depth()
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
-    def _cut_short(self) -> bool:
-        """Whether an exception cut the step's forward short since the step began (R8): the
-        forward opening now begins a step for the plan, from its first group, as after a batch
-        skipped or retried. Told by the exception alone, not by whether the cut-short forward's
-        groups were freed yet: a copy still in flight may hold one a while, and the step's
-        beginning must not depend on when it completes."""
-        return self._failures > self._step_failures and not self._backward_began
+    def _cut_short(self, name: str) -> bool:
+        """Whether an exception cut the step's forward short since the step began, and the group
+        opening now, ``name``, opens the step's first group again (R8): the forward began again,
+        a batch skipped or retried, and begins a step for the plan, from its first group. Another
+        group goes on with the forward that caught the exception (a fallback inside the model's
+        forward). Decided once per exception (the lock held), by the exception and the name alone,
+        not by whether the cut-short forward's groups were freed yet: a copy still in flight may
+        hold one a while, and the step's beginning must not depend on when it completes."""
+        if self._failures == self._step_failures or self._backward_began:
+            return False
+        self._step_failures = self._failures
+        return name == self._step_first
 
-    def _begin_step_if_new(self) -> None:
-        """A group opening after a backward pass began (or the first ever, or after an exception
-        cut the forward short: :meth:`_cut_short`) begins a step."""
+    def _begin_step_if_new(self, name: str) -> None:
+        """A group opening (``name``) after a backward pass began (or the first ever, or after an
+        exception cut the forward short: :meth:`_cut_short`) begins a step."""
         with self._lock:
             # (a step cut short keeps its window: the cut-short forward's groups are let go as R8
             # says, by their graphs, and their names given again once they are)
-            new_step = self._backward_began or not self._in_step or self._cut_short()
+            cut_short = self._cut_short(name)
+            new_step = self._backward_began or not self._in_step or cut_short
             if self._backward_began:
                 self._window.clear()
                 self._holders.clear()
@@ -327,9 +334,11 @@ class Engine(Generic[GroupT, MovedT]):
                 self._backward_began = False
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
             if new_step:
-                self._step_failures = self._failures
+                self._step_failures, self._step_first = self._failures, name
         if new_step:
             marks.new_step()
+            if cut_short:
+                self.plan.forward_cut_short()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
             self._asks = self.plan.acts_at()
             with self._lock:
@@ -372,6 +381,11 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:
+            # a group the plan ran without hooks (it keeps everything) cut short all the same; not a
+            # recomputation in backward, which checkpoint stops early with an exception of its own
+            if failed and not compat.in_backward():
+                self._failures += 1
+                self.plan.group_failed()
             return
         _open_on.pop(threading.get_ident(), None)
         compat.pop_saved_tensors_hooks()

@@ -99,6 +99,12 @@ class Plan:
     def __init__(self) -> None:
         self.offloader: Engine | None = None
 
+    @property
+    def decides_openings(self) -> bool:
+        """Whether this plan says what a group does as it opens (its class overrides
+        :meth:`opening`): only such a plan recomputes a group."""
+        return type(self).opening is not Plan.opening
+
     def acts_at(self) -> frozenset[str]:
         """The points (:data:`POINTS`) where this plan acts now: the engine asks it only there,
         reading this when the plan is attached and at the beginning of each step (a step may open
@@ -117,7 +123,12 @@ class Plan:
         exception closed a group: the step's forward was cut short)."""
 
     def group_failed(self) -> None:
-        """An exception closed a group: the forward it ran in was cut short (R8)."""
+        """An exception closed a group: the forward it ran in was cut short, unless it catches
+        the exception itself (R8)."""
+
+    def forward_cut_short(self) -> None:
+        """The step's forward was cut short by an exception and began again (R8): its step is
+        over, without a backward pass; :meth:`step_begins` comes next."""
 
     def step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None) -> None:
         """``module``, given to ``ao.wrap``, is called with ``args`` and ``kwargs`` (outside

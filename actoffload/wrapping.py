@@ -275,8 +275,8 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             _say_a_cache_rules_out_recomputing(w.off, w.name)
         recomputable = (not torch.compiler.is_compiling() and not _updates_stats(w.norms)
                         and not cache and self not in _WRITES_INPUTS)
-        group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs,
-                      recomputable and _runs_compiled(self))  # (positional: not_traced takes no keywords)
+        group = _open(self, w.off, w.name, recomputable, w.parts, args, kwargs,  # (positional: not_traced takes no keywords)
+                      recomputable and w.off.plan.decides_openings and _runs_compiled(self))
         try:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 inner = w.own_forward if w.own_forward is not None else functools.partial(base.forward, self)
@@ -389,9 +389,11 @@ def _runs_compiled(module: torch.nn.Module) -> bool:
     the ops of a recomputed forward with one; a selective recomputation picks what to keep with
     one), since Dynamo, meeting one, runs the compiled code eagerly and marks it never to compile
     again, for every module compiled alike in the process. Asked at each call of a recomputable
-    module (about 8 us for a decoder layer): a submodule may be compiled after wrapping."""
-    return any(isinstance(m, compat.compiled_module_class()) or m._compiled_call_impl is not None
-               for m in module.modules())
+    module under a plan that may recompute it (about 8 us for a decoder layer): a submodule may
+    be compiled after wrapping. A function compiled on its own (``torch.compile(fn)``) that the
+    forward calls is not seen (docs/semantics.md, "Compiled code")."""
+    compiled = compat.compiled_module_class()
+    return any(isinstance(m, compiled) or m._compiled_call_impl is not None for m in module.modules())
 
 
 def _appends_to_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -1,6 +1,7 @@
 """fast with a memory_budget: profile, plan, run the plan; every action bitwise equal to no
 offloading (CPU: memory is the bytes the groups save; the measured peak is CUDA's)."""
 
+import contextlib
 import gc
 
 import pytest
@@ -62,11 +63,19 @@ def test_budget_plans_fit_and_gradients_are_bitwise(budget):
                               "predicted_step_s", "measured_peak_bytes", "measured_step_s"}
 
 
-def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan():
-    """A forward cut short by an exception (a bad batch skipped, a retry: R8), its groups let go:
-    the next forward is the step's again, from its first group, on the plan it had (not the
-    plan's later groups, one position per group the cut-short forward opened), and the step
-    after it too; gradients bitwise."""
+def _cut_short(blocks, bad_at):
+    """A model's forward handed a bad input at block ``bad_at`` (what it computed goes with its frame)."""
+    h = torch.randn(64, D) * 1
+    for i, b in enumerate(blocks):
+        h = h + b(h if i != bad_at else h[:, :10])
+
+
+@pytest.mark.parametrize("bad_at", [2, 3])  # a group the plan moves; the last, which it keeps without hooks
+def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan(bad_at):
+    """A forward cut short by an exception (a bad batch skipped, a retry: R8): the next forward
+    is the step's again, from its first group, on the plan it had (not the plan's later groups,
+    one position per group the cut-short forward opened), and the step after it too; gradients
+    bitwise. So in a group the plan keeps without hooks."""
     blocks, expected = _blocks(), _blocks()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
     with ao.wrap(blocks, off):
@@ -74,21 +83,68 @@ def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan():
             assert_bitwise(_step(blocks, step), _step(expected, step))
         settled = off.stats()["plan"]
         assert settled["state"] == "settled" and len(settled["groups"]) == 4
-
-        def cut_short():  # a model's forward: what it computed goes with its frame
-            h = torch.randn(64, D) * 1
-            for i, b in enumerate(blocks):
-                h = h + b(h if i < 2 else h[:, :10])  # the third block is handed a bad input
-
+        assert [g["action"] for g in settled["groups"]] == ["offload"] * 3 + ["keep"]
         for failures in range(1, 3):  # once, then twice in a row
             for _ in range(failures):
                 with pytest.raises(RuntimeError, match="cannot be multiplied"):
-                    cut_short()
+                    _cut_short(blocks, bad_at)
             for step in range(2):
                 assert_bitwise(_step(blocks, step), _step(expected, step))
                 plan = off.stats()["plan"]
                 assert plan["state"] == "settled" and plan["groups"] == settled["groups"]
                 assert list(off.stats()["groups"]) == ["0", "1", "2"]  # the kept last group has no hooks
+
+
+@pytest.mark.parametrize("cut_at", range(PROFILE_STEPS))
+def test_budget_a_profiling_step_cut_short_is_measured_again(cut_at):
+    """A profiling step whose forward an exception cut short measured part of a step: dropped
+    (as a step whose backward raised), and its workload profiled on whole steps."""
+    blocks, expected, states = _blocks(), _blocks(), []
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 2):
+            if step == cut_at:
+                with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                    _cut_short(blocks, 2)
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+            states.append(off.stats()["plan"]["state"])
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 2
+    assert len(off.plan.controller.profile.groups) == 4 and off.stats()["plan"]["workload"]["kept"] == 1
+
+
+def test_budget_an_exception_a_forward_catches_itself_goes_on_with_its_step():
+    """A fallback inside the model's forward (a group raises, the forward catches the exception
+    and goes on): the same step, each group at its own position of the plan, which settles and
+    stays within the budget; gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+
+    def step(bs, seed, by_hand=None):
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        h = x * 1
+        for i, b in enumerate(bs):
+            if i == 2:
+                try:
+                    with by_hand.group("fallback") if by_hand is not None else contextlib.nullcontext():
+                        torch.nn.functional.gelu(h).square().sum()
+                        raise RuntimeError("not supported here: fall back")
+                except RuntimeError:
+                    pass
+            h = h + b(h)
+        h.square().sum().backward()
+        out = [x.grad] + [p.grad.clone() for p in bs.parameters()]
+        for p in bs.parameters():
+            p.grad = None
+        return out
+
+    with ao.wrap(blocks, off):
+        plans = []
+        for s in range(PROFILE_STEPS + 3):
+            assert_bitwise(step(blocks, s, off), step(expected, s))
+            plans.append(off.stats()["plan"])
+    assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"] * 3
+    assert all(p["groups"] == plans[-1]["groups"] and p["predicted_peak_bytes"] <= 3 * GROUP_BYTES
+               for p in plans[PROFILE_STEPS:])
 
 
 def test_budget_a_host_budget_its_profiling_steps_exceed_says_to_raise_it():

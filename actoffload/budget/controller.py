@@ -219,6 +219,7 @@ class BudgetController:
         self._position = 0
         self._bandwidth: tuple[float, float] | None = None
         self._awaiting_end = False  # a backward pass of this step reached a group and has not ended
+        self._cut_short = False  # this step's forward was cut short by an exception and began again
         self._last_span: tuple[Any, Any] | None = None  # (start, end) marks of the latest step
         self._calibrated = 0  # times the model was corrected from a measured step
         self._kept_first: dict[int, int] = {}  # position -> bytes a kept group saved the first time
@@ -527,7 +528,7 @@ class BudgetController:
         step's measurements become the profile now, not when this workload's next step begins,
         so that a workload never seen, beginning next, can be predicted from it. (Not at the end
         of the backward pass: a step may run several, one per micro-batch.)"""
-        if self._step is not None and not self._awaiting_end:
+        if self._step is not None and not self._awaiting_end and not self._cut_short:
             self._finish_profiling(self._probe.mark())
 
     def step_begins(self, may_raise: bool = True) -> None:
@@ -542,7 +543,9 @@ class BudgetController:
 
     def _step_begins(self) -> None:
         now = self._probe.mark()
-        unfinished, self._awaiting_end = self._awaiting_end, False  # its backward raised
+        # its backward raised, or its forward was cut short: what it measured is no step's
+        unfinished = self._awaiting_end or self._cut_short
+        self._awaiting_end = self._cut_short = False
         self._step_number += 1
         if not self._lighter_now:
             self._lighter_steps = 0
@@ -762,6 +765,12 @@ class BudgetController:
             return None
         g = profile.groups[position]
         return g.attention_calls if attention_only else g.costly_calls
+
+    def forward_cut_short(self) -> None:
+        """This step's forward was cut short by an exception and begins again: what it measured
+        is dropped as the next step begins (a profiling step profiles again), as for a step whose
+        backward raised."""
+        self._cut_short = True
 
     def unmetered(self, position: int) -> None:
         """The group at ``position`` runs compiled code: its ops are not metered (profiling), so

@@ -199,6 +199,10 @@ class BudgetPlan(Plan):
     def reached(self, group: Group) -> None:
         group.plan_state.controller.backward_reaches(group.plan_state.position)
 
+    def forward_cut_short(self) -> None:
+        if self.workloads is not None or self._fixed is not None:
+            self.controller.forward_cut_short()
+
     def group_failed(self) -> None:
         # the forward may be run again (a batch retried or skipped): its first inputs are read
         # again, for the step its next group begins
