@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from actoffload.tools import auto_check
@@ -28,3 +29,15 @@ def test_an_out_of_memory_error_is_reported_not_raised():
 
     assert auto_check._runs_out(runs_out) == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert auto_check._runs_out(lambda: None) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/no/such.json"], "does not exist"),
+])
+def test_auto_check_refuses_bad_arguments_before_it_runs(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(auto_check, "check", lambda *a, **k: pytest.fail("it ran"))
+    with pytest.raises(SystemExit) as e:
+        auto_check.main([a.format(tmp=tmp_path) for a in argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -249,8 +249,9 @@ def test_latest_results_goes_by_the_date_inside_not_the_name(tmp_path):
     def write(name, date, **extra):
         (tmp_path / name).write_text(json.dumps({"env": {"gpu": "H100", "date": date}, **extra}))
 
-    write("H100-2026-11-26-0039199.json", "2026-11-26T05:03:13+00:00")
-    write("H100-2026-11-26-f52afd6.json", "2026-11-26T03:27:11+00:00")  # last by name, older by date
+    write("H100-2026-11-26-0039199.json", "2026-11-26T05:03:13+00:00", quick=False)
+    write("H100-2026-11-26-f52afd6.json", "2026-11-26T03:27:11+00:00", quick=False)  # last by name, older by date
+    write("H100-2026-11-29-bbbbbbb-budget-sweep.json", "2026-11-29T00:00:00+00:00", workloads=[])  # another tool's
     write("H100-2026-11-27-aaaaaaa-quick.json", "2026-11-27T00:00:00+00:00", quick=True)  # quick: not a full run
     (tmp_path / "H100-2026-11-28-summary.json").write_text('{"gpu": "H100"}')  # no env: another kind of file
     assert bench.latest_results(tmp_path).name == "H100-2026-11-26-0039199.json"

@@ -145,10 +145,16 @@ def test_only_names_a_workload_of_any_set(capsys):
     (["--out", "{tmp}"], "--out {tmp}: is a folder"),
     (["--plot", "{tmp}/no/x.png"], "--plot {tmp}/no/x.png: folder '{tmp}/no' does not exist"),
     (["--only", ","], "--only: no workload ''"),
+    # a loop sweep's results have workloads too, not a budget sweep's
+    (["--include", "{tmp}/loops.json"], "--include {tmp}/loops.json: not a budget sweep's results (its workloads"),
+    (["--include", "{tmp}/dict.json"], "--include {tmp}/dict.json: not a budget sweep's results (its workloads"),
 ])
 def test_results_paths_and_names_are_checked_before_any_workload_runs(tmp_path, monkeypatch, capsys, flags, message):
-    """A results file that cannot be written is said before the sweep, not as a traceback when the
-    first workload's results are saved (hours in on a GPU)."""
+    """A results file that cannot be written, or one to include that is another tool's, is said
+    before the sweep, not as a traceback when the first workload's results are saved (hours in
+    on a GPU)."""
+    (tmp_path / "loops.json").write_text('{"workloads": [{"workload": "llama", "variable_length": {}}]}')
+    (tmp_path / "dict.json").write_text('{"workloads": {"llama": 1}}')
     monkeypatch.setattr(bs, "sweep", lambda *a, **k: pytest.fail("a workload ran"))
     with pytest.raises(SystemExit) as e:
         bs.main(["--small"] + [f.format(tmp=tmp_path) for f in flags])

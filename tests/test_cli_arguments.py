@@ -89,8 +89,8 @@ def test_demo_plot_folder_and_file_are_checked(tmp_path, monkeypatch, capsys):
     assert "is a folder" in _usage_error(CPU + ["--plot", str(tmp_path)], capsys)
     assert "must end in a format matplotlib writes, such as .png" in _usage_error(
         CPU + ["--plot", str(tmp_path / "p.xyz")], capsys)
-    monkeypatch.setattr(arguments.os, "access", lambda path, mode: False)  # root may write anywhere
-    assert _usage_error(CPU + ["--plot", str(tmp_path / "p.png")], capsys).endswith("(no permission)")
+    monkeypatch.setattr(arguments, "_can_write_in", lambda folder: False)  # root may write anywhere
+    assert "cannot write there (no permission" in _usage_error(CPU + ["--plot", str(tmp_path / "p.png")], capsys)
 
 
 def test_demo_plot_without_matplotlib_fails_before_training(monkeypatch, tmp_path, capsys):
@@ -126,6 +126,7 @@ def test_bench_refuses_a_bad_section(extra, message, capsys):
     (b"\xff\xfe\x00", "is not JSON"),
     ('{"a": 1}', "is not a results file of 'actoffload bench'"),
     ('[1, 2]', "is not a results file of 'actoffload bench'"),
+    ('{"env": {"date": "2026-11-30"}, "workloads": []}', "another tool's"),  # a sweep's results
 ])
 def test_bench_refuses_a_bad_compare_file(tmp_path, content, message, capsys):
     path = tmp_path / "old.json"
@@ -142,8 +143,25 @@ def test_bench_refuses_a_bad_compare_file(tmp_path, content, message, capsys):
 def test_bench_refuses_an_out_folder_it_cannot_make(tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
     assert "cannot make this folder" in _usage_error(["bench", "--out", str(tmp_path / "file" / "sub")], capsys)
-    monkeypatch.setattr(arguments.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(arguments, "_can_write_in", lambda folder: False)
     assert "no permission" in _usage_error(["bench", "--out", str(tmp_path / "new")], capsys)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="a file system that takes no files: Linux's /proc")
+def test_an_out_path_is_tried_not_judged_by_its_permission_bits():
+    """Permission bits say yes to root, and /proc's say a folder may be written: making a file
+    there, before the work, says no (where otherwise the results were lost after the run)."""
+    with pytest.raises(arguments.UsageError, match="cannot write there"):
+        arguments.out_file("--out", "/proc/results.json")
+    with pytest.raises(arguments.UsageError, match="cannot write in '/proc'"):
+        arguments.out_folder("--out", "/proc/results")
+
+
+def test_an_out_file_that_exists_is_left_as_it_was(tmp_path):
+    target = tmp_path / "old.json"
+    target.write_text("kept")
+    assert arguments.out_file("--out", str(target)) == str(target)
+    assert target.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
 
 
 def test_bench_out_folder_is_made_only_when_results_are_written(tmp_path):

@@ -9,7 +9,7 @@ one-line message that names it.
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,9 +224,28 @@ def out_file(flag: str, path: str) -> str:
         raise UsageError(f"{flag} {path}: folder {str(folder)!r} does not exist")
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name in it")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f"{flag} {path}: cannot write there (no permission)")
+    if not _can_write_in(folder) or (target.exists() and not _can_append(target)):
+        raise UsageError(f"{flag} {path}: cannot write there (no permission, or a file system that takes no files)")
     return path
+
+
+def _can_write_in(folder: Path) -> bool:
+    """Whether a file can be made in ``folder``, by making one (and removing it): permission bits
+    say yes to root, and to file systems that take no files (``/proc``)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".actoffload-check-"):
+            return True
+    except OSError:
+        return False
+
+
+def _can_append(target: Path) -> bool:
+    """Whether the existing file ``target`` opens for writing (appending nothing: it is not changed)."""
+    try:
+        with open(target, "ab"):
+            return True
+    except OSError:
+        return False
 
 
 def plot_file(path: str) -> str:
@@ -328,8 +347,9 @@ def out_folder(flag: str, out: str) -> Path:
         existing = existing.parent
     if not existing.is_dir():
         raise UsageError(f"{flag} {out}: cannot make this folder: {str(existing)!r} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {out}: cannot write in {str(existing)!r} (no permission)")
+    if not _can_write_in(existing):
+        raise UsageError(f"{flag} {out}: cannot write in {str(existing)!r} (no permission, or a file system "
+                         "that takes no files)")
     return folder
 
 

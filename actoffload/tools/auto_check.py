@@ -188,11 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     from .determinism import use_deterministic
     from .provenance import describe, results_json
 
-    p = argparse.ArgumentParser(prog="python -m actoffload.tools.auto_check", description=__doc__.split("\n")[0])
+    from .arguments import UsageError, out_file
+
+    p = argparse.ArgumentParser(prog="python -m actoffload.tools.auto_check",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", help="results JSON")
     p.add_argument("--small", action="store_true", help="a tiny model (the CPU always uses it)")
     p.add_argument("--steps", type=int, default=16, help="steps of each run (profiling and settling included)")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: must be at least 1")
+    if args.out:
+        try:
+            out_file("--out", args.out)
+        except UsageError as e:
+            p.error(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_deterministic(True)
     res = {"env": describe(device), **check(device, args.small or device.type != "cuda", args.steps)}

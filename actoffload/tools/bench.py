@@ -369,6 +369,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(data, dict) or not isinstance(data.get("env"), dict) or "date" not in data["env"]:
         raise ValueError(f"{path} is not a results file of 'actoffload bench' (no 'env' with a 'date')")
+    if "quick" not in data:  # every bench run says whether it was quick; the sweeps' results do not
+        raise ValueError(f"{path} is not a results file of 'actoffload bench' (another tool's: it says nothing "
+                         "of 'quick')")
     return data
 
 
@@ -386,11 +389,9 @@ def latest_results(folder: str | Path) -> Path | None:
             res = load_results(path)
             date = dt.datetime.fromisoformat(res["env"]["date"])
         except (ValueError, TypeError):
-            continue  # another kind of JSON (a summary, a conformance run)
+            continue  # another kind of JSON (a summary, a conformance run, a sweep's results)
         if date.tzinfo is None:
             date = date.replace(tzinfo=dt.timezone.utc)  # describe() writes UTC
-        if "workloads" in res:  # a budget sweep's results, not bench's
-            continue
         if not res.get("quick") and (best is None or date > best[0]):
             best = (date, path)
     return best[1] if best else None

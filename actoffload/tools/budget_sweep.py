@@ -516,6 +516,23 @@ def budget_peak(r: dict[str, Any], every_step: bool = False) -> int:
     return reserved or (_every_step_peak(r) if every_step else r["peak_bytes"])
 
 
+def sweep_workloads(doc: Any) -> list[dict[str, Any]]:
+    """The workloads of a budget sweep's results (``doc``, read from its JSON), or ``ValueError``
+    naming what makes them another tool's (a loop sweep's workloads have no methods at their top).
+
+    Example::
+
+        earlier = sweep_workloads(json.load(open("earlier.json")))
+    """
+    workloads = doc["workloads"]
+    if not isinstance(workloads, list) or not all(
+            isinstance(w, dict) and "workload" in w and ("error" in w or {"methods", "budgets"} <= w.keys())
+            for w in workloads):
+        raise ValueError("its workloads are not a budget sweep's: each names its workload and has its methods "
+                         "and budgets")
+    return workloads
+
+
 def verdicts(workload: dict[str, Any]) -> dict[str, Any]:
     """The sweep's questions, answered from one workload's figures."""
     m = workload["methods"]
@@ -662,8 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.include:
         try:
             with open(path) as f:
-                earlier += json.load(f)["workloads"]
-        except (OSError, ValueError, KeyError) as e:
+                earlier += sweep_workloads(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"--include {path}: not a budget sweep's results ({e})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = args.small or device.type != "cuda"

@@ -32,8 +32,9 @@ def main() -> None:
                          args=SFTConfig(output_dir=out, max_length=16, **tiny.trainer_args()))
         handle = offload(sft, min_offload_bytes=0)  # the tiny model's activations are far under 1 MiB
         sft.train()
-        print(f"SFT: losses {tiny.losses(sft)}; the latest forward offloaded "
-              f"{handle.stats()['offloaded_bytes']} bytes ({', '.join(handle.checkpointed)} checkpointed)")
+        with handle:  # attached, as in each training step: what it checkpoints is listed then
+            print(f"SFT: losses {tiny.losses(sft)}; the latest forward offloaded "
+                  f"{handle.stats()['offloaded_bytes']} bytes ({', '.join(handle.checkpointed)} checkpointed)")
 
         dpo = DPOTrainer(model=model, ref_model=create_reference_model(model), processing_class=tok,
                          train_dataset=tiny.preference_dataset(),
