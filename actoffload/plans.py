@@ -119,8 +119,8 @@ class Plan:
         self.offloader = offloader
 
     def step_begins(self) -> None:
-        """A step's first group is opening (the first after a backward pass began, or after an
-        exception closed a group: the step's forward was cut short)."""
+        """A step's first group is opening (the first after a backward pass began, or the step's
+        first group again after an exception cut its forward short: :meth:`forward_cut_short`)."""
 
     def group_failed(self) -> None:
         """An exception closed a group: the forward it ran in was cut short, unless it catches
