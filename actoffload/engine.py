@@ -77,7 +77,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
         self._step_failures = 0  # ... when the step began (or was last found to go on: _cut_short)
-        self._step_first: str | None = None  # the name the step's first group was opened with
+        self._step_first: str | None = None  # the name the step's first group with gradients on was opened with
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
         self._last_opened: dict[str, int] = {}  # the name given -> the number of its latest opening
@@ -207,6 +207,8 @@ class Engine(Generic[GroupT, MovedT]):
             self._advance_schedule(opening=True)
         if self._backward_began or not self._in_step or self._failures > self._step_failures:  # (read again under the lock)
             self._begin_step_if_new(name)
+        if self._step_first is None and torch.is_grad_enabled():  # (after an evaluation forward began the step)
+            self._step_first = name
         if self._tells_opening:
             self._group_opening()
         if outer is None:
@@ -290,6 +292,8 @@ class Engine(Generic[GroupT, MovedT]):
         not run again stays reported as it ran until the next one."""
         if name in self._gone:
             return True
+        if self._backward_began:
+            return False  # (decided as it began: the groups backward frees are not let go)
         holder = self._holders.get(name)
         if holder is None or holder[0]() is not None:
             return False
@@ -304,17 +308,20 @@ class Engine(Generic[GroupT, MovedT]):
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
     def _cut_short(self, name: str) -> bool:
-        """Whether an exception cut the step's forward short since the step began, and the group
-        opening now, ``name``, opens the step's first group again (R8): the forward began again,
-        a batch skipped or retried, and begins a step for the plan, from its first group. Another
-        group goes on with the forward that caught the exception (a fallback inside the model's
-        forward). Decided once per exception (the lock held), by the exception and the name alone,
-        not by whether the cut-short forward's groups were freed yet: a copy still in flight may
-        hold one a while, and the step's beginning must not depend on when it completes."""
+        """Whether an exception cut the step's forward short since the step began (R8): the group
+        opening now, ``name``, opens the step's first group again, and every group of the step
+        that saved something was let go with its graph. The forward began again, a batch skipped
+        or retried: it begins a step for the plan, from its first group. Where a group of the
+        step lives on, the step goes on: the forward caught the exception itself (a fallback;
+        its first module called again, or a module shared by every layer, opens a group of the
+        first one's name), or an earlier micro-batch's forward waits for its backward. (A copy
+        still in flight may hold a let-go group a while: the step then goes on, and its plan
+        re-plans, as it would for any step that opens more groups than planned.) Decided once per
+        exception (the lock held)."""
         if self._failures == self._step_failures or self._backward_began:
             return False
         self._step_failures = self._failures
-        return name == self._step_first
+        return name == self._step_first and all(ref() is None for ref, _ in self._holders.values())
 
     def _begin_step_if_new(self, name: str) -> None:
         """A group opening (``name``) after a backward pass began (or the first ever, or after an
@@ -334,7 +341,8 @@ class Engine(Generic[GroupT, MovedT]):
                 self._backward_began = False
                 self._in_step = False  # until the plan has begun it (should it raise, the next group begins it)
             if new_step:
-                self._step_failures, self._step_first = self._failures, name
+                self._step_failures = self._failures
+                self._step_first = name if torch.is_grad_enabled() else None
         if new_step:
             marks.new_step()
             if cut_short:
@@ -382,8 +390,9 @@ class Engine(Generic[GroupT, MovedT]):
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:
             # a group the plan ran without hooks (it keeps everything) cut short all the same; not a
-            # recomputation in backward, which checkpoint stops early with an exception of its own
-            if failed and not compat.in_backward():
+            # recomputation in backward, which checkpoint stops early with an exception of its own,
+            # nor an evaluation forward's (no step's)
+            if failed and not compat.in_backward() and torch.is_grad_enabled():
                 self._failures += 1
                 self.plan.group_failed()
             return
@@ -398,8 +407,9 @@ class Engine(Generic[GroupT, MovedT]):
             # Never committed; it stays with its graph and is freed with it (R8).
             group.state = GroupState.ABORTED
             self._window.pop(group.name, None)
-            self._failures += 1
-            self.plan.group_failed()
+            if torch.is_grad_enabled():  # (an evaluation forward's is no step's)
+                self._failures += 1
+                self.plan.group_failed()
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary

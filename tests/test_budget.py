@@ -112,11 +112,16 @@ def test_budget_a_profiling_step_cut_short_is_measured_again(cut_at):
     assert len(off.plan.controller.profile.groups) == 4 and off.stats()["plan"]["workload"]["kept"] == 1
 
 
-def test_budget_an_exception_a_forward_catches_itself_goes_on_with_its_step():
+@pytest.mark.parametrize("shared", [False, True])  # (True: one block at every position, so every group is named "0")
+def test_budget_an_exception_a_forward_catches_itself_goes_on_with_its_step(shared):
     """A fallback inside the model's forward (a group raises, the forward catches the exception
-    and goes on): the same step, each group at its own position of the plan, which settles and
-    stays within the budget; gradients bitwise."""
-    blocks, expected = _blocks(), _blocks()
+    and goes on, its first module called again): the same step, each group at its own position
+    of the plan, which settles and stays within the budget, every group listed; bitwise."""
+    def model():
+        bs = _blocks()
+        return torch.nn.ModuleList([bs[0]] * 4) if shared else bs
+
+    blocks, expected = model(), model()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
 
     def step(bs, seed, by_hand=None):
@@ -129,7 +134,7 @@ def test_budget_an_exception_a_forward_catches_itself_goes_on_with_its_step():
                         torch.nn.functional.gelu(h).square().sum()
                         raise RuntimeError("not supported here: fall back")
                 except RuntimeError:
-                    pass
+                    h = h + bs[0](h)  # the first module again
             h = h + b(h)
         h.square().sum().backward()
         out = [x.grad] + [p.grad.clone() for p in bs.parameters()]
@@ -142,9 +147,29 @@ def test_budget_an_exception_a_forward_catches_itself_goes_on_with_its_step():
         for s in range(PROFILE_STEPS + 3):
             assert_bitwise(step(blocks, s, off), step(expected, s))
             plans.append(off.stats()["plan"])
+        listed = off.stats()["groups"]
     assert [p["state"] for p in plans] == ["profiling"] * PROFILE_STEPS + ["settled"] * 3
+    assert len(plans[-1]["groups"]) == 6  # one step: the four blocks, the fallback, the first block again
     assert all(p["groups"] == plans[-1]["groups"] and p["predicted_peak_bytes"] <= 3 * GROUP_BYTES
                for p in plans[PROFILE_STEPS:])
+    moved = [name for name, g in listed.items() if g["offloaded_bytes"]]
+    assert sum(g["offloaded_bytes"] for g in listed.values()) == off.stats()["offloaded_bytes"] > 0
+    assert moved[0] == "0"  # listed from the first group on, those before the caught exception too
+
+
+def test_budget_an_evaluation_forwards_exception_is_no_steps():
+    """An exception in an evaluation forward (``no_grad``) between steps cuts no training step
+    short: the profiling step before it stands, and the plan settles as without it."""
+    blocks, expected, states = _blocks(), _blocks(), []
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 2):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+            states.append(off.stats()["plan"]["state"])
+            if step == 0:
+                with torch.no_grad(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+                    _cut_short(blocks, 2)
+    assert states == ["profiling"] * PROFILE_STEPS + ["settled"] * 2
 
 
 def test_budget_a_host_budget_its_profiling_steps_exceed_says_to_raise_it():
