@@ -9,6 +9,7 @@ name, rather than somewhere deep in a training step.
 from __future__ import annotations
 
 import functools
+import importlib
 import operator
 import weakref
 from typing import Any, Callable, TypeVar
@@ -241,31 +242,25 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 
 
 @functools.cache
-def _fsdp_module_class() -> type | tuple[()]:
-    """FSDP2's module class, looked up once (asked of every submodule at every recomputed forward);
-    ``()`` where torch has no distributed package, which ``isinstance`` matches with nothing."""
+def _torch_class(module: str, name: str) -> type | tuple[()]:
+    """Class ``name`` of torch's ``module``, looked up once (asked of every submodule at every
+    call); ``()`` where this torch has none (built without distributed, say), which
+    ``isinstance`` matches with nothing."""
     try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without it
         return ()
-    return FSDPModule
 
 
-@functools.cache
 def compiled_module_class() -> type | tuple[()]:
-    """The class ``torch.compile(module)`` returns (Dynamo's ``OptimizedModule``), looked up once;
-    ``()`` where torch has none, which ``isinstance`` matches with nothing."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - a torch without Dynamo
-        return ()
-    return OptimizedModule
+    """The class ``torch.compile(module)`` returns (Dynamo's ``OptimizedModule``)."""
+    return _torch_class("torch._dynamo.eval_frame", "OptimizedModule")
 
 
 def parameters_swapped_by_fsdp(module: torch.nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) manages ``module``'s own parameters: it swaps them between
     sharded and gathered around each of its forwards, and gathers them again for a recomputation."""
-    return isinstance(module, _fsdp_module_class())
+    return isinstance(module, _torch_class("torch.distributed.fsdp", "FSDPModule"))
 
 
 def own_tensors(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -300,7 +300,7 @@ class Engine(Generic[GroupT, MovedT]):
         if self._failures > holder[1]:
             return True
         given, number = self._opened.get(name, (name, 0))
-        return not self._backward_began and self._last_opened.get(given, number) > number
+        return self._last_opened.get(given, number) > number
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
