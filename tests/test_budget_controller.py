@@ -4,6 +4,7 @@ the model promises are measured, and a step whose backward failed is dropped (CP
 is a fake the test drives, or the CPU's own)."""
 
 import collections
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -1842,3 +1843,20 @@ def test_controller_a_predicted_profile_searched_here_has_the_improved_plan_too(
     assert [p.key for p in predicted.plans] == [p.key for p in measured.plans]
     assert predicted.plan.key == measured.plan.key
     assert len(measured.plans) == len(search.candidates(profile)) + 2  # the improved plan, and the profiled one
+
+
+@pytest.mark.parametrize("factor", [1.2, 1.02])
+def test_controller_leaves_a_plan_clearly_slower_than_one_measured(factor):
+    """A plan being measured whose timed steps ran clearly slower than a plan measured (here the
+    plan moving nothing, tried after the first choice, which moves bytes) is left after its first
+    timed step: more would only confirm it. One within the noise is measured in full."""
+    profile, budget, c = _moving_preferred()
+    first = c.plan
+    _run(c, 12 * (TIMINGS + 1), lambda p: first.step_s if p.key == first.key else factor * first.step_s)
+    measured = _measured(c)
+    (still,) = (m for key, m in measured.items() if key != first.key)
+    assert not moves_bytes(profile, still.plan.groups)
+    # its first step pins host memory and is not timed; the next is
+    assert len(still.times) == (1 if factor > 1.05 else TIMINGS) and still.steps == len(still.times) + 1
+    assert still.step_s == statistics.median(still.times)
+    assert c.settled and c.plan.key == first.key and c.measured_plans()[0].steps > TIMINGS + 1

@@ -63,8 +63,8 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import (TIE, WORKLOAD_CHANGE, alike, base_tolerance, least_margin, new_workload, off_model,
-                         overshoot_margin)
+from .tolerances import (TIE, WORKLOAD_CHANGE, alike, base_tolerance, clearly_slower, least_margin, new_workload,
+                         off_model, overshoot_margin)
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -201,6 +201,7 @@ class BudgetController:
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (its first: see _at_its_pace)
+        self._left: set[PlanKey] = set()  # plans measured before TIMINGS steps: clearly slower than one measured
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
@@ -319,7 +320,7 @@ class BudgetController:
                 seen.add(k)
                 times = tuple(self._times.get(k, ()))
                 out.append(Measured(p, self._runs[k], self._peaks[k] + base if k in self._peaks else None, times,
-                                    statistics.median(times) if len(times) >= TIMINGS else None))
+                                    statistics.median(times) if len(times) >= TIMINGS or k in self._left else None))
         return out
 
     @property
@@ -493,6 +494,7 @@ class BudgetController:
         self._step, self._partial = None, None
         self._profile, self.profiled_peak, self._margin = profile, profiled_peak, 0
         self._peaks, self._times, self._runs, self._calibrated = {}, {}, {}, 0
+        self._left = set()
         self._unheld = set()
         self._kept_first, self._host_of, self._moves_of, self._host_bound = self._kept_carried, {}, {}, None
         self._kept_carried = {}
@@ -937,7 +939,7 @@ class BudgetController:
         runs = self._runs.get(key, 0)
         this_step = bool(self._untimed) and self._untimed[-1][1] is self._step_start
         if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and len(self._times.get(key, ())) < TIMINGS
-                and self._state is not State.REPLANNING):
+                and key not in self._left and self._state is not State.REPLANNING):
             if this_step:
                 self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass
             else:
@@ -1417,12 +1419,16 @@ class BudgetController:
         # keep a slower plan (on an H200 the MoE at 11.80 GiB left a plan after one step of
         # 158.9 ms, another moving nothing now rated faster, and settled on the 193.6 ms plan
         # measured before it)
+        # (but one clearly slower than a plan measured is left now: :meth:`_leaves`)
         running = self._plan
         if (self._probe.cuda and running is not None and running.key in self._runs
                 and running.key not in self._unheld and not self._timed(running)):
-            for p in fitting:
-                if p.key == running.key:
-                    return p
+            if self._leaves(running, fitting):
+                self._left.add(running.key)
+            else:
+                for p in fitting:
+                    if p.key == running.key:
+                        return p
         if self._pending is None and self._last_run not in self._unheld and self._reserve.bound_besides(self):
             # another workload sharing the allocator stays within the budget only on the cache as
             # it stands (bound to it: see reserve.py), and what this workload's plan leaves allocated
@@ -1542,12 +1548,20 @@ class BudgetController:
         return held
 
     def _timed(self, plan: MemoryPlan) -> bool:
-        """Measured: ``TIMINGS`` of its steps were timed."""
-        return len(self._times.get(plan.key, ())) >= TIMINGS
+        """Measured: ``TIMINGS`` of its steps were timed, or fewer that left it (:meth:`_leaves`)."""
+        return len(self._times.get(plan.key, ())) >= TIMINGS or plan.key in self._left
 
     def _measured_keys(self) -> set[PlanKey]:
         """The plans :meth:`_timed` says are measured (a few), to look candidates up in (hundreds)."""
-        return {key for key, times in self._times.items() if len(times) >= TIMINGS}
+        return {key for key, times in self._times.items() if len(times) >= TIMINGS} | self._left
+
+    def _leaves(self, plan: MemoryPlan, fitting: list[MemoryPlan]) -> bool:
+        """Whether ``plan``, being measured, is measured already: each of its steps timed so far
+        ran clearly slower than a plan measured that fits (:func:`~.tolerances.clearly_slower`),
+        which its further steps would only confirm, each at that cost."""
+        measured = self._measured_keys()
+        times = [self._time_of(p) for p in fitting if p.key in measured and p.key != plan.key]
+        return bool(times) and clearly_slower(self._times.get(plan.key, []), min(times))
 
     def _pace(self, plan: MemoryPlan) -> float:
         """A plan's step time: measured where it was, else modelled."""
@@ -1560,9 +1574,11 @@ class BudgetController:
         return statistics.median(self._times[plan.key])
 
     def _measurement_pending(self) -> bool:
-        """Whether the steps waiting to be timed complete a plan's measurement."""
+        """Whether the steps waiting to be timed complete a plan's measurement, or may (a plan
+        timed beside one measured may be left after any of its steps: :meth:`_leaves`)."""
         counts = collections.Counter(k for k, _, _ in self._untimed)
-        return any(len(self._times.get(k, ())) + n >= TIMINGS for k, n in counts.items())
+        beside = any(len(t) >= TIMINGS for t in self._times.values())
+        return any(len(self._times.get(k, ())) + n >= TIMINGS or beside for k, n in counts.items())
 
     def _time_steps(self, wait: bool = False) -> None:
         """Record the times of the planned steps the device has finished, in order (``wait``:
@@ -1576,7 +1592,7 @@ class BudgetController:
                 break
             self._untimed.pop(0)
             times = self._times.setdefault(key, [])
-            if len(times) >= TIMINGS:
+            if len(times) >= TIMINGS or key in self._left:
                 continue  # measured already
             times.append(self._probe.seconds(start, end))
             recorded = True
