@@ -503,6 +503,10 @@ class Engine(Generic[GroupT, MovedT]):
             group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
             group.decided()
+            if not compat.in_backward() and torch.is_grad_enabled():
+                # raised into the forward, which it cuts short as an exception in a group does
+                self._failures += 1
+                self.plan.group_failed()
             advice = self.plan.host_short()
             if advice:
                 raise HostMemoryError(f"{e} {advice}") from e

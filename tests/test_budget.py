@@ -841,3 +841,33 @@ def test_probe_reads_the_allocators_counters_from_its_nested_statistics(monkeypa
     assert (probe.allocated(), probe.peak(), probe.reserved(), probe.peak_reserved()) == (0, 0, 0, 0)
     cpu = Probe(torch.device("cpu"))
     assert (cpu.allocated(), cpu.peak(), cpu.reserved(), cpu.peak_reserved()) == (0, 0, 0, 0) and len(asked) == 8
+
+
+def test_budget_host_memory_short_at_a_commit_cuts_the_forward_short():
+    """HostMemoryError raised by a commit (R10) cuts the forward short as an exception in a group
+    does: the next forward, a smaller batch say, begins a step of its own workload from its first
+    group, on the plan that workload settled on; bitwise."""
+    failing = []
+
+    def allocator(nbytes, pinned):
+        if failing:
+            raise ao.HostMemoryError("no host memory (the test's allocator)")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0,
+                       host_allocator=allocator)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+        settled, listed = off.stats()["plan"], list(off.stats()["groups"])
+        assert settled["state"] == "settled"
+        failing.append(True)  # a larger batch, profiled, needs host memory the allocator cannot give
+        with pytest.raises(ao.HostMemoryError, match="the test's allocator"):
+            _step(blocks, 0, rows=96)
+        failing.clear()
+        for step in range(2):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+            plan = off.stats()["plan"]
+            assert plan["state"] == "settled" and plan["groups"] == settled["groups"]
+            assert list(off.stats()["groups"]) == listed
