@@ -138,6 +138,14 @@ def _measured(c: BudgetController) -> dict:
     return {m.plan.key: m for m in c.measured_plans()}
 
 
+def _run_forced(c: BudgetController, plan: MemoryPlan, steps: int, seconds_of) -> None:
+    """``steps`` steps of ``plan``, forced (the plan moving nothing runs before a first choice
+    that moves bytes: a test of what follows a measured mover measures one so), then let go."""
+    c.force(plan.groups, plan.max_inflight, plan.prefetch)
+    _run(c, steps, seconds_of)
+    c.force(None)
+
+
 def test_controller_a_plan_that_ran_is_judged_by_its_measured_peak():
     least = _controller(1 << 40).plans[-1]  # the profiled plan
     below_every_model = least.peak - 4 * MiB  # the model was pessimistic; the step measured less
@@ -274,10 +282,10 @@ def test_controller_after_a_plan_moving_bytes_ran_as_modelled_tries_only_plans_m
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
     c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
-    best = c.plan
+    best = c._first_choice(c._fitting())
     moved = host_bytes(profile, best.groups)
     assert moved > 0
-    _run(c, TIMINGS + 1, lambda p: 1.04 * p.step_s)
+    _run_forced(c, best, TIMINGS + 1, lambda p: 1.04 * p.step_s)
     assert c._timed(best)
     measured = 1.04 * best.step_s
     fitting = c._fitting()
@@ -299,9 +307,10 @@ def test_controller_rates_a_plan_moving_bytes_against_one_moving_none_with_the_b
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
     c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
-    assert moves_bytes(profile, c.plan.groups)
+    first = c._first_choice(c._fitting())
+    assert moves_bytes(profile, first.groups)
     pace = lambda p: (1 + excess if moves_bytes(profile, p.groups) else 1.0) * p.step_s  # noqa: E731
-    _run(c, TIMINGS + 1, pace)
+    _run_forced(c, first, TIMINGS + 1, pace)
     still = min((p for p in c._fitting() if not moves_bytes(profile, p.groups)), key=lambda p: p.step_s)
     c.force(still.groups, still.max_inflight, still.prefetch)
     _run(c, TIMINGS + 1, pace)
@@ -346,10 +355,12 @@ def test_controller_a_choice_reads_the_model_s_order_only_as_far_as_a_plan_may_p
             assert read_now < len(read) // 10
 
 
-def test_controller_tries_the_plan_moving_nothing_before_a_new_first_choice_that_moves_bytes():
-    """The plan measured first moves bytes and ran 6% over its model: the bus is calibrated, and
-    the model's first choice becomes another plan that moves bytes, not yet run. The fastest plan
-    moving nothing (checkpointing by hand) is tried before it, as the one more try."""
+def test_controller_tries_the_plan_moving_nothing_before_a_first_choice_that_moves_bytes():
+    """The model's first choice moves bytes: the fastest plan moving nothing (checkpointing by
+    hand) runs first, then the first choice, which the model rates faster than that plan ran.
+    Plans moving bytes ran 6% over their model, the others 3% under: it settles on the plan
+    moving nothing (in the loop sweeps on an H200 the plan moving nothing of a measured
+    profile was the faster in 39 of the 46 workloads that measured both)."""
     profile = _big_profile(12)
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
@@ -357,10 +368,16 @@ def test_controller_tries_the_plan_moving_nothing_before_a_new_first_choice_that
     probe.host_count = 0
     c = _controller(least + (most - least) * 7 // 24 + 4 * MiB, probe=probe, profile=profile)
     modelled = {p.key: p.step_s for p in c.plans}  # as first modelled: the step times the test's device runs
-    assert moves_bytes(profile, c.plan.groups)
-    _run(c, 20, lambda p: modelled[p.key] * (1.06 if moves_bytes(profile, p.groups) else 0.97))
-    assert c._calibrated and c.settled
-    assert any(not moves_bytes(profile, m.plan.groups) for m in c.measured_plans())
+    first = c._first_choice(c._fitting())
+    assert moves_bytes(profile, first.groups) and not moves_bytes(profile, c.plan.groups)
+    ran = []
+    for _ in range(20):
+        c.step_begins()
+        ran.append(c.plan.key)
+        c.probe.advance(modelled[c.plan.key] * (1.06 if moves_bytes(profile, c.plan.groups) else 0.97))
+        c.backward_ends()
+    tried = list(dict.fromkeys(ran))
+    assert tried == [c.plan.key, first.key] and c.settled
     assert not moves_bytes(profile, c.plan.groups)  # it ran faster than the plan moving bytes
 
 
@@ -476,7 +493,7 @@ def _moving_preferred() -> tuple[Profile, int, BudgetController]:
     budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
                         if moves_bytes(profile, search.choose(profile, b, plans).groups))
     c = _controller(budget, probe=FakeProbe(), profile=profile)
-    assert moves_bytes(profile, c.plan.groups)
+    assert moves_bytes(profile, c._first_choice(c._fitting()).groups) and not moves_bytes(profile, c.plan.groups)
     return profile, budget, c
 
 
@@ -485,7 +502,7 @@ def test_controller_measures_the_fastest_plan_that_moves_no_bytes_too(still_fast
     """Where the model prefers moving bytes, the best plan without the bus (checkpointing by
     hand) is measured as well, and kept if it is faster."""
     profile, budget, c = _moving_preferred()
-    first = c.plan
+    first = c._first_choice(c._fitting())
     factor = 0.9 if still_faster else 1.1  # the model overrated its recomputation, or it did not
     modelled = {p.key: max(p.step_s, first.step_s) for p in c.plans}  # as first profiled
 
@@ -506,11 +523,9 @@ def test_controller_a_plan_being_measured_runs_until_it_is_timed():
     again (here: another plan moving nothing now rated faster) keeps it until it is timed, and
     where it ran faster it is kept, not the plan measured before it."""
     profile, budget, c = _moving_preferred()
-    first = c.plan
-    for _ in range(20):  # the first choice measured, as modelled, and the plan moving nothing begun
-        _run(c, 1, lambda p: p.step_s)
-        if not moves_bytes(profile, c.plan.groups) and c._runs.get(c.plan.key) == 1:
-            break
+    first = c._first_choice(c._fitting())
+    _run_forced(c, first, TIMINGS + 1, lambda p: p.step_s)  # the first choice measured, as modelled
+    _run(c, 1, lambda p: p.step_s)  # and the plan moving nothing begun
     still = c.plan
     assert c._timed(first) and not moves_bytes(profile, still.groups) and not c._timed(still)
     others = [p for p in c.plans if not moves_bytes(profile, p.groups) and p.key != still.key
@@ -1603,17 +1618,17 @@ def test_controller_never_chooses_again_a_plan_measured_over_the_budget_that_is_
 
 
 def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_promise():
-    """Where the measured first choice moves bytes, the one more plan that runs is
-    the fastest moving none, even while the model promises another plan faster than the
-    measured one (docs/budgets.md: settling)."""
+    """Where the model's first choice moves bytes, the fastest plan moving none runs first, and
+    then that first choice, the one more plan that runs, though the model promises others
+    faster than both ran (docs/budgets.md: settling)."""
     profile, budget, c = _moving_preferred()
-    first = c.plan
-    _run(c, TIMINGS + 2, lambda p: 3.0 * p.step_s)  # first measured: slower than every promise
-    fitting = [p for p in c.plans if p.peak + c.margin <= budget and p.key != first.key]
-    assert any(moves_bytes(profile, p.groups) and p.step_s < 3.0 * first.step_s for p in fitting)
-    assert c.plan.key != first.key and not moves_bytes(profile, c.plan.groups)
+    first, still = c._first_choice(c._fitting()), c.plan
+    _run(c, TIMINGS + 2, lambda p: 3.0 * p.step_s)  # the plan moving nothing measured: slower than every promise
+    assert c._timed(still) and c.plan.key == first.key
     _run(c, 4 * (TIMINGS + 1), lambda p: 3.0 * p.step_s)
-    assert c.settled and len(c.measured_plans()) == EXPLORE + 1
+    fitting = [p for p in c.plans if p.peak + c.margin <= budget and p.key not in (first.key, still.key)]
+    assert any(p.step_s < 3.0 * first.step_s for p in fitting)
+    assert c.settled and set(_measured(c)) == {first.key, still.key} and len(c.measured_plans()) == EXPLORE + 1
 
 
 def test_controller_measures_plans_while_the_host_runs_ahead_and_settles_at_the_last_timed_step():
@@ -1848,15 +1863,15 @@ def test_controller_a_predicted_profile_searched_here_has_the_improved_plan_too(
 @pytest.mark.parametrize("factor", [1.2, 1.02])
 def test_controller_leaves_a_plan_clearly_slower_than_one_measured(factor):
     """A plan being measured whose timed steps ran clearly slower than a plan measured (here the
-    plan moving nothing, tried after the first choice, which moves bytes) is left after its first
-    timed step: more would only confirm it. One within the noise is measured in full."""
+    model's first choice, which moves bytes, tried after the plan moving nothing) is left after
+    its first timed step: more would only confirm it. One within the noise is measured in full."""
     profile, budget, c = _moving_preferred()
-    first = c.plan
-    _run(c, 12 * (TIMINGS + 1), lambda p: first.step_s if p.key == first.key else factor * first.step_s)
+    first, still = c._first_choice(c._fitting()), c.plan
+    _run(c, 12 * (TIMINGS + 1), lambda p: still.step_s if p.key == still.key else factor * still.step_s)
     measured = _measured(c)
-    (still,) = (m for key, m in measured.items() if key != first.key)
-    assert not moves_bytes(profile, still.plan.groups)
+    assert set(measured) == {still.key, first.key}
+    mover = measured[first.key]
     # its first step pins host memory and is not timed; the next is
-    assert len(still.times) == (1 if factor > 1.05 else TIMINGS) and still.steps == len(still.times) + 1
-    assert still.step_s == statistics.median(still.times)
-    assert c.settled and c.plan.key == first.key and c.measured_plans()[0].steps > TIMINGS + 1
+    assert len(mover.times) == (1 if factor > 1.05 else TIMINGS) and mover.steps == len(mover.times) + 1
+    assert mover.step_s == statistics.median(mover.times)
+    assert c.settled and c.plan.key == still.key and measured[still.key].steps > TIMINGS + 1

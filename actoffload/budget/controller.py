@@ -1404,8 +1404,9 @@ class BudgetController:
         host memory or grew the cache). First, where the fastest measured plan moves bytes, the
         fastest plan that moves none (what checkpointing by hand gives), unless the model's first
         choice is being measured: the bus and recomputation are both modelled from the profiling
-        steps, and an error in either must not keep the slower. A predicted profile whose first
-        choice moves bytes runs that plan moving nothing before it (:meth:`_still_to_try`).
+        steps, and an error in either must not keep the slower. Where the model's first choice
+        moves bytes and nothing is measured yet, that plan moving nothing runs before it
+        (:meth:`_still_to_try`).
         Then a plan the model rates faster than the fastest measured (:meth:`_promises`). While
         another workload is bound to the cache (:meth:`~.reserve.AllocatorReserve.bind`), none of
         this: the plan this workload ran last (after profiling, its profiled plan). The model misses costs
@@ -1479,23 +1480,27 @@ class BudgetController:
     def _still_to_try(self, fitting: list[MemoryPlan], first: MemoryPlan,
                       best: MemoryPlan | None) -> MemoryPlan | None:
         """The fastest plan moving nothing among ``fitting``, to try beside ``first``, the model's
-        choice (``best``: the fastest measured): where ``best`` moves bytes, or, for a predicted
-        profile, where nothing is measured yet and ``first`` moves bytes; else ``None``.
+        choice (``best``: the fastest measured): where ``best`` moves bytes, or where nothing is
+        measured yet and ``first`` moves bytes; else ``None``.
 
-        A predicted profile's bus was modelled from another workload's and its recomputation
-        scaled from it, so its plan moving nothing runs first and its first choice only where
-        the model rates it faster than that plan ran: in the 23 loop sweeps committed from
-        2026-11-29 to 30 on an H200, a predicted workload's plans moving bytes ran slower than
-        its plan moving nothing in 144 of the 187 that ran both (by a median 12% a step; the
-        decoder's 1536 tokens at checkpointing's peak 127.7 ms against 86.5), 84 of which the
-        model, against the plan moving nothing as it ran, would not have tried; of the 43
-        faster, 18 (by a median 3%, at most 10%)."""
+        The plan moving nothing runs first, and the first choice only where the model rates it
+        faster than that plan ran: the model overrates moving bytes. In the 23 loop sweeps
+        committed from 2026-11-29 to 30 on an H200, a predicted workload's plans moving bytes
+        ran slower than its plan moving nothing in 144 of the 187 that ran both (by a median 12%
+        a step; the decoder's 1536 tokens at checkpointing's peak 127.7 ms against 86.5), 84 of
+        which the model, against the plan moving nothing as it ran, would not have tried; of the
+        43 faster, 18 (by a median 3%, at most 10%). A profile measured at the workload's own
+        steps fared alike: in the 30 loop sweeps committed up to 2026-12-01, its plan moving
+        nothing was the faster in 39 of the 46 workloads that measured both (the decoder's 2048
+        tokens at checkpointing's peak at 3f67cd2: 123.0 ms against 139.8, where the model said
+        156.6 against 139.8; its profiling steps' forwards ran at the host's pace, which the
+        model charges every recomputation), and the other 7 by 1-10%."""
         profile = self._profile
         assert profile is not None
         if best is not None:
             if not self._moves(best):
                 return None
-        elif not (self.predicted and self._moves(first)):
+        elif not self._moves(first):
             return None
         still_plans = [p for p in fitting if not self._moves(p)]
         return search.fastest(profile, still_plans) if still_plans else None
