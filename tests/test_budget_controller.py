@@ -17,7 +17,7 @@ from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Whole, host_bytes, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
-from actoffload.budget.tolerances import SHORT_STEP_GROWTH, least_margin
+from actoffload.budget.tolerances import least_margin
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -842,12 +842,10 @@ def test_allocator_reserve_measures_steps_that_grew_the_cache_and_not_idle_block
 
 
 def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than_it_grew_the_cache():
-    """A short step on the cache long steps built, growing it, shows their idle blocks beyond its
-    own small allocation: the reserve grows by what it grew the cache, not by them, and keeps
-    that growth on top of the long steps' own share, which they fill the cache to. From the
-    second length on, that growth counts at least SHORT_STEP_GROWTH before any step showed it,
-    and a step growing the cache by less adds nothing. On a cache only its own length grew, a
-    step's whole share counts."""
+    """A short step on the cache long steps built, growing it a little, shows their idle blocks
+    beyond its own small allocation: the reserve grows by what it grew the cache, not by them,
+    and keeps that growth on top of the long steps' own share, which they fill the cache to. On
+    a cache only its own length grew, a step's whole share counts."""
     probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB
     reserve.step_of(2048)
     reserve.step_begins(probe, budget)  # the first: given back
@@ -855,19 +853,15 @@ def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than
     assert reserve.bytes == 100 * MiB
     probe.reserved_bytes = 700 * MiB
     reserve.step_of(512)
-    assert reserve.bytes == 100 * MiB + SHORT_STEP_GROWTH  # a second length: room for what it may grow
     reserve.step_begins(probe, budget)
     assert probe.trims == 1  # the loop's cache stays
-    assert not reserve.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=708 * MiB)  # 8 MiB: within it
+    assert reserve.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=708 * MiB)
+    assert reserve.bytes == 108 * MiB  # not the 508 MiB beyond its own 200
     probe.reserved_bytes = 708 * MiB
-    reserve.step_begins(probe, budget)
-    assert reserve.step_ended(probe, budget, allocated_peak=200 * MiB, reserved_peak=748 * MiB)
-    assert reserve.bytes == 140 * MiB  # not the 548 MiB beyond its own 200
-    probe.reserved_bytes = 748 * MiB
     reserve.step_of(2048)
     reserve.step_begins(probe, budget)  # the longest step on the cache: its whole share is its own
     assert reserve.step_ended(probe, budget, allocated_peak=640 * MiB, reserved_peak=760 * MiB)
-    assert reserve.bytes == 160 * MiB  # its 120 MiB, and room for the 40 MiB the short step adds
+    assert reserve.bytes == 128 * MiB  # its 120 MiB, and room for the 8 MiB the short step adds
     own = AllocatorReserve()
     own.step_of(512)
     own.step_begins(probe, budget)
@@ -997,12 +991,11 @@ def _step_of(c: BudgetController, reserve: AllocatorReserve, tokens: int | None,
 def _sharing_a_cache(room: int = 30 * MiB) -> tuple[FakeProbe, AllocatorReserve, MemoryPlan, BudgetController,
                                                       BudgetController]:
     """A probe, one cache (``reserve``), the plan keeping all of :func:`_profile`, and two
-    controllers sharing the cache, budgeted so that that plan fits with ``room`` to spare beside
-    what the reserve counts once steps of two lengths ran (``SHORT_STEP_GROWTH``; no profile
-    adopted yet)."""
+    controllers sharing the cache, budgeted so that that plan fits with ``room`` to spare (no
+    profile adopted yet)."""
     probe, reserve = FakeProbe(), AllocatorReserve()
     keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + room + SHORT_STEP_GROWTH
+    budget = keep_all.peak + least_margin(keep_all.peak) + room
     first, second = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
     return probe, reserve, keep_all, first, second
 
@@ -1029,7 +1022,7 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     step(long, keep_all.peak, 5 * MiB)
     outgrown = room < 45 * MiB + 5 * MiB
     assert reserve.trims_by["outgrown"] == int(outgrown) and probe.trims == 1 + int(outgrown)
-    assert probe.reserved_bytes <= long.budget and reserve.bytes == 5 * MiB + SHORT_STEP_GROWTH
+    assert probe.reserved_bytes <= long.budget and reserve.bytes == 5 * MiB
     step(long, keep_all.peak, 5 * MiB)
     step(short, BASE + 40 * MiB, 0)
     step(long, keep_all.peak, 5 * MiB)
@@ -1882,23 +1875,3 @@ def test_controller_leaves_a_plan_clearly_slower_than_one_measured(factor):
     assert len(mover.times) == (1 if factor > 1.05 else TIMINGS) and mover.steps == len(mover.times) + 1
     assert mover.step_s == statistics.median(mover.times)
     assert c.settled and c.plan.key == still.key and measured[still.key].steps > TIMINGS + 1
-
-
-def test_controller_leaves_room_for_what_a_shorter_step_may_grow_once_two_lengths_ran():
-    """A longer workload's plan fits with less room than a shorter step may grow the cache by
-    beside it (its small blocks: SHORT_STEP_GROWTH). It runs while only its length has run; once
-    a step of another length ran, the reserve counts that room and the plan is chosen again, so
-    that the shorter steps' growth no longer takes the cache over the budget."""
-    probe, reserve = FakeProbe(), AllocatorReserve()
-    keep_all = next(p for p in _controller(1 << 40).plans if all(g.action is Action.KEEP for g in p.groups))
-    budget = keep_all.peak + least_margin(keep_all.peak) + 10 * MiB
-    long, short = (BudgetController(budget, CPU, probe=probe, reserve=reserve) for _ in range(2))
-    long.adopt_profile(_profile())
-    short.adopt_profile(_small_profile())
-    for _ in range(2):
-        _step_of(long, reserve, 2048, keep_all.peak, 5 * MiB)
-        assert long.plan.key == keep_all.key and reserve.bytes == 5 * MiB
-    _step_of(short, reserve, 512, BASE + 40 * MiB, 0)
-    assert reserve.bytes == 5 * MiB + SHORT_STEP_GROWTH
-    long.step_begins()
-    assert long.plan.key != keep_all.key and long.plan.peak + least_margin(budget) + reserve.bytes <= budget

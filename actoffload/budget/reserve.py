@@ -14,10 +14,6 @@ decoder a 512-token step that added 8 MiB to the 2048-token steps' cache showed 
 at that reserve the 2048-token steps ran the least memory): it counts what it grew the cache
 by, and that on top of the most the other steps showed, since the longer steps' plans fill the
 cache up to what they are judged by and the shorter steps' growth must still fit beside them.
-Once steps of two lengths have run, that growth counts at least ``SHORT_STEP_GROWTH`` before
-any step showed it: a longer plan tried before then filled the cache to within a few MiB of the
-budget, and every step after the shorter one that grew it went over, each plan tried next
-judged with the reserve raised by that one step and filling the cache to the budget again.
 The cache a training loop builds over its first steps serves the steps after (a cache warmed by
 every length serves them all), so it is kept: emptying it would make the next steps build it
 again, each growing it its own way.
@@ -76,7 +72,7 @@ import collections
 import weakref
 from typing import Any, Callable
 
-from .tolerances import SHORT_STEP_GROWTH, base_tolerance
+from .tolerances import base_tolerance
 
 
 class AllocatorReserve:
@@ -106,7 +102,6 @@ class AllocatorReserve:
         self._trimmed = False  # the cache was given back since the latest step's peak was read
         self.fresh = False  # the latest step began on a cache given back just before it
         self._tokens: int | None = None  # the tokens of the step beginning or running (None: not known)
-        self._lengths: set[int] = set()  # the tokens of every step so far: several, and shorter steps may grow the cache
         # bytes the cache grew by since it was given back, by the tokens of the steps that grew it
         self._growth: collections.Counter[int] = collections.Counter()
         self._grown_this_step = 0  # bytes the latest step grew the cache by, so far
@@ -132,14 +127,8 @@ class AllocatorReserve:
         return any(w is not workload for w in self._bound)
 
     def step_of(self, tokens: int | None) -> None:
-        """The step about to begin has this many tokens (its signature's; None: not known). Once
-        steps of two lengths share the cache, the reserve counts at least ``SHORT_STEP_GROWTH`` for
-        what a shorter step may grow it by beside a longer step's plan (:meth:`_total`)."""
+        """The step about to begin has this many tokens (its signature's; None: not known)."""
         self._tokens = tokens
-        if tokens is not None and tokens not in self._lengths:
-            self._lengths.add(tokens)
-            if self.bytes:  # (none measured yet: the first step's share sets it)
-                self.bytes = max(self.bytes, self._total())
 
     def step_begins(self, probe: Any, budget: int, reachable: Callable[[], bool] = lambda: True,
                     needs: Callable[[], int | None] = lambda: None, profiling: int = 0) -> None:
@@ -197,16 +186,10 @@ class AllocatorReserve:
             self._growth_on_shared = max(self._growth_on_shared, min(grown, max(share - self._own, 0)))
         else:
             self._own = max(self._own, share)
-        if self._total() <= self.bytes:
+        if self._own + self._growth_on_shared <= self.bytes:
             return False  # it adds nothing
-        self.bytes = self._total()
+        self.bytes = self._own + self._growth_on_shared
         return True
-
-    def _total(self) -> int:
-        """The own share, and on top of it what shorter steps grew a cache longer ones had filled
-        (where steps of several lengths ran, at least ``SHORT_STEP_GROWTH``: see tolerances.py)."""
-        least = SHORT_STEP_GROWTH if len(self._lengths) > 1 else 0
-        return self._own + max(self._growth_on_shared, least)
 
     def plan_changed(self, probe: Any) -> None:
         """The controller chose another plan: after a step over the budget, give the cache back,

@@ -13,12 +13,6 @@ OVERSHOOT_PAD_FLOOR = MiB  # an overshoot widens the margin by itself and this m
 OVERSHOOT_PAD_DIVISOR = 400  # ... (at least a 400th of the budget) does not land on the same edge again
 BASE_TOLERANCE_FLOOR = MiB  # what is allocated when a step begins moves a little from step to step (noise) ...
 BASE_TOLERANCE_DIVISOR = 100  # ... up to a hundredth of the budget; more is kept gradients or new optimizer state
-# where steps of several lengths share the allocator's cache, the least the reserve counts for what a
-# shorter step grows a cache that a longer step's plan filled up to its judged peak (its own small
-# blocks), before any such step showed it: on an H200 the loop sweep's decoder at checkpointing's peak
-# went over in 11 to 14 of 48 steps, by 2-30 MiB each, in three runs where a 2048-token plan filled the
-# cache to within a few MiB of the budget and a 512-token step then grew it by 8 MiB
-SHORT_STEP_GROWTH = 32 * MiB
 
 # ---------------------------------------------------------------- tolerances (shares)
 WORKLOAD_CHANGE = 0.10  # a group saving this share more or less than profiled is another workload (batch noise is less; when it is profiled: the controller's LIGHTER_STEPS)
