@@ -871,3 +871,16 @@ def test_budget_host_memory_short_at_a_commit_cuts_the_forward_short():
             plan = off.stats()["plan"]
             assert plan["state"] == "settled" and plan["groups"] == settled["groups"]
             assert list(off.stats()["groups"]) == listed
+
+
+@pytest.mark.parametrize("groups", [3, 3.5, 4, 5])
+def test_budget_on_the_cpu_a_measured_profile_settles_on_the_models_first_choice(groups):
+    """On the CPU nothing is timed, so the order of trying plans says nothing: the plan the model
+    rates fastest is the one that runs and settles (moving bytes or not)."""
+    blocks = _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=int(groups * GROUP_BYTES), min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            _step(blocks, step)
+    c = off.plan.controller
+    assert c.settled and c.plan.key == c._first_choice(c._fitting()).key

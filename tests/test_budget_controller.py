@@ -17,7 +17,7 @@ from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.controller import EXPLORE, PROFILE_STEPS, TIMINGS, BudgetController, BudgetTooSmall, State
 from actoffload.budget.costmodel import GroupProfile, MemoryPlan, Profile, Whole, host_bytes, moves_bytes
 from actoffload.budget.reserve import AllocatorReserve
-from actoffload.budget.tolerances import least_margin
+from actoffload.budget.tolerances import LEFT_AFTER, least_margin
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -1741,10 +1741,12 @@ def test_controller_a_predicted_profile_runs_the_plan_moving_no_bytes_before_its
     assert c.profile is profile  # not calibrated
 
 
-def test_controller_a_predicted_profiles_first_choice_runs_though_its_plan_moving_nothing_went_over_the_budget():
-    """The predicted profile's plan moving nothing went over the budget in its first step, before
-    it was measured (the margin widens; it no longer fits): the next plan moving nothing runs, and
-    then the first choice where the model rates it faster than that one ran; no other plan."""
+@pytest.mark.parametrize("predicted", [True, False])
+def test_controller_a_first_choice_runs_though_its_plan_moving_nothing_went_over_the_budget(predicted):
+    """The plan moving nothing, run first, went over the budget in its first step, before it was
+    measured (the margin widens; it no longer fits): the next plan moving nothing runs, and then
+    the first choice where the model rates it faster than that one ran; no other plan. So for a
+    profile predicted and for one measured (whose plan that went over is no try)."""
     from test_budget_search import PROFILES
 
     cases = 0
@@ -1753,8 +1755,12 @@ def test_controller_a_predicted_profiles_first_choice_runs_though_its_plan_movin
         for peak in peaks[1::max(1, len(peaks) // 8)]:
             budget = peak + least_margin(peak) + 1
             c = BudgetController(budget, CPU, probe=FakeProbe(allocated=profile.base))
-            if not c.adopt_prediction(profile) or not moves_bytes(profile, c._first_choice(c._fitting()).groups):
-                continue  # no prediction fits, or the first choice moves nothing
+            if predicted and not c.adopt_prediction(profile):
+                continue  # no prediction fits
+            if not predicted:
+                c.adopt_profile(profile)
+            if not moves_bytes(profile, c._first_choice(c._fitting()).groups):
+                continue  # the first choice moves nothing
             went_over = c.plan
             if moves_bytes(profile, went_over.groups):
                 continue  # no plan moving nothing fits
@@ -1864,7 +1870,7 @@ def test_controller_a_predicted_profile_searched_here_has_the_improved_plan_too(
 def test_controller_leaves_a_plan_clearly_slower_than_one_measured(factor):
     """A plan being measured whose timed steps ran clearly slower than a plan measured (here the
     model's first choice, which moves bytes, tried after the plan moving nothing) is left after
-    its first timed step: more would only confirm it. One within the noise is measured in full."""
+    LEFT_AFTER timed steps: more would only confirm it. One within the noise is measured in full."""
     profile, budget, c = _moving_preferred()
     first, still = c._first_choice(c._fitting()), c.plan
     _run(c, 12 * (TIMINGS + 1), lambda p: still.step_s if p.key == still.key else factor * still.step_s)
@@ -1872,6 +1878,6 @@ def test_controller_leaves_a_plan_clearly_slower_than_one_measured(factor):
     assert set(measured) == {still.key, first.key}
     mover = measured[first.key]
     # its first step pins host memory and is not timed; the next is
-    assert len(mover.times) == (1 if factor > 1.05 else TIMINGS) and mover.steps == len(mover.times) + 1
+    assert len(mover.times) == (LEFT_AFTER if factor > 1.05 else TIMINGS) and mover.steps == len(mover.times) + 1
     assert mover.step_s == statistics.median(mover.times)
     assert c.settled and c.plan.key == still.key and measured[still.key].steps > TIMINGS + 1

@@ -1472,10 +1472,16 @@ class BudgetController:
             # plan moving nothing that went over the budget before it was measured (the next one
             # moving nothing runs then, and would have left the first choice no try)
             opener = self.predicted and (p is still or p is first)
-            if p.key in self._runs or opener or len(self._runs) <= self._explore:  # running, or one more may
+            if p.key in self._runs or opener or self._tries(measured) <= self._explore:  # running, or one more may
                 return p
             break
         return best if best is not None else first
+
+    def _tries(self, measured: set[PlanKey]) -> int:
+        """The plans that ran as tries of the exploration: one that went over the budget before it
+        was measured was none (its time is not known; the next plan moving nothing runs in its
+        place, and the first choice keeps its try after it)."""
+        return sum(1 for k in self._runs if k in measured or k not in self._went_over)
 
     def _still_to_try(self, fitting: list[MemoryPlan], first: MemoryPlan,
                       best: MemoryPlan | None) -> MemoryPlan | None:
@@ -1500,8 +1506,8 @@ class BudgetController:
         if best is not None:
             if not self._moves(best):
                 return None
-        elif not self._moves(first):
-            return None
+        elif not (self._moves(first) and (self.predicted or self._probe.cuda)):
+            return None  # (on the CPU nothing is timed: a measured profile's first choice settles)
         still_plans = [p for p in fitting if not self._moves(p)]
         return search.fastest(profile, still_plans) if still_plans else None
 

@@ -23,6 +23,9 @@ CALIBRATION_SLACK = 0.05  # a measured step this close to the model is noise, no
 # and 11.80 GiB timed three steps of a plan moving bytes 7% over the measured plan moving nothing,
 # then went back to that one, and settled in 12 and 11 steps where ten were asked)
 LEFT_SLOWER = 0.05
+# ... of at least this many timed steps: a plan moving bytes runs at one of two paces, and a step may
+# regrow a cache another length's step trimmed, so one slow step may not be the plan's pace
+LEFT_AFTER = 2
 HOST_PACED = 0.9  # a forward whose host time is at least this share of its device time ran at the host's pace
 
 
@@ -53,9 +56,9 @@ def alike(fastest_s: float, step_s: float) -> bool:
 
 
 def clearly_slower(times: list[float], measured_s: float) -> bool:
-    """Whether every one of a plan's timed steps, ``times``, ran ``LEFT_SLOWER`` or more slower
-    than a plan measured at ``measured_s``."""
-    return bool(times) and min(times) > measured_s * (1 + LEFT_SLOWER)
+    """Whether each of a plan's timed steps, ``times``, at least ``LEFT_AFTER`` of them, ran more
+    than ``LEFT_SLOWER`` slower than a plan measured at ``measured_s``."""
+    return len(times) >= LEFT_AFTER and min(times) > measured_s * (1 + LEFT_SLOWER)
 
 
 def off_model(measured_s: float, modelled_s: float) -> int:
