@@ -63,8 +63,8 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import (TIE, WORKLOAD_CHANGE, alike, base_tolerance, clearly_slower, least_margin, new_workload,
-                         off_model, overshoot_margin)
+from .tolerances import (LEFT_AFTER, TIE, WORKLOAD_CHANGE, alike, base_tolerance, clearly_slower, least_margin,
+                         new_workload, off_model, overshoot_margin)
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -1586,10 +1586,10 @@ class BudgetController:
 
     def _measurement_pending(self) -> bool:
         """Whether the steps waiting to be timed complete a plan's measurement, or may (a plan
-        timed beside one measured may be left after any of its steps: :meth:`_leaves`)."""
+        timed beside one measured may be left from its ``LEFT_AFTER``-th timed step on: :meth:`_leaves`)."""
         counts = collections.Counter(k for k, _, _ in self._untimed)
         beside = any(len(t) >= TIMINGS for t in self._times.values())
-        return any(len(self._times.get(k, ())) + n >= TIMINGS or beside for k, n in counts.items())
+        return any(len(self._times.get(k, ())) + n >= (LEFT_AFTER if beside else TIMINGS) for k, n in counts.items())
 
     def _time_steps(self, wait: bool = False) -> None:
         """Record the times of the planned steps the device has finished, in order (``wait``:
