@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
+        w.loss(loop_sweep.plain, w.tokens(i, w.seq_len)).backward()
         _sync(device)
         if profiler is not None:
             profiler.disable()

@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     handle = ao.wrap(w.blocks, off, parts=block_parts)
     for i in range(PROFILE_STEPS + 12):  # profiled, then until the planning process's search answered
         try:
-            w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
+            w.loss(loop_sweep.plain, w.tokens(i, w.seq_len)).backward()
         except BudgetTooSmall as e:
             print(f"step {i}: {e}")
-            w.loss(loop_sweep._plain, w.tokens(i, w.seq_len)).backward()
+            w.loss(loop_sweep.plain, w.tokens(i, w.seq_len)).backward()
         for q in w.model.parameters():
             q.grad = None
         c = off.plan.controller
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(name: str, w: loop_sweep.LoopWorkload, steps: int, ckpt_ms: float, plan: Any) -> None:
-    ms, alloc, res = _steps(w, loop_sweep._plain, steps)
+    ms, alloc, res = _steps(w, loop_sweep.plain, steps)
     print(f"{name:>16}: {ms:.1f} ms ({ms / ckpt_ms:.2f}x checkpointing), allocated {_gib(alloc)}, "
           f"reserved {_gib(res)}; modelled {plan.step_s * 1e3:.1f} ms, peak {plan.peak / MiB:.0f} MiB")
 

@@ -71,17 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     handle = ao.wrap(w.blocks, off, parts=block_parts)
     for length in lengths:  # a profile per length
         for i in range(PROFILE_STEPS + 1):
-            step(loop_sweep._plain, length, i)
+            step(loop_sweep.plain, length, i)
     handle.remove()
     for length in [] if a.skip_timing else lengths:
         print(f"length {length}:")
-        print(f"  no offloading          {timed(loop_sweep._plain, length)}")
+        print(f"  no offloading          {timed(loop_sweep.plain, length)}")
         print(f"  torch checkpoint       {timed(loop_sweep._checkpointed, length)}")
         handle = ao.wrap(w.blocks, off, parts=block_parts)
         for name, action in (("fast keep", Action.KEEP), ("fast whole blocks", Action.RECOMPUTE_WHOLE),
                              ("fast every part", Action.RECOMPUTE)):
             force_every_workload(off, action)
-            print(f"  {name:22s} {timed(loop_sweep._plain, length)}")
+            print(f"  {name:22s} {timed(loop_sweep.plain, length)}")
         handle.remove()
     def method(action: Action | None) -> tuple[Any, Any]:
         """The wrap's handle (``None``: torch's checkpoint, nothing wrapped) and the layers' call,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             return None, loop_sweep._checkpointed
         handle = ao.wrap(w.blocks, off, parts=block_parts)
         force_every_workload(off, action)
-        return handle, loop_sweep._plain
+        return handle, loop_sweep.plain
 
     if a.trace:
         length = a.profile_length or w.seq_len
