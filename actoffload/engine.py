@@ -389,12 +389,8 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _exit(self, group: GroupT | None, failed: bool) -> None:
         if group is None:
-            # a group the plan ran without hooks (it keeps everything) cut short all the same; not a
-            # recomputation in backward, which checkpoint stops early with an exception of its own,
-            # nor an evaluation forward's (no step's)
-            if failed and not compat.in_backward() and torch.is_grad_enabled():
-                self._failures += 1
-                self.plan.group_failed()
+            if failed:  # a group the plan ran without hooks (it keeps everything) cut short all the same
+                self._forward_failed()
             return
         _open_on.pop(threading.get_ident(), None)
         compat.pop_saved_tensors_hooks()
@@ -407,9 +403,7 @@ class Engine(Generic[GroupT, MovedT]):
             # Never committed; it stays with its graph and is freed with it (R8).
             group.state = GroupState.ABORTED
             self._window.pop(group.name, None)
-            if torch.is_grad_enabled():  # (an evaluation forward's is no step's)
-                self._failures += 1
-                self.plan.group_failed()
+            self._forward_failed()
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary
@@ -434,6 +428,14 @@ class Engine(Generic[GroupT, MovedT]):
                 self._inputs_copied(group)
         elif self.keep_last == 0:
             self._advance_schedule(opening=False)
+
+    def _forward_failed(self) -> None:
+        """An exception cut a step's forward short (R8): counted, and the plan told. Not a
+        recomputation in backward (which checkpoint stops early with an exception of its own, and
+        where no group opens), nor an evaluation forward (``no_grad``: no step's)."""
+        if not compat.in_backward() and torch.is_grad_enabled():
+            self._failures += 1
+            self.plan.group_failed()
 
     def _advance_schedule(self, opening: bool) -> None:
         """Commit every pending group after which ``keep_last`` groups have opened (R4).
@@ -503,10 +505,7 @@ class Engine(Generic[GroupT, MovedT]):
             group.state = GroupState.RESIDENT
             self._plan(group, committed=False)
             group.decided()
-            if not compat.in_backward() and torch.is_grad_enabled():
-                # raised into the forward, which it cuts short as an exception in a group does
-                self._failures += 1
-                self.plan.group_failed()
+            self._forward_failed()  # raised into the forward, which it cuts short as an exception in a group does
             advice = self.plan.host_short()
             if advice:
                 raise HostMemoryError(f"{e} {advice}") from e

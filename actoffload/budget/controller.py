@@ -320,7 +320,7 @@ class BudgetController:
                 seen.add(k)
                 times = tuple(self._times.get(k, ()))
                 out.append(Measured(p, self._runs[k], self._peaks[k] + base if k in self._peaks else None, times,
-                                    statistics.median(times) if len(times) >= TIMINGS or k in self._left else None))
+                                    statistics.median(times) if self._timed_key(k) else None))
         return out
 
     @property
@@ -938,8 +938,8 @@ class BudgetController:
         # found another workload is not this plan's
         runs = self._runs.get(key, 0)
         this_step = bool(self._untimed) and self._untimed[-1][1] is self._step_start
-        if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and len(self._times.get(key, ())) < TIMINGS
-                and key not in self._left and self._state is not State.REPLANNING):
+        if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and not self._timed_key(key)
+                and self._state is not State.REPLANNING):
             if this_step:
                 self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass
             else:
@@ -1561,11 +1561,15 @@ class BudgetController:
 
     def _timed(self, plan: MemoryPlan) -> bool:
         """Measured: ``TIMINGS`` of its steps were timed, or fewer that left it (:meth:`_leaves`)."""
-        return len(self._times.get(plan.key, ())) >= TIMINGS or plan.key in self._left
+        return self._timed_key(plan.key)
+
+    def _timed_key(self, key: PlanKey) -> bool:
+        """:meth:`_timed`, of a plan's key."""
+        return len(self._times.get(key, ())) >= TIMINGS or key in self._left
 
     def _measured_keys(self) -> set[PlanKey]:
         """The plans :meth:`_timed` says are measured (a few), to look candidates up in (hundreds)."""
-        return {key for key, times in self._times.items() if len(times) >= TIMINGS} | self._left
+        return {key for key in self._times if self._timed_key(key)}
 
     def _leaves(self, plan: MemoryPlan, fitting: list[MemoryPlan]) -> bool:
         """Whether ``plan``, being measured, is measured already: each of its steps timed so far
@@ -1604,7 +1608,7 @@ class BudgetController:
                 break
             self._untimed.pop(0)
             times = self._times.setdefault(key, [])
-            if len(times) >= TIMINGS or key in self._left:
+            if self._timed_key(key):
                 continue  # measured already
             times.append(self._probe.seconds(start, end))
             recorded = True
