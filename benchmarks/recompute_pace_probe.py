@@ -42,8 +42,7 @@ def paced_by_recomputation(profile: Profile, unmetered: MeasuredStep) -> Profile
     where that step measured one."""
     groups = []
     for g, m in zip(profile.groups, unmetered.groups):
-        paced = g.host_s is not None and g.host_s >= costmodel.HOST_PACED * g.forward_s
-        if paced and m.recompute_host_s is not None:
+        if costmodel._host_paced(g) and m.recompute_host_s is not None:  # (the model's own test)
             g = dataclasses.replace(g, host_s=m.recompute_host_s)
         groups.append(g)
     return dataclasses.replace(profile, groups=tuple(groups))
