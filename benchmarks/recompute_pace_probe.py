@@ -4,11 +4,11 @@ times per group (the forward's device and host time, the recomputation's device 
 each profiling step: the first meters the costly ops, the second does not), then every plan
 that ran until the budget settled, measured against three models of it: the profile as the
 controller holds it (calibrated), the profiling steps merged as profiling merges them, and the
-same with a host-paced group's recomputation charged its own host time in the unmetered step
-instead of its forward's. In the loop sweep at 3f67cd2 (H200) the plan moving nothing at
-checkpointing's peak ran 123.0 ms where the model said 156.6: the profiling steps' forwards
-ran at the host's pace, which :func:`~actoffload.budget.costmodel.recompute_time` charges every
-recomputation.
+same with a host-paced group's recomputation charged its forward's host time instead of its
+own, as the model did up to dde5856. In the loop sweep at 3f67cd2 (H200) the plan moving
+nothing at checkpointing's peak ran 123.0 ms where that model said 156.6: the profiling steps'
+forwards ran at the host's pace (1.2-1.5 ms on the attention parts, against 0.7 recomputed),
+which :func:`~actoffload.budget.costmodel.recompute_time` charged every recomputation.
 
     PYTHONPATH=. python benchmarks/recompute_pace_probe.py [--device cpu] [--budget-gib 6.16] > OUT-log.txt
 """
@@ -24,7 +24,7 @@ import torch
 import actoffload as ao
 from actoffload.budget import costmodel
 from actoffload.budget.controller import BudgetController
-from actoffload.budget.costmodel import MeasuredStep, Profile
+from actoffload.budget.costmodel import Profile
 from actoffload.tools import loop_sweep
 from actoffload.tools.models import block_parts
 from forced_llama import loop_decoder
@@ -36,16 +36,11 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * MS:.2f}"
 
 
-def paced_by_recomputation(profile: Profile, unmetered: MeasuredStep) -> Profile:
-    """``profile`` with each host-paced group's host time (what :func:`~costmodel.recompute_time`
-    charges its recomputation) replaced by its recomputation's own host time in ``unmetered``,
-    where that step measured one."""
-    groups = []
-    for g, m in zip(profile.groups, unmetered.groups):
-        if costmodel._host_paced(g) and m.recompute_host_s is not None:  # (the model's own test)
-            g = dataclasses.replace(g, host_s=m.recompute_host_s)
-        groups.append(g)
-    return dataclasses.replace(profile, groups=tuple(groups))
+def paced_by_forward(profile: Profile) -> Profile:
+    """``profile`` with each host-paced group's recomputation charged its forward's host time
+    (the model up to dde5856) instead of its own."""
+    return dataclasses.replace(profile, groups=tuple(
+        dataclasses.replace(g, recompute_host_s=None) for g in profile.groups))
 
 
 def report(c: BudgetController) -> None:
@@ -59,9 +54,9 @@ def report(c: BudgetController) -> None:
         print(f"{len(steps)} profiling step(s) behind the profile: no unmetered step to compare with")
         return
     merged = costmodel.merged(costmodel.profile_of(steps[0]), costmodel.profile_of(steps[1]))
-    variant = paced_by_recomputation(merged, steps[1])
+    variant = paced_by_forward(merged)
     assert c.profile is not None
-    print("plan (actions), measured ms | modelled: as held, as profiled, recomputation at its own host pace")
+    print("plan (actions), measured ms | modelled: as held, as profiled, recomputation at its forward's host pace")
     for m in c.measured_plans():  # (on the CPU nothing is timed: the models alone)
         p = m.plan
         models = [costmodel.simulate(prof, p.groups, p.max_inflight, p.prefetch)[1]

@@ -13,7 +13,8 @@ from actoffload import policy
 from actoffload.budget import costmodel
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.budget.costmodel import (GroupProfile, MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole,
-                                         calibrated, merged, profile_of, profiled_plan, same_workload, simulate)
+                                         calibrated, compute_scaled, merged, profile_of, profiled_plan, recompute_time,
+                                         same_workload, simulate)
 from actoffload.budget.search import choose
 from actoffload.spans import largest_within
 
@@ -278,6 +279,21 @@ def test_costmodel_simulate_charges_a_host_paced_forwards_recomputation_its_host
     profile = Profile(parts, 0, 0.0, 1e9, 1e9, wholes=(Whole(0, 2, MiB),))
     whole = (GroupDecision(Action.RECOMPUTE_WHOLE), GroupDecision(Action.INSIDE))
     assert simulate(profile, whole, 0, 0)[1] == pytest.approx(4e-3 + 3e-3 + 5e-4)
+
+
+def test_costmodel_a_host_paced_recomputation_is_charged_its_own_host_time_where_measured():
+    # the forward's host time holds the profiling's work on each group's way in and out; the
+    # recomputation's own (the least the profiling steps measured) is what backward waits for
+    g = GroupProfile("0", spans=(8 * MiB,), kept=0, inputs=MiB, forward_s=0.5e-3, backward_s=1e-3,
+                     recompute_s=0.4e-3, host_s=1.5e-3, recompute_host_s=0.7e-3)
+    assert recompute_time(g) == pytest.approx(0.7e-3)
+    assert recompute_time(replace(g, recompute_host_s=None)) == pytest.approx(1.5e-3)  # not measured
+    assert recompute_time(replace(g, recompute_host_s=0.1e-3)) == pytest.approx(0.4e-3)  # the device's pace
+    assert recompute_time(replace(g, host_s=0.2e-3)) == pytest.approx(0.4e-3)  # device-paced: hidden
+    metered, unmetered = replace(g, recompute_host_s=1.2e-3), replace(g, recompute_host_s=0.7e-3)
+    both = merged(Profile((metered,), 0, 0.0, 1e9, 1e9), Profile((unmetered,), 0, 0.0, 1e9, 1e9))
+    assert both.groups[0].recompute_host_s == 0.7e-3
+    assert compute_scaled(Profile((g,), 0, 0.0, 1e9, 1e9), 0.5).groups[0].recompute_host_s == pytest.approx(0.35e-3)
 
 
 def test_costmodel_simulate_frees_a_whole_modules_later_parts_before_its_earlier_parts_backward():

@@ -532,10 +532,12 @@ def test_prediction_keeps_the_hosts_time_at_fewer_tokens_and_scales_it_at_more(t
     """The host's time to issue a group's ops does not shrink with the tokens (on an H200 no
     offloading and checkpointing issued the loop decoder's 1024-, 1536- and 2048-token steps in
     the same host time); where it holds waits on the device it grows with them: the bound."""
-    g = dataclasses.replace(_profile([6400]).groups[0], host_s=0.25, dispatch_host_s=(0.5, 0.125))
+    g = dataclasses.replace(_profile([6400]).groups[0], host_s=0.25, recompute_host_s=0.125,
+                            dispatch_host_s=(0.5, 0.125))
     p = predict.predicted(Profile((g,), base=0, outside_s=0.1, d2h_bps=1e9, h2d_bps=1e9), 64, t_new, base=0)
     assert p.groups[0].forward_s == pytest.approx(t_new / 64)  # the device's time scales
     assert p.groups[0].host_s == pytest.approx(host)
+    assert p.groups[0].recompute_host_s == pytest.approx(host / 2)
     assert p.groups[0].dispatch_host_s == pytest.approx((2 * host, host / 2))
 
 

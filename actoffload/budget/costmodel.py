@@ -63,7 +63,8 @@ class GroupProfile:
     group moved out and reloaded skips that peak); ``grads``: bytes of parameter gradients
     its backward allocates; ``recompute_s``: how long backward took to run its forward again
     (less than ``forward_s``: checkpointing stops once the last saved tensor is back);
-    ``host_s``: the host's time for its forward (``None`` where the host is the device);
+    ``host_s``: the host's time for its forward (``None`` where the host is the device), and
+    ``recompute_host_s`` for its recomputation (``None``: not measured);
     ``costly``: the bytes of each of its costly ops' outputs (largest first), which a selective
     recomputation keeps beside its inputs (those of the first ``costly_calls`` costly ops, which
     its recomputation reaches before it stops; ``None``: all of them), and ``costly_share``: the share of its
@@ -93,6 +94,7 @@ class GroupProfile:
     recompute_s: float | None = None  # measured; checkpoint stops recomputing after the last save
     reached: bool = True  # backward unpacked something it saved
     host_s: float | None = None
+    recompute_host_s: float | None = None
     costly: tuple[int, ...] | None = None
     costly_share: float | None = None
     dispatch_host_s: tuple[float, float] | None = None
@@ -211,14 +213,19 @@ def recompute_time(g: GroupProfile) -> float:
 
     A forward that ran at the host's pace (its host time reached ``HOST_PACED`` of its
     device time: the device waited for its kernels, as in a MoE's Python loop over experts)
-    runs again at that pace: it is charged its forward's host time where that is longer,
-    which holds the forward-side work of hooks and checkpointing too. A forward that reads
+    runs again at that pace: it is charged the host's time for its recomputation where that
+    is longer (the least the profiling steps measured; its forward's where none was). Not the
+    forward's, which holds the profiling's own work on each group's way in and out: on an H200
+    the loop sweep's decoder's attention parts took 1.2-1.5 ms of the host's time forward and
+    0.7 recomputed, for 0.4 on the device, and plans recomputing them ran 2-5% faster than
+    modelled with the forward's (``benchmarks/recompute_pace_probe.py``). A forward that reads
     a value back (a MoE's routing) waits for the device's queue, and counts as host-paced:
     recomputed in backward, it makes the device wait as well, however little device time
     its kernels take."""
     device = _device_recompute(g)
     if _host_paced(g):
-        return max(device, g.host_s or 0.0)
+        host = g.recompute_host_s if g.recompute_host_s is not None else g.host_s
+        return max(device, host or 0.0)
     return device
 
 
@@ -1541,6 +1548,7 @@ def profile_of(step: MeasuredStep) -> Profile:
                          max(m.backward_peak - (step.base + held + saves), 0),
                          recompute_extra=max(m.recompute_peak - m.backward_peak, 0),
                          recompute_s=m.recompute_s, reached=m.backward_s is not None, host_s=m.host_s,
+                         recompute_host_s=m.recompute_host_s if m.recomputed else None,
                          costly=tuple(sorted(m.costly, reverse=True)) if m.recomputed and m.costly is not None else None,
                          costly_calls=m.costly_calls if m.recomputed else None,
                          costly_share=_share(m.costly_s, m.recompute_s) if m.recomputed else None,
@@ -1609,6 +1617,7 @@ def merged(a: Profile, b: Profile) -> Profile:
     groups = tuple(replace(y, forward_s=min(x.forward_s, y.forward_s), backward_s=min(x.backward_s, y.backward_s),
                            recompute_s=_least(x.recompute_s, y.recompute_s),
                            host_s=x.host_s if x.forward_s < y.forward_s else y.host_s,
+                           recompute_host_s=_least(x.recompute_host_s, y.recompute_host_s),
                            forward_extra=max(x.forward_extra, y.forward_extra),
                            backward_extra=max(x.backward_extra, y.backward_extra),
                            recompute_extra=max(x.recompute_extra, y.recompute_extra),
@@ -1640,6 +1649,7 @@ def compute_scaled(profile: Profile, factor: float) -> Profile:
         replace(g, forward_s=g.forward_s * factor, backward_s=g.backward_s * factor,
                 recompute_s=None if g.recompute_s is None else g.recompute_s * factor,
                 host_s=None if g.host_s is None else g.host_s * factor,
+                recompute_host_s=None if g.recompute_host_s is None else g.recompute_host_s * factor,
                 dispatch_host_s=scaled_times(g.dispatch_host_s, factor))
         for g in profile.groups))
 

@@ -81,6 +81,7 @@ def _group(g: GroupProfile, f: float, f_inputs: float, time: float) -> GroupProf
         forward_s=g.forward_s * time, backward_s=g.backward_s * time,
         recompute_s=None if g.recompute_s is None else g.recompute_s * time,
         host_s=None if g.host_s is None else g.host_s * host,
+        recompute_host_s=None if g.recompute_host_s is None else g.recompute_host_s * host,
         dispatch_host_s=scaled_times(g.dispatch_host_s, host),
         forward_extra=_up(g.forward_extra, f), backward_extra=_up(g.backward_extra, f),
         recompute_extra=_up(g.recompute_extra, f), costly=_each_up(g.costly, f), attention=_each_up(g.attention, f),
