@@ -63,12 +63,17 @@ from .costmodel import MeasuredGroup, MeasuredStep, MemoryPlan, Profile, Whole, 
 from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
-from .tolerances import (LEFT_AFTER, TIE, WORKLOAD_CHANGE, alike, base_tolerance, clearly_slower, least_margin,
+from .tolerances import (TIE, WORKLOAD_CHANGE, alike, base_tolerance, least_margin,
                          new_workload, off_model, overshoot_margin)
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
 TIMINGS = 3  # timed steps that measure a plan (its first among them only where it pinned nothing and grew no cache)
+# a plan being measured beside one measured is left once this many of its timed steps (a majority of
+# TIMINGS) each ran slower than that one: its median, its measured time, will be slower whatever its
+# other steps show (on an H200 the MoE at 9.25 and 11.80 GiB timed three steps of a plan moving bytes
+# 7% over the measured plan moving nothing, then went back to that one, and settled in 12 and 11 steps)
+LEFT_AFTER = TIMINGS // 2 + 1
 CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 # steps in a row saving less than profiled before the workload is profiled again (one saving more
 # is profiled at the next step): a plan made for more stays within the budget, and variants of one
@@ -76,7 +81,7 @@ CALIBRATIONS = 3  # times the model may be corrected from a plan's measured step
 LIGHTER_STEPS = 8
 
 __all__ = ["BudgetController", "BudgetTooSmall", "Measured", "State", "PROFILE_STEPS", "EXPLORE", "TIMINGS",
-           "CALIBRATIONS", "LIGHTER_STEPS"]
+           "LEFT_AFTER", "CALIBRATIONS", "LIGHTER_STEPS"]
 
 
 class State(enum.Enum):
@@ -1572,12 +1577,12 @@ class BudgetController:
         return {key for key in self._times if self._timed_key(key)}
 
     def _leaves(self, plan: MemoryPlan, fitting: list[MemoryPlan]) -> bool:
-        """Whether ``plan``, being measured, is measured already: each of its steps timed so far
-        ran clearly slower than a plan measured that fits (:func:`~.tolerances.clearly_slower`),
-        which its further steps would only confirm, each at that cost."""
+        """Whether ``plan``, being measured, is measured already: ``LEFT_AFTER`` of its steps
+        timed so far each ran slower than a plan measured that fits, so that its median will be
+        slower than that plan's whatever its further steps show, each at that cost."""
         measured = self._measured_keys()
         times = [self._time_of(p) for p in fitting if p.key in measured and p.key != plan.key]
-        return bool(times) and clearly_slower(self._times.get(plan.key, []), min(times))
+        return bool(times) and sum(t > min(times) for t in self._times.get(plan.key, [])) >= LEFT_AFTER
 
     def _pace(self, plan: MemoryPlan) -> float:
         """A plan's step time: measured where it was, else modelled."""

@@ -18,14 +18,6 @@ BASE_TOLERANCE_DIVISOR = 100  # ... up to a hundredth of the budget; more is kep
 WORKLOAD_CHANGE = 0.10  # a group saving this share more or less than profiled is another workload (batch noise is less; when it is profiled: the controller's LIGHTER_STEPS)
 TIE = 0.01  # modelled step times this close are alike: the model cannot tell them apart, so the plan doing less it cannot see goes first
 CALIBRATION_SLACK = 0.05  # a measured step this close to the model is noise, not an error of the model to correct
-# a plan being measured whose timed steps so far all ran this share slower than the median of a plan
-# already measured is left for it: its further steps would only confirm it (on an H200 the MoE at 9.25
-# and 11.80 GiB timed three steps of a plan moving bytes 7% over the measured plan moving nothing,
-# then went back to that one, and settled in 12 and 11 steps where ten were asked)
-LEFT_SLOWER = 0.05
-# ... of at least this many timed steps: a plan moving bytes runs at one of two paces, and a step may
-# regrow a cache another length's step trimmed, so one slow step may not be the plan's pace
-LEFT_AFTER = 2
 HOST_PACED = 0.9  # a forward whose host time is at least this share of its device time ran at the host's pace
 
 
@@ -53,12 +45,6 @@ def alike(fastest_s: float, step_s: float) -> bool:
     """Whether a plan modelled at ``step_s`` is alike to the fastest, at ``fastest_s``: the one
     tie rule of the search (:func:`~.search.fastest`) and of the controller's order of trying."""
     return step_s <= fastest_s * (1 + TIE)
-
-
-def clearly_slower(times: list[float], measured_s: float) -> bool:
-    """Whether each of a plan's timed steps, ``times``, at least ``LEFT_AFTER`` of them, ran more
-    than ``LEFT_SLOWER`` slower than a plan measured at ``measured_s``."""
-    return len(times) >= LEFT_AFTER and min(times) > measured_s * (1 + LEFT_SLOWER)
 
 
 def off_model(measured_s: float, modelled_s: float) -> int:
