@@ -1886,7 +1886,8 @@ def test_controller_leaves_a_plan_whose_median_will_be_slower_than_one_measured(
     assert set(measured) == {still.key, first.key}
     mover = measured[first.key]
     assert len(mover.times) == (LEFT_AFTER if left else TIMINGS)
-    assert mover.step_s == statistics.median(mover.times)
+    # a plan left is timed by the least its median could have come to
+    assert mover.step_s == (min(mover.times) if left else statistics.median(mover.times))
     faster = statistics.median(mover_times) < 1
     assert c.settled and c.plan.key == (first.key if faster else still.key)
     assert faster or mover.steps == len(mover.times) + 1  # not run again

@@ -206,7 +206,7 @@ class BudgetController:
         self._runs: dict[PlanKey, int] = {}  # plan -> steps it ran
         self._unheld: set[PlanKey] = set()  # those not held until timed: a quick search's, forced ones
         self._times: dict[PlanKey, list[float]] = {}  # plan -> measured step seconds (its first: see _at_its_pace)
-        self._left: set[PlanKey] = set()  # plans measured before TIMINGS steps: clearly slower than one measured
+        self._left: set[PlanKey] = set()  # plans measured before TIMINGS steps: slower than one measured (_leaves)
         self._untimed: list[tuple[PlanKey, Any, Any]] = []  # (plan, start, end) of steps to time, in order
         self._step: _Step | None = None  # the profiling step being measured
         self._partial: Profile | None = None  # the first profiling step's, until the next is done
@@ -325,7 +325,7 @@ class BudgetController:
                 seen.add(k)
                 times = tuple(self._times.get(k, ()))
                 out.append(Measured(p, self._runs[k], self._peaks[k] + base if k in self._peaks else None, times,
-                                    statistics.median(times) if self._timed_key(k) else None))
+                                    self._measured_time(k) if self._timed_key(k) else None))
         return out
 
     @property
@@ -1425,7 +1425,7 @@ class BudgetController:
         # keep a slower plan (on an H200 the MoE at 11.80 GiB left a plan after one step of
         # 158.9 ms, another moving nothing now rated faster, and settled on the 193.6 ms plan
         # measured before it)
-        # (but one clearly slower than a plan measured is left now: :meth:`_leaves`)
+        # (but one whose median will be slower than a plan measured is left now: :meth:`_leaves`)
         running = self._plan
         if (self._probe.cuda and running is not None and running.key in self._runs
                 and running.key not in self._unheld and not self._timed(running)):
@@ -1506,7 +1506,8 @@ class BudgetController:
         nothing was the faster in 39 of the 46 workloads that measured both (the decoder's 2048
         tokens at checkpointing's peak at 3f67cd2: 123.0 ms against 139.8, where the model said
         156.6 against 139.8; its profiling steps' forwards ran at the host's pace, which the
-        model charges every recomputation), and the other 7 by 1-10%."""
+        model then charged every recomputation: since b068338 it charges the recomputation's
+        own), and the other 7 by 1-10%."""
         profile = self._profile
         assert profile is not None
         if best is not None:
@@ -1589,10 +1590,17 @@ class BudgetController:
         return self._time_of(plan) if plan.key in self._measured_keys() else plan.step_s
 
     def _time_of(self, plan: MemoryPlan) -> float:
-        """A plan's measured step time: the median of its timed steps (a plan that moves bytes
-        runs at one of two paces, as its copies happen to hide behind compute or not; the
-        least of them would pick the lucky)."""
-        return statistics.median(self._times[plan.key])
+        """A plan's measured step time (:meth:`_measured_time`)."""
+        return self._measured_time(plan.key)
+
+    def _measured_time(self, key: PlanKey) -> float:
+        """The median of a plan's timed steps (a plan that moves bytes runs at one of two paces,
+        as its copies happen to hide behind compute or not; the least of them would pick the
+        lucky); for a plan left before its last (:meth:`_leaves`), the least of them, the least
+        its median could have come to (of two steps, one slow by a cache regrown would otherwise
+        set half of it)."""
+        times = self._times[key]
+        return min(times) if key in self._left else statistics.median(times)
 
     def _measurement_pending(self) -> bool:
         """Whether the steps waiting to be timed complete a plan's measurement, or may (a plan
@@ -1680,7 +1688,8 @@ class BudgetController:
                                # what it reserved at most on the cache as it stands, within the budget
                                "cache_served_bytes": self._served[m.plan.key][1]
                                if cuda and m.plan.key in self._served else None,
-                               "measured_step_s": statistics.median(m.times) if m.times else None}
+                               "measured_step_s": m.step_s if m.step_s is not None
+                               else statistics.median(m.times) if m.times else None}
                               for m in self.measured_plans()],
                        profile=asdict(profile),
                        profiled_peak_bytes=self.profiled_peak if cuda else None)

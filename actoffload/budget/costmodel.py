@@ -1479,8 +1479,7 @@ class MeasuredGroup:
     ``forward_peak``: the most allocated during its forward above what was allocated when it
     opened; ``backward_peak``, ``recompute_peak``: the most allocated (absolute) during its
     backward and during its recomputation; ``host_s``: the host's time for its forward, and
-    ``recompute_host_s`` for its recomputation (``None`` where the host is the device; the
-    latter is for diagnostics: the model charges a recomputation its forward's host time);
+    ``recompute_host_s`` for its recomputation (``None`` where the host is the device);
     ``costly``, ``costly_s``, ``costly_calls``: the bytes of each of its costly ops' outputs in
     its forward (of those its recomputation reached), their time in its recomputation, and how
     many it reached (:class:`actoffload.selective.OpMeter`; ``None``: not metered), and
