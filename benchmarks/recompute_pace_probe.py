@@ -63,7 +63,8 @@ def report(c: BudgetController) -> None:
                   for prof in (c.profile, merged, variant)]
         moves = "moves" if costmodel.moves_bytes(c.profile, p.groups) else "still"
         actions = "".join(d.action.value[0] for d in p.groups)
-        measured = f"{statistics.median(m.times) * MS:.1f}" if m.times else "-"
+        seconds = m.step_s if m.step_s is not None else statistics.median(m.times) if m.times else None
+        measured = "-" if seconds is None else f"{seconds * MS:.1f}"  # (as stats() reports it)
         print(f"  {moves} {actions} {p.max_inflight}/{p.prefetch}: {measured} | "
               + ", ".join(f"{t * MS:.1f}" for t in models))
 

@@ -325,7 +325,7 @@ class BudgetController:
                 seen.add(k)
                 times = tuple(self._times.get(k, ()))
                 out.append(Measured(p, self._runs[k], self._peaks[k] + base if k in self._peaks else None, times,
-                                    self._measured_time(k) if self._timed_key(k) else None))
+                                    self._time_of(p) if self._timed_key(k) else None))
         return out
 
     @property
@@ -1583,24 +1583,23 @@ class BudgetController:
         slower than that plan's whatever its further steps show, each at that cost."""
         measured = self._measured_keys()
         times = [self._time_of(p) for p in fitting if p.key in measured and p.key != plan.key]
-        return bool(times) and sum(t > min(times) for t in self._times.get(plan.key, [])) >= LEFT_AFTER
+        if not times:
+            return False
+        fastest = min(times)
+        return sum(t > fastest for t in self._times.get(plan.key, [])) >= LEFT_AFTER
 
     def _pace(self, plan: MemoryPlan) -> float:
         """A plan's step time: measured where it was, else modelled."""
         return self._time_of(plan) if plan.key in self._measured_keys() else plan.step_s
 
     def _time_of(self, plan: MemoryPlan) -> float:
-        """A plan's measured step time (:meth:`_measured_time`)."""
-        return self._measured_time(plan.key)
-
-    def _measured_time(self, key: PlanKey) -> float:
-        """The median of a plan's timed steps (a plan that moves bytes runs at one of two paces,
-        as its copies happen to hide behind compute or not; the least of them would pick the
-        lucky); for a plan left before its last (:meth:`_leaves`), the least of them, the least
-        its median could have come to (of two steps, one slow by a cache regrown would otherwise
-        set half of it)."""
-        times = self._times[key]
-        return min(times) if key in self._left else statistics.median(times)
+        """A plan's measured step time: the median of its timed steps (a plan that moves bytes
+        runs at one of two paces, as its copies happen to hide behind compute or not; the least
+        of them would pick the lucky); for a plan left before its last (:meth:`_leaves`), the
+        least of them, the least its median could have come to (of two steps, one slow by a
+        cache regrown would otherwise set half of it)."""
+        times = self._times[plan.key]
+        return min(times) if plan.key in self._left else statistics.median(times)
 
     def _measurement_pending(self) -> bool:
         """Whether the steps waiting to be timed complete a plan's measurement, or may (a plan
