@@ -98,6 +98,7 @@ def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
     class Fake:
         reserved = 0  # what _Runner reads after each step
         note = None  # and its budget's plan after it
+        off = None  # no offloader: no cache given back
 
         def __init__(self, label, seconds):
             self.method = budget_sweep.Method(label)
@@ -113,6 +114,38 @@ def test_paired_alternates_the_two_methods_step_by_step(monkeypatch):
     p = budget_sweep.paired(Fake("a", 0.003), Fake("b", 0.002), warmup=1, first_step=10)
     assert order == [("b", 10), ("a", 11), ("a", 12), ("b", 13), ("a", 14), ("b", 15), ("a", 16), ("b", 17)]
     assert p["against"] == "b" and p["rounds"] == 3 and p["ratio"] == pytest.approx(1.5)
+
+
+def test_paired_counts_the_caches_the_budget_gave_back_while_alternating():
+    # a rival reserving more than the budget's plan grows the cache between the budget's steps:
+    # each of them gives it back, which the alternating times include
+    class Budget:
+        reserved = 0
+        note = None
+
+        def __init__(self):
+            self.method, self.trims, self.off = budget_sweep.Method("fast_budget"), 1, self
+
+        def stats(self):
+            return {"plan": {"cache_trims_by": {"first": 1, "grown between steps": self.trims - 1}}}
+
+        def step(self, step):
+            self.trims += step > 1  # its first step (the warm-up's round) gives back nothing new
+            return 0.01, 0
+
+        def warming_up(self):
+            return False
+
+    class Rival(Budget):
+        def __init__(self):
+            self.method, self.off = budget_sweep.Method("none"), None
+
+        def step(self, step):
+            return 0.01, 0
+
+    p = budget_sweep.paired(Budget(), Rival(), warmup=1, first_step=0)
+    assert p["cache_trims_by"] == {"grown between steps": p["rounds"]}
+    assert budget_sweep.paired(Rival(), Rival(), warmup=1, first_step=0)["cache_trims_by"] == {}
 
 
 def test_a_budgets_warm_up_lasts_until_its_plan_is_settled():
@@ -143,6 +176,7 @@ def test_paired_rounds_fill_their_time_within_bounds():
     class Fake:
         reserved = 0  # what _Runner reads after each step
         note = None  # and its budget's plan after it
+        off = None  # no offloader: no cache given back
 
         def __init__(self, label, seconds):
             self.method, self.seconds = budget_sweep.Method(label), seconds
@@ -167,6 +201,7 @@ def test_paired_rounds_go_on_until_the_ratio_is_known_within_a_percent_or_time_r
     class Noisy:
         reserved = 0  # what _Runner reads after each step
         note = None  # and its budget's plan after it
+        off = None  # no offloader: no cache given back
 
         def __init__(self, label, seconds, spread):
             self.method, self.seconds, self.spread = budget_sweep.Method(label), seconds, spread
@@ -196,6 +231,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch):
     class Drifting:
         reserved = 0  # what _Runner reads after each step
         note = None  # and its budget's plan after it
+        off = None  # no offloader: no cache given back
 
         def __init__(self, label, times):
             self.method, self.times = budget_sweep.Method(label), iter(times)

@@ -282,6 +282,7 @@ def paired(a: _Runner, b: _Runner, warmup: int, first_step: int, scale: Scale | 
     def ratios() -> list[float]:  # each round's own: two neighbouring steps share the host's state
         return [x / y for x, y in zip(ta, tb)]
 
+    trims_before = _trims_by(a)
     more(rounds)
     r = ratios()
     while sum(ta) + sum(tb) < max_s:
@@ -293,7 +294,18 @@ def paired(a: _Runner, b: _Runner, warmup: int, first_step: int, scale: Scale | 
     ma, mb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
     return {"against": b.method.label, "rounds": len(ta), "step_ms": ma, "against_step_ms": mb,
             "ratio": statistics.median(r), "ratio_interval": list(median_interval(r)),
-            "ratio_of_medians": ma / mb, "steps_ms": [t * 1e3 for t in ta], "against_steps_ms": [t * 1e3 for t in tb]}
+            "ratio_of_medians": ma / mb, "steps_ms": [t * 1e3 for t in ta], "against_steps_ms": [t * 1e3 for t in tb],
+            # the caches ``a``'s budget gave back meanwhile, by why: a rival whose steps reserve
+            # more than ``a``'s leaves it a cache grown between its steps, given back before each
+            "cache_trims_by": {why: n - trims_before.get(why, 0) for why, n in _trims_by(a).items()
+                               if n > trims_before.get(why, 0)}}
+
+
+def _trims_by(runner: _Runner) -> dict[str, int]:
+    """The times ``runner``'s memory budget gave the allocator's cache back so far, by why
+    (none without a budget, or on the CPU)."""
+    plan = runner.off.stats().get("plan") if runner.off is not None else None
+    return dict((plan or {}).get("cache_trims_by") or {})
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -422,7 +434,8 @@ def sweep_workload(w: Workload, device: torch.device, steps: int, warmup: int, l
             r["paired"] = paired(run, _Runner(w, methods[rival["method"]], device), warmup,
                                  len(r["early_steps_ms"]) + len(r["steps_ms"]), scale)
             log(f"  {w.name}: budget {budget / GiB:.2f} GiB against {rival['method']}, alternating: "
-                f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms")
+                f"{r['paired']['step_ms']:.1f} / {r['paired']['against_step_ms']:.1f} ms"
+                + (f", caches given back meanwhile {r['paired']['cache_trims_by']}" if r["paired"]["cache_trims_by"] else ""))
         res["budgets"].append(r)
         run = None  # its offloader (pinned pool, plans) let go before the next budget's first step
     return res
