@@ -210,6 +210,7 @@ def test_a_workloads_scale_sets_its_alternating_rounds():
     class Fake:
         reserved = 0  # what _Runner reads after each step
         note = None  # and its budget's plan after it
+        off = None  # no offloader: no cache given back
 
         def __init__(self, label):
             self.method = bs.Method(label)
