@@ -64,7 +64,7 @@ from .probe import Probe
 from .reserve import AllocatorReserve
 from .search import BudgetTooSmall
 from .tolerances import (TIE, WORKLOAD_CHANGE, alike, base_tolerance, least_margin,
-                         new_workload, off_model, overshoot_margin, unrun_margin)
+                         new_workload, off_model, overshoot_margin)
 
 PROFILE_STEPS = 2  # the first also pins host memory and grows the allocator: its times run long
 EXPLORE = 1  # plans beyond the model's first choice that may run to find a faster one (docs/budgets.md: settling)
@@ -440,17 +440,9 @@ class BudgetController:
         return True
 
     def _fits_by_model(self, plan: MemoryPlan) -> bool:
-        """Whether a plan fits the budget by its modelled peak, the least margin and the reserve
-        with a plan not yet run's share of it more: as a prediction is adopted, before any step
-        of it ran (no margin, nothing measured)."""
-        return plan.peak + self._unrun(0) <= self._budget
-
-    def _unrun(self, margin: int) -> int:
-        """What a plan not yet run is judged with beyond its modelled peak: the reserve and its
-        share for a plan's first steps (:data:`~.tolerances.UNRUN_RESERVE_SHARE`), the least
-        margin and ``margin``."""
-        reserve = self._reserve.bytes
-        return reserve + unrun_margin(reserve) + least_margin(self._budget) + margin
+        """Whether a plan fits the budget by its modelled peak, the least margin and the reserve:
+        as a prediction is adopted, before any step of it ran (no margin, nothing measured)."""
+        return plan.peak + least_margin(self._budget) + self._reserve.bytes <= self._budget
 
     def _predicted_candidates(self, profile: Profile, window: tuple[int, int] | None,
                               shared: SharedPredictions | None, quick: bool = True) -> tuple[list[MemoryPlan], bool]:
@@ -1273,17 +1265,16 @@ class BudgetController:
         search improves its fastest plan within it (:func:`~.search.improved_within`). Asked with
         the reserve as it is when the search is made; a reserve grown since leaves that plan out
         of what fits, as any other."""
-        return (self._budget - self._unrun(self._margin),)
+        return (self._budget - self._reserve.bytes - self._margin - least_margin(self._budget),)
 
     def _judged_peaks(self, with_margins: bool, by_cache: bool = True) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the
         candidates: the allocated bytes (measured where a plan ran, else modelled, ``with_margins``
-        raised by the margins and a plan not yet run's share of the reserve: :meth:`_unrun`) and
-        the reserve; or, ``by_cache``, what a plan that ran on the
+        raised by the margin) and the reserve; or, ``by_cache``, what a plan that ran on the
         cache as it stands reserved there (:meth:`_served_now`) where that is less."""
         assert self._profile is not None
         base, reserve = self._profile.base, self._reserve.bytes
-        unmeasured = self._unrun(self._margin) if with_margins else reserve
+        unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
         out = [p.peak + unmeasured for p in self._plans]
         if self._index is None:  # a plan's identity is hashed once per set of candidates, not per choice
             self._index = {}
@@ -1669,7 +1660,7 @@ class BudgetController:
 
     def stats(self) -> dict[str, Any]:
         cuda = self._probe.cuda
-        out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._unrun(self._margin) - self._reserve.bytes,
+        out: dict[str, Any] = {"memory_budget": self._budget, "margin": self._margin + least_margin(self._budget),
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,

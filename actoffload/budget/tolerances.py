@@ -11,12 +11,6 @@ LEAST_MARGIN_FLOOR = MiB  # the allocator's rounding and a library's workspace: 
 LEAST_MARGIN_DIVISOR = 1000  # ... and, on a large budget, a thousandth of it: those grow with the step
 OVERSHOOT_PAD_FLOOR = MiB  # an overshoot widens the margin by itself and this much more, so the next plan
 OVERSHOOT_PAD_DIVISOR = 400  # ... (at least a 400th of the budget) does not land on the same edge again
-# a plan not yet run is judged with the allocator's reserve and this share of it more: the reserve
-# is the most a step that ran showed beyond its allocated peak, and a plan's first step often
-# shows more (over the H200 loop sweeps committed on 2026-11-30 and 12-01, 939 first steps of a
-# plan: a quarter showed more than 1.29x the reserve measured before them; of the 56 that went
-# over the budget, 45 had less than 1.2x it for room beside their allocated peak)
-UNRUN_RESERVE_SHARE = 0.2
 BASE_TOLERANCE_FLOOR = MiB  # what is allocated when a step begins moves a little from step to step (noise) ...
 BASE_TOLERANCE_DIVISOR = 100  # ... up to a hundredth of the budget; more is kept gradients or new optimizer state
 
@@ -30,11 +24,6 @@ HOST_PACED = 0.9  # a forward whose host time is at least this share of its devi
 def least_margin(budget: int) -> int:
     """Bytes every modelled peak is raised by before any overshoot."""
     return max(LEAST_MARGIN_FLOOR, budget // LEAST_MARGIN_DIVISOR)
-
-
-def unrun_margin(reserve: int) -> int:
-    """Bytes a plan not yet run is judged with beyond ``reserve``, the allocator's reserve."""
-    return int(reserve * UNRUN_RESERVE_SHARE)
 
 
 def overshoot_margin(budget: int, peak: int) -> int:
