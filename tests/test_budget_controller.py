@@ -154,18 +154,10 @@ def test_controller_a_plan_that_ran_is_judged_by_its_measured_peak():
     assert c.plan.key == least.key
 
 
-def _fits_at(peak: int) -> int:
-    """The least budget a plan of ``peak`` bytes fits, with the least margin (a share of the budget)."""
-    budget = peak + MiB
-    while peak + least_margin(budget) > budget:
-        budget = peak + least_margin(budget)
-    return budget
-
-
 def test_controller_overshoot_raises_the_margin_but_spares_plans_measured_within_the_budget():
     keep = max(_controller(1 << 40).plans, key=lambda p: p.peak)
     probe = FakeProbe()
-    c = _controller(_fits_at(keep.peak), profiled_peak=BASE, probe=probe)
+    c = _controller(keep.peak + MiB, profiled_peak=BASE, probe=probe)  # (a MiB: the least margin)
     assert c.plan.key == keep.key
     c.step_begins()
     probe.peak_bytes = c.budget + (1 << 40)  # every model figure out of reach
@@ -290,7 +282,7 @@ def test_controller_after_a_plan_moving_bytes_ran_as_modelled_tries_only_plans_m
     profile = _big_profile(12)
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
-    c = _controller(_fits_at(least + (most - least) * 9 // 24 + 3 * MiB), probe=FakeProbe(), profile=profile)
+    c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
     best = c._first_choice(c._fitting())
     moved = host_bytes(profile, best.groups)
     assert moved > 0
@@ -315,7 +307,7 @@ def test_controller_rates_a_plan_moving_bytes_against_one_moving_none_with_the_b
     profile = _big_profile(12)
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
-    c = _controller(_fits_at(least + (most - least) * 9 // 24 + 3 * MiB), probe=FakeProbe(), profile=profile)
+    c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
     first = c._first_choice(c._fitting())
     assert moves_bytes(profile, first.groups)
     pace = lambda p: (1 + excess if moves_bytes(profile, p.groups) else 1.0) * p.step_s  # noqa: E731
@@ -344,7 +336,7 @@ def test_controller_a_choice_reads_the_model_s_order_only_as_far_as_a_plan_may_p
     profile = _big_profile(12)
     plans = _controller(1 << 40, profile=profile).plans
     least, most = min(p.peak for p in plans), max(p.peak for p in plans)
-    c = _controller(_fits_at(least + (most - least) * 9 // 24 + 3 * MiB), probe=FakeProbe(), profile=profile)
+    c = _controller(least + (most - least) * 9 // 24 + 4 * MiB, probe=FakeProbe(), profile=profile)
     unmodelled_work = search.unmodelled_work
     read: list = []
     monkeypatch.setattr(search, "unmodelled_work", lambda profile, groups: read.append(groups) or
@@ -499,8 +491,8 @@ def _moving_preferred() -> tuple[Profile, int, BudgetController]:
     profile = replace(_profile(), groups=tuple(replace(g, forward_s=5e-3) for g in _profile().groups),
                       d2h_bps=50e9, h2d_bps=50e9)
     plans = search.candidates(profile)
-    budget = _fits_at(next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
-                           if moves_bytes(profile, search.choose(profile, b, plans).groups)))
+    budget = MiB + next(b for b in sorted({p.peak for p in plans if not moves_bytes(profile, p.groups)})
+                        if moves_bytes(profile, search.choose(profile, b, plans).groups))
     c = _controller(budget, probe=FakeProbe(), profile=profile)
     assert moves_bytes(profile, c._first_choice(c._fitting()).groups) and not moves_bytes(profile, c.plan.groups)
     return profile, budget, c

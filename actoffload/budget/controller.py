@@ -967,8 +967,7 @@ class BudgetController:
         if self.measured_peak > self._budget:  # the model misjudged the plan's allocated bytes
             self._margin += overshoot_margin(self._budget, self.measured_peak)
             self._choose()
-        elif ((grew or self._peaks[key] != before)
-              and self.measured_peak + self._reserve.bytes + least_margin(self._budget) > self._budget):
+        elif (grew or self._peaks[key] != before) and self.measured_peak + self._reserve.bytes > self._budget:
             self._choose()  # with what the allocator adds, it no longer fits (it did when chosen)
         elif misjudged:
             self._choose()  # its cache did not serve it again: judged by the reserve from now on
@@ -1270,10 +1269,9 @@ class BudgetController:
 
     def _judged_peaks(self, with_margins: bool, by_cache: bool = True) -> list[int]:
         """Each candidate's peak as the allocator will reserve it, in the order of the
-        candidates: the allocated bytes (measured where a plan ran, else modelled) and the
-        reserve, ``with_margins`` raised by the least margin (and a plan not yet run by the
-        overshoots' margin too); or, ``by_cache``, what a plan that ran on the cache as it stands
-        reserved there (:meth:`_served_now`, with its slack) where that is less."""
+        candidates: the allocated bytes (measured where a plan ran, else modelled, ``with_margins``
+        raised by the margin) and the reserve; or, ``by_cache``, what a plan that ran on the
+        cache as it stands reserved there (:meth:`_served_now`) where that is less."""
         assert self._profile is not None
         base, reserve = self._profile.base, self._reserve.bytes
         unmeasured = reserve + (self._margin + least_margin(self._budget) if with_margins else 0)
@@ -1283,9 +1281,8 @@ class BudgetController:
             for i, p in enumerate(self._plans):  # a plan may be a candidate twice (the profiled one, say)
                 self._index.setdefault(p.key, []).append(i)
         served = self._served_now() if by_cache else {}
-        measured = reserve + (least_margin(self._budget) if with_margins else 0)  # (no overshoot's: measured)
         for key, peak in self._peaks.items():
-            judged = peak + base + measured
+            judged = peak + base + reserve
             if key in served:
                 judged = min(judged, served[key])
             for i in self._index.get(key, ()):

@@ -8,12 +8,7 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------- margins (bytes)
 LEAST_MARGIN_FLOOR = MiB  # the allocator's rounding and a library's workspace: what the model never sees
-# ... and, on a large budget, a hundredth of it: those grow with the step, and a step of another
-# length adds blocks of its own sizes to a cache a plan filled (the allocator's 2 MiB segments for
-# requests under 1 MiB): on an H200 the loop sweep's decoder at checkpointing's reserved peak, its
-# 2048-token plans reserved the budget to within 2 MiB, and the shorter steps after them went over
-# it by 2-30 MiB in five runs, by 24-58 MiB at the smallest reachable budget in two
-LEAST_MARGIN_DIVISOR = 100
+LEAST_MARGIN_DIVISOR = 1000  # ... and, on a large budget, a thousandth of it: those grow with the step
 OVERSHOOT_PAD_FLOOR = MiB  # an overshoot widens the margin by itself and this much more, so the next plan
 OVERSHOOT_PAD_DIVISOR = 400  # ... (at least a 400th of the budget) does not land on the same edge again
 BASE_TOLERANCE_FLOOR = MiB  # what is allocated when a step begins moves a little from step to step (noise) ...
