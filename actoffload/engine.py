@@ -76,7 +76,7 @@ class Engine(Generic[GroupT, MovedT]):
         # discarded) is given again, not "name#2"; one cut short is not reported
         self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
         self._failures = 0  # groups an exception closed
-        self._step_failures = 0  # ... when the step began (or was last found to go on: _cut_short)
+        self._step_failures = 0  # ... when the step began (or was last found to go on: _decide_cut_short)
         self._step_first: str | None = None  # the name the step's first group with gradients on was opened with
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
@@ -307,7 +307,7 @@ class Engine(Generic[GroupT, MovedT]):
         depth = self._prefetch_depth()
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
-    def _cut_short(self, name: str) -> bool:
+    def _decide_cut_short(self, name: str) -> bool:
         """Whether an exception cut the step's forward short since the step began (R8): the group
         opening now, ``name``, opens the step's first group again, and every group of the step
         that saved something was let go with its graph. The forward began again, a batch skipped
@@ -317,7 +317,8 @@ class Engine(Generic[GroupT, MovedT]):
         first one's name), or an earlier micro-batch's forward waits for its backward. (A copy
         still in flight may hold a let-go group a while: the step then goes on, and its plan
         re-plans, as it would for any step that opens more groups than planned.) Decided once per
-        exception (the lock held)."""
+        exception, and the decision recorded (the lock held): asked again before the next
+        exception, it answers no."""
         if self._failures == self._step_failures or self._backward_began:
             return False
         self._step_failures = self._failures
@@ -325,11 +326,11 @@ class Engine(Generic[GroupT, MovedT]):
 
     def _begin_step_if_new(self, name: str) -> None:
         """A group opening (``name``) after a backward pass began (or the first ever, or after an
-        exception cut the forward short: :meth:`_cut_short`) begins a step."""
+        exception cut the forward short: :meth:`_decide_cut_short`) begins a step."""
         with self._lock:
             # (a step cut short keeps its window: the cut-short forward's groups are let go as R8
             # says, by their graphs, and their names given again once they are)
-            cut_short = self._cut_short(name)
+            cut_short = self._decide_cut_short(name)
             new_step = self._backward_began or not self._in_step or cut_short
             if self._backward_began:
                 self._window.clear()
