@@ -177,6 +177,8 @@ class Engine(Generic[GroupT, MovedT]):
             if not self._backward_began:
                 self._backward_begins()
             return None
+        if torch.jit.is_tracing():
+            return None  # torch.jit.trace records the forward: a group's hooks and copies would enter its graph
         me = threading.get_ident()
         opened = _open_on.get(me)
         if opened is not None:
@@ -192,9 +194,13 @@ class Engine(Generic[GroupT, MovedT]):
                 if self._owner is None:
                     self._owner = me
         if self._owner != me:
+            if not torch.is_grad_enabled():
+                return None  # (another thread's forward that saves nothing, an evaluation say: R2 leaves it be)
             raise RuntimeError(
                 f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "
-                f"{self._owner}: an Offloader is used from one thread. Create one ao.Offloader per thread."
+                f"{self._owner}: an Offloader serves the forwards of one thread. Run the training forwards on one "
+                "thread (a forward under torch.no_grad() may run on any), or give each thread a copy of the model "
+                "wrapped with an ao.Offloader of its own."
             )
         outer = compat.current_saved_tensors_hooks()
         if outer is not None and not compat.hooks_own_saves(outer):

@@ -267,6 +267,8 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     @functools.wraps(base.forward)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         w: _Wrap = getattr(self, _WRAP)
+        if torch.jit.is_tracing():  # torch.jit.trace records the module as without an offloader
+            return w.own_forward(*args, **kwargs) if w.own_forward is not None else base.forward(self, *args, **kwargs)
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).

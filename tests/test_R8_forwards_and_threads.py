@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint
 
 import actoffload as ao
-from helpers import IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, reference_grads, run_groups
+from helpers import IMPLS, assert_bitwise, grads_of, mlp_stack, off_for, reference_grads, run_groups, zero_grads
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -171,8 +171,37 @@ def test_R8_one_offloader_used_from_a_second_thread_raises_at_once(impl):
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert len(errors) == 1 and "one ao.Offloader per thread" in errors[0]
+    assert len(errors) == 1 and "forwards of one thread" in errors[0] and "torch.no_grad()" in errors[0]
     run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()  # still fine here
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("saves_nothing", [torch.no_grad, torch.inference_mode])
+def test_R8_a_forward_that_saves_nothing_runs_on_another_thread(impl, saves_nothing):
+    """An evaluation on a thread of its own, under no_grad or inference_mode (R2: nothing is
+    saved), opens no group and gives what the model gives without an offloader; training on
+    the offloader's thread goes on bitwise."""
+    model = mlp_stack(2, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    with saves_nothing():
+        plain = model(x)
+    with ao.wrap(model, off_for(impl, "cpu", keep_last=0)):
+        model(x).sum().backward()
+        assert_bitwise(grads_of(model, x), expected)
+        zero_grads(model, x)
+        out = {}
+
+        def evaluate():
+            with saves_nothing():
+                out["y"] = model(x)
+
+        t = threading.Thread(target=evaluate)
+        t.start()
+        t.join()
+        assert torch.equal(out["y"], plain)
+        model(x).sum().backward()  # training goes on, on the offloader's thread
+        assert_bitwise(grads_of(model, x), expected)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
