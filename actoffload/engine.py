@@ -164,6 +164,10 @@ class Engine(Generic[GroupT, MovedT]):
         return 0, None
 
     # ------------------------------------------------------------------ opening and closing
+    def _serves_another_thread(self) -> bool:
+        """Whether this offloader serves the forwards of a thread other than the calling one (R8)."""
+        return self._owner is not None and self._owner != threading.get_ident()
+
     def _enter(self, name: str, recomputable: bool = False, parts: int = 0, inputs: int = 0,
                compiled: bool = False) -> GroupT | None:
         """Open group ``name``; ``parts``: it is a module whose parts are groups of their own,

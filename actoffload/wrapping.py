@@ -267,7 +267,10 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     @functools.wraps(base.forward)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         w: _Wrap = getattr(self, _WRAP)
-        if torch.jit.is_tracing():  # torch.jit.trace records the module as without an offloader
+        if torch.jit.is_tracing() or (not torch.is_grad_enabled() and w.off._serves_another_thread()):
+            # torch.jit.trace records the module as without an offloader; a forward that saves
+            # nothing on a thread the offloader does not serve runs as without one (R8), its
+            # inputs no step's (a memory budget's signature is the serving thread's steps')
             return w.own_forward(*args, **kwargs) if w.own_forward is not None else base.forward(self, *args, **kwargs)
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates

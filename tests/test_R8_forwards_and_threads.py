@@ -228,3 +228,39 @@ def test_R8_two_offloaders_in_two_threads_train_correctly(impl):
     for t in threads:
         t.join()
     assert results == {0: True, 1: True}
+
+
+def test_R8_an_evaluation_on_another_thread_leaves_a_memory_budgets_steps_alone(monkeypatch):
+    """Under a memory budget, an evaluation of another batch size on a thread of its own (no_grad)
+    neither opens a group nor hands the budget its inputs (a step's signature: from another
+    thread, it could land between the training thread's and its step's first group): the plan
+    settled on the training thread stays, and training goes on bitwise."""
+    model = mlp_stack(3, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, memory_budget="1GB")
+    with ao.wrap(model, off):
+        for _ in range(8):
+            model(x).sum().backward()
+            zero_grads(model, x)
+        plan = off.stats()["plan"]
+        assert plan["settled"]
+        handed = []
+        step_inputs = off.plan.step_inputs
+        monkeypatch.setattr(off.plan, "step_inputs",
+                            lambda *a: handed.append(threading.get_ident()) or step_inputs(*a))
+        evaluated = {}
+
+        def evaluate():
+            with torch.no_grad():
+                evaluated["y"] = model(torch.randn(64, 32))
+
+        t = threading.Thread(target=evaluate)
+        t.start()
+        t.join()
+        assert evaluated["y"].shape == (64, 32) and handed == []
+        model(x).sum().backward()
+        assert handed and set(handed) == {threading.get_ident()}
+        assert_bitwise(grads_of(model, x), expected)
+        after = off.stats()["plan"]
+        assert after["settled"] and after["workload"] == plan["workload"] and after["plans_tried"] == plan["plans_tried"]
