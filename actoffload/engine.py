@@ -164,6 +164,7 @@ class Engine(Generic[GroupT, MovedT]):
         return 0, None
 
     # ------------------------------------------------------------------ opening and closing
+    @compat.not_traced  # (Dynamo cannot trace threading.get_ident: a break here, not a warning)
     def _serves_another_thread(self) -> bool:
         """Whether this offloader serves the forwards of a thread other than the calling one (R8)."""
         return self._owner is not None and self._owner != threading.get_ident()

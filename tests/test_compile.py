@@ -192,3 +192,30 @@ def test_jit_trace_of_a_wrapped_model_records_it_as_without_an_offloader(impl, b
         traced = torch.jit.trace(model, x)
         assert torch.equal(traced(x), plain)
         _assert_bitwise(_steps(model, model, 0, 1), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compile_an_evaluation_on_another_thread_runs_the_compiled_model_as_without_an_offloader(impl):
+    """``torch.compile(model)`` of wrapped blocks, trained on one thread, evaluated under no_grad
+    on another (R8: a forward that saves nothing opens no group there): the same outputs as
+    evaluating on the training thread, and training goes on."""
+    import threading
+
+    model = Model()
+    with ao.wrap(model.blocks, off_for(impl, "cpu", min_offload_bytes=0)):
+        compiled = torch.compile(model, backend=CompileCounterWithBackend("inductor"))
+        _steps(model, compiled, 0, 1)
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            here = compiled(x)
+        there = {}
+
+        def evaluate():
+            with torch.no_grad():
+                there["y"] = compiled(x)
+
+        t = threading.Thread(target=evaluate)
+        t.start()
+        t.join()
+        assert torch.equal(there["y"], here)
+        _steps(model, compiled, 1, 1)
