@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from typing import Any, ClassVar
 
 from . import compat
@@ -61,8 +62,11 @@ def _of_another(name: str, other: str, impl: str, named: str | None) -> str:
     the ``impl`` argument; ``None``: it came from $OFFLOAD_IMPL or the default): whose it is,
     and what to do."""
     said = f"{name} is a setting of the {other!r} implementation; impl {impl!r} does not take it: "
-    if named is None and PICKS.get(name) == other:  # only $OFFLOAD_IMPL can have overruled it
+    from_env = named is None and bool(os.environ.get("OFFLOAD_IMPL"))  # (else the default chose it)
+    if from_env and PICKS.get(name) == other:  # it would have picked its own, but for $OFFLOAD_IMPL
         return said + f"$OFFLOAD_IMPL is {impl!r}; pass impl={other!r} or unset OFFLOAD_IMPL"
+    if from_env:
+        return said + f"$OFFLOAD_IMPL is {impl!r}; pass impl={other!r} or set OFFLOAD_IMPL={other}"
     if PICKS.get(name) == other:
         return said + f"pass impl={other!r} or leave impl out"
     return said + f"pass impl={other!r}"

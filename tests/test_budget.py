@@ -517,6 +517,12 @@ def test_budget_is_a_setting_of_fast(monkeypatch):
     monkeypatch.setenv("OFFLOAD_IMPL", "ref")
     with pytest.raises(TypeError, match=r"\$OFFLOAD_IMPL is 'ref'; pass impl='fast' or unset OFFLOAD_IMPL"):
         ao.Offloader(device="cpu", memory_budget="1GiB")
+    # another of fast's settings, which picks nothing: $OFFLOAD_IMPL named as what chose ref
+    with pytest.raises(TypeError, match=r"\$OFFLOAD_IMPL is 'ref'; pass impl='fast' or set OFFLOAD_IMPL=fast"):
+        ao.Offloader(device="cpu", max_inflight=2)
+    monkeypatch.delenv("OFFLOAD_IMPL")
+    with pytest.raises(TypeError, match=r"impl 'ref' does not take it: pass impl='fast'$"):
+        ao.Offloader(impl="ref", device="cpu", max_inflight=2)
 
 
 def test_no_budget_given_as_none_picks_nothing_and_every_implementation_takes_it(monkeypatch):
