@@ -261,6 +261,10 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     if known is not None:
         return known
 
+    def own(self: torch.nn.Module, w: _Wrap, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's own forward: what it runs without an offloader."""
+        return w.own_forward(*args, **kwargs) if w.own_forward is not None else base.forward(self, *args, **kwargs)
+
     # Not a `with` block: torch.compile cannot resume inside a `with` whose context manager
     # it does not trace, and would then run the whole forward eagerly. Two calls it does not
     # trace are two clean graph breaks, and the module's own forward between them compiles.
@@ -271,7 +275,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             # torch.jit.trace records the module as without an offloader; a forward that saves
             # nothing on a thread the offloader does not serve runs as without one (R8), its
             # inputs no step's (a memory budget's signature is the serving thread's steps')
-            return w.own_forward(*args, **kwargs) if w.own_forward is not None else base.forward(self, *args, **kwargs)
+            return own(self, w, args, kwargs)
         # Not recomputed under torch.compile (checkpoint with our contexts would run it eagerly,
         # and eager kernels differ from compiled ones in the last bits), nor while it updates
         # running statistics (recomputing would update them twice).
@@ -286,10 +290,8 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             if group.recompute:  # a plan's choice (budget, warm-up): save only the inputs, recompute in backward
                 inner = w.own_forward if w.own_forward is not None else functools.partial(base.forward, self)
                 out = _recomputed(self, inner, group, args, kwargs)
-            elif w.own_forward is not None:
-                out = w.own_forward(*args, **kwargs)
             else:
-                out = base.forward(self, *args, **kwargs)
+                out = own(self, w, args, kwargs)
         except BaseException:
             _close(group, True)  # (failed; positional: not_traced takes no keywords)
             raise

@@ -287,7 +287,7 @@ def test_controller_after_a_plan_moving_bytes_ran_as_modelled_tries_only_plans_m
     moved = host_bytes(profile, best.groups)
     assert moved > 0
     _run_forced(c, best, TIMINGS + 1, lambda p: 1.04 * p.step_s)
-    assert c._timed(best)
+    assert c._timed(best.key)
     measured = 1.04 * best.step_s
     fitting = c._fitting()
     as_many = [p for p in fitting if p.key != best.key and host_bytes(profile, p.groups) >= moved
@@ -316,7 +316,7 @@ def test_controller_rates_a_plan_moving_bytes_against_one_moving_none_with_the_b
     c.force(still.groups, still.max_inflight, still.prefetch)
     _run(c, TIMINGS + 1, pace)
     c.force(None)
-    assert c._timed(still) and c._bus_excess() == pytest.approx(excess)
+    assert c._timed(still.key) and c._bus_excess() == pytest.approx(excess)
     under = [p for p in c._fitting() if moves_bytes(profile, p.groups)
              and 0.96 * still.step_s < p.step_s < 0.97 * still.step_s]
     assert under and all(c._promises(p, still) == (excess == 0.02) for p in under)
@@ -345,7 +345,7 @@ def test_controller_a_choice_reads_the_model_s_order_only_as_far_as_a_plan_may_p
     for steps in (TIMINGS + 1, 2 * TIMINGS + 1):
         _run(c, steps, lambda p: pace * p.step_s)
         fitting = c._fitting()
-        assert any(c._timed(p) for p in fitting) and len(fitting) > 100
+        assert any(c._timed(p.key) for p in fitting) and len(fitting) > 100
         read[:] = []
         chosen = c._fastest(fitting)
         read_now, read[:] = len(read), []
@@ -528,7 +528,7 @@ def test_controller_a_plan_being_measured_runs_until_it_is_timed():
     _run_forced(c, first, TIMINGS + 1, lambda p: p.step_s)  # the first choice measured, as modelled
     _run(c, 1, lambda p: p.step_s)  # and the plan moving nothing begun
     still = c.plan
-    assert c._timed(first) and not moves_bytes(profile, still.groups) and not c._timed(still)
+    assert c._timed(first.key) and not moves_bytes(profile, still.groups) and not c._timed(still.key)
     others = [p for p in c.plans if not moves_bytes(profile, p.groups) and p.key != still.key
               and p.peak <= c.plan.peak]
     rated = replace(others[0], step_s=0.5 * min(first.step_s, still.step_s))  # the model now rates it fastest
@@ -537,7 +537,7 @@ def test_controller_a_plan_being_measured_runs_until_it_is_timed():
     c._choose()
     assert c.plan.key == still.key and c.state is State.EXPLORING
     _run(c, TIMINGS + 1, lambda p: 0.8 * first.step_s if p.key == still.key else p.step_s)
-    assert c._timed(still) and c.settled and c.plan.key == still.key
+    assert c._timed(still.key) and c.settled and c.plan.key == still.key
 
 
 def _profiling_step(c: BudgetController, groups: int, recompute: bool = False, forward_s: float = 1e-3) -> None:
@@ -1625,7 +1625,7 @@ def test_controller_measures_the_plan_moving_no_bytes_before_the_models_next_pro
     profile, budget, c = _moving_preferred()
     first, still = c._first_choice(c._fitting()), c.plan
     _run(c, TIMINGS + 2, lambda p: 3.0 * p.step_s)  # the plan moving nothing measured: slower than every promise
-    assert c._timed(still) and c.plan.key == first.key
+    assert c._timed(still.key) and c.plan.key == first.key
     _run(c, 4 * (TIMINGS + 1), lambda p: 3.0 * p.step_s)
     fitting = [p for p in c.plans if p.peak + c.margin <= budget and p.key not in (first.key, still.key)]
     assert any(p.step_s < 3.0 * first.step_s for p in fitting)

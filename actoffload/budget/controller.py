@@ -325,7 +325,7 @@ class BudgetController:
                 seen.add(k)
                 times = tuple(self._times.get(k, ()))
                 out.append(Measured(p, self._runs[k], self._peaks[k] + base if k in self._peaks else None, times,
-                                    self._time_of(p) if self._timed_key(k) else None))
+                                    self._time_of(p) if self._timed(k) else None))
         return out
 
     @property
@@ -943,7 +943,7 @@ class BudgetController:
         # found another workload is not this plan's
         runs = self._runs.get(key, 0)
         this_step = bool(self._untimed) and self._untimed[-1][1] is self._step_start
-        if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and not self._timed_key(key)
+        if ((runs >= 2 or (runs == 1 and self._at_its_pace())) and not self._timed(key)
                 and self._state is not State.REPLANNING):
             if this_step:
                 self._untimed[-1] = (key, self._step_start, now)  # the step's later backward pass
@@ -1385,7 +1385,7 @@ class BudgetController:
         """Exploring or settled, as the plan chosen is measured or not (only while a plan runs
         for the profile: profiling and re-planning stay)."""
         if self._state in (State.EXPLORING, State.SETTLED) and self._plan is not None:
-            done = (not self._probe.cuda or self._timed(self._plan)) and self._pending is None
+            done = (not self._probe.cuda or self._timed(self._plan.key)) and self._pending is None
             self._state = State.SETTLED if done else State.EXPLORING
 
     def _forced_plan(self, groups: tuple[GroupDecision, ...], max_inflight: int, prefetch: int) -> MemoryPlan:
@@ -1428,7 +1428,7 @@ class BudgetController:
         # (but one whose median will be slower than a plan measured is left now: :meth:`_leaves`)
         running = self._plan
         if (self._probe.cuda and running is not None and running.key in self._runs
-                and running.key not in self._unheld and not self._timed(running)):
+                and running.key not in self._unheld and not self._timed(running.key)):
             if self._leaves(running, fitting):
                 self._left.add(running.key)
             else:
@@ -1565,17 +1565,14 @@ class BudgetController:
             held = self._moves_of[plan.key] = moves_bytes(self._profile, plan.groups)
         return held
 
-    def _timed(self, plan: MemoryPlan) -> bool:
-        """Measured: ``TIMINGS`` of its steps were timed, or fewer that left it (:meth:`_leaves`)."""
-        return self._timed_key(plan.key)
-
-    def _timed_key(self, key: PlanKey) -> bool:
-        """:meth:`_timed`, of a plan's key."""
+    def _timed(self, key: PlanKey) -> bool:
+        """Whether the plan of ``key`` is measured: ``TIMINGS`` of its steps were timed, or fewer
+        that left it (:meth:`_leaves`)."""
         return len(self._times.get(key, ())) >= TIMINGS or key in self._left
 
     def _measured_keys(self) -> set[PlanKey]:
         """The plans :meth:`_timed` says are measured (a few), to look candidates up in (hundreds)."""
-        return {key for key in self._times if self._timed_key(key)}
+        return {key for key in self._times if self._timed(key)}
 
     def _leaves(self, plan: MemoryPlan, fitting: list[MemoryPlan]) -> bool:
         """Whether ``plan``, being measured, is measured already: ``LEFT_AFTER`` of its steps
@@ -1620,7 +1617,7 @@ class BudgetController:
                 break
             self._untimed.pop(0)
             times = self._times.setdefault(key, [])
-            if self._timed_key(key):
+            if self._timed(key):
                 continue  # measured already
             times.append(self._probe.seconds(start, end))
             recorded = True
