@@ -216,7 +216,8 @@ class Engine(Generic[GroupT, MovedT]):
                 return None
         if self._pending:  # (a group is only added by this thread: read without the lock)
             self._advance_schedule(opening=True)
-        if self._backward_began or not self._in_step or self._failures > self._step_failures:  # (read again under the lock)
+        if (self._backward_began or not self._in_step or self._failures > self._step_failures
+                or name == self._step_first):  # (read again under the lock)
             self._begin_step_if_new(name)
         if self._step_first is None and torch.is_grad_enabled():  # (after an evaluation forward began the step)
             self._step_first = name
@@ -319,21 +320,29 @@ class Engine(Generic[GroupT, MovedT]):
         return depth > 1 or (depth == 1 and (prev.state is GroupState.PENDING or bool(prev.moved)))
 
     def _decide_cut_short(self, name: str) -> bool:
-        """Whether an exception cut the step's forward short since the step began (R8): the group
-        opening now, ``name``, opens the step's first group again, and every group of the step
-        that saved something was let go with its graph. The forward began again, a batch skipped
-        or retried: it begins a step for the plan, from its first group. Where a group of the
-        step lives on, the step goes on: the forward caught the exception itself (a fallback;
-        its first module called again, or a module shared by every layer, opens a group of the
-        first one's name), or an earlier micro-batch's forward waits for its backward. (A copy
-        still in flight may hold a let-go group a while: the step then goes on, and its plan
-        re-plans, as it would for any step that opens more groups than planned.) Decided once per
-        exception, and the decision recorded (the lock held): asked again before the next
-        exception, it answers no."""
-        if self._failures == self._step_failures or self._backward_began:
+        """Whether the step's forward was cut short, or let go, without a backward pass (R8): the
+        group opening now, ``name``, opens the step's first group again, and every group of the
+        step that saved something was let go with its graph. The forward began again (a batch
+        skipped or retried, an evaluation with gradients on whose loss was read and dropped): it
+        begins a step for the plan, from its first group. Where a group of the step lives on, the
+        step goes on: an earlier micro-batch's forward waits for its backward, or the forward
+        caught an exception itself (a fallback; its first module called again, or a module shared
+        by every layer, opens a group of the first one's name). (A copy still in flight may hold
+        a let-go group a while: the step then goes on, and its plan re-plans, as it would for any
+        step that opens more groups than planned.)
+
+        After an exception since the step began, it is decided once per exception, and the
+        decision recorded (the lock held): asked again before the next exception, it answers no.
+        Without one, some group of the step must have saved something: a forward none of whose
+        groups did (a plan runs them all without hooks, or they save nothing) says nothing of
+        its graph, and goes on."""
+        if self._backward_began or name != self._step_first:
             return False
-        self._step_failures = self._failures
-        return name == self._step_first and all(ref() is None for ref, _ in self._holders.values())
+        if self._failures != self._step_failures:
+            self._step_failures = self._failures
+        elif not self._holders:
+            return False
+        return all(ref() is None for ref, _ in self._holders.values())
 
     def _begin_step_if_new(self, name: str) -> None:
         """A group opening (``name``) after a backward pass began (or the first ever, or after an

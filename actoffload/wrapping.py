@@ -551,7 +551,9 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
 def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool, parts: int,
           args: tuple[Any, ...], kwargs: dict[str, Any], compiled: bool) -> GroupContext:
     inputs = _input_bytes(args, kwargs) if parts else 0
-    if off.plan.wants_inputs and not compat.in_backward():  # a memory budget's step signature
+    # a memory budget's step signature, read again where the step's first module is called again:
+    # the forward before may have been let go, and this call begin a step (R8)
+    if (off.plan.wants_inputs or name == off._step_first) and not compat.in_backward():
         off.plan.step_inputs(args, kwargs, module)
     group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs, compiled=compiled).open()
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a

@@ -91,6 +91,75 @@ def test_R8_a_forward_discarded_after_it_ran_again_leaves_the_window(impl):
     assert list(s["groups"]) == ["x#2#2"] and s["offloaded_bytes"] == s["host_bytes_in_use"], s["groups"]
 
 
+class _CountsSteps(ao.Plan):
+    """Counts the steps begun and the forwards cut short. ``hooks``: the groups it hooks,
+    ``"every"``, ``"first"`` (a memory budget's plan keeping everything: only its first group,
+    which tells the step's backward pass) or ``"none"``."""
+
+    def __init__(self, hooks: str):
+        super().__init__()
+        self.hooks, self.begun, self.cut_short, self._first = hooks, 0, 0, True
+
+    def step_begins(self) -> None:
+        self.begun += 1
+        self._first = True
+
+    def forward_cut_short(self) -> None:
+        self.cut_short += 1
+
+    def opening(self, name, recomputable, parts):
+        first, self._first = self._first, False
+        if self.hooks == "every":
+            return ao.plans.OFFLOAD
+        return ao.Opening(keep_all=True) if self.hooks == "first" and first else ao.Opening(hooked=False)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hooks", ["every", "first"])
+def test_R8_a_forward_let_go_without_a_backward_pass_ends_its_step(impl, hooks):
+    """A batch skipped after its forward (``del loss``), or an evaluation with gradients on whose
+    loss was read and dropped: the next forward begins a step of its own, cut short as after an
+    exception, whether the plan hooks every group or keeps everything, hooking only its first
+    (a memory budget's plan: its hooks tell the step's backward pass). Forwards whose graphs live on (micro-batches
+    whose backward is to come, several forwards then one backward) stay one step."""
+    model, expected = mlp_stack(3, 32, "cpu"), mlp_stack(3, 32, "cpu")
+    plan = _CountsSteps(hooks)
+    off = ao.Offloader(impl=impl, device="cpu", plan=plan, min_offload_bytes=0)
+    x = torch.randn(8, 32, requires_grad=True)
+    with ao.wrap(model, off):
+        model(x).sum().backward()
+        assert (plan.begun, plan.cut_short) == (1, 0)
+        loss = model(x).sum()  # skipped
+        del loss
+        loss = model(x).sum()
+        assert (plan.begun, plan.cut_short) == (3, 1)
+        loss.backward()
+        a, b = model(x).sum(), model(x).sum()  # several forwards, then their backwards
+        assert (plan.begun, plan.cut_short) == (4, 1)
+        a.backward()
+        b.backward()
+        zero_grads(model, x)
+        model(x).square().sum().backward()
+    expected(x).square().sum().backward()
+    assert_bitwise(grads_of(model, x), grads_of(expected, x))
+    assert (plan.begun, plan.cut_short) == (5, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_a_forward_let_go_ends_its_step_where_a_group_says_so(impl):
+    """Groups opened by hand: a forward let go is told by its hooked groups, all let go with its
+    graph; where none was hooked nothing tells, and the step goes on."""
+    model = mlp_stack(3, 32, "cpu")
+    for hooks, begun in (("every", 3), ("none", 1)):
+        plan = _CountsSteps(hooks)
+        off = ao.Offloader(impl=impl, device="cpu", plan=plan, min_offload_bytes=0)
+        run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()
+        y = run_groups(model, torch.randn(8, 32, requires_grad=True), off)
+        del y
+        run_groups(model, torch.randn(8, 32, requires_grad=True), off).sum().backward()
+        assert plan.begun == begun, hooks
+
+
 def test_R8_prefetch_never_reaches_into_another_micro_batch():
     """Forward a, forward b, backward b: b's first group must not prefetch a's last one,
     which only a's backward needs (it would be held in device memory meanwhile)."""

@@ -96,6 +96,37 @@ def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan(ba
                 assert list(off.stats()["groups"]) == listed == ["0", "1", "2"]  # the kept last group has no hooks
 
 
+@pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 8 * GROUP_BYTES])  # groups moved; everything kept
+@pytest.mark.parametrize("let_go", ["skipped", "evaluated"])
+def test_budget_a_forward_let_go_without_a_backward_pass_leaves_the_next_one_its_plan(budget, let_go):
+    """A batch skipped after its forward (``del loss``), or an evaluation with gradients on (in
+    ``eval()``, its loss read and dropped): the next forward begins a step of its own (R8), on
+    the plan it had, where it would otherwise run as a second forward of that step, see twice
+    its groups and re-plan; gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+        settled = off.stats()["plan"]
+        assert settled["state"] == "settled" and len(settled["groups"]) == 4
+        for _ in range(2):
+            if let_go == "evaluated":
+                blocks.eval()
+            h = torch.randn(64, D, requires_grad=True) * 1
+            for b in blocks:
+                h = h + b(h)
+            loss = h.square().mean()
+            if let_go == "evaluated":
+                float(loss)
+                blocks.train()
+            del h, loss
+            for step in range(2):
+                assert_bitwise(_step(blocks, step), _step(expected, step))
+                plan = off.stats()["plan"]
+                assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
+
+
 @pytest.mark.parametrize("cut_at", range(PROFILE_STEPS))
 def test_budget_a_profiling_step_cut_short_is_measured_again(cut_at):
     """A profiling step whose forward an exception cut short measured part of a step: dropped
