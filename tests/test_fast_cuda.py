@@ -144,3 +144,38 @@ def test_fast_reserves_about_what_it_allocates_while_copies_lag():
     zero_grads(model, x)
     assert reserved <= allocated + 2 * group_bytes, (allocated, reserved, none_reserved)
     assert reserved < none_reserved - 3 * group_bytes, (allocated, reserved, none_reserved)
+
+
+@pytest.mark.parametrize("share", [0.5, 4.0])  # of one layer's saves over the parameters: groups moved; everything kept
+def test_fast_budget_a_skipped_batch_leaves_the_settled_plan_as_it_was(share):
+    """A batch skipped after its forward (``del loss``) on a settled memory budget: the next
+    forward begins a step of its own on the plan it had (R8), never profiling again or
+    re-planning, every step within the budget and bitwise equal to no offloading."""
+    torch.manual_seed(0)
+    model, expected = mlp_stack(6, 1024, "cuda"), mlp_stack(6, 1024, "cuda")
+    layer = 2048 * (1024 + 2 * 2 * 2048) * 4
+    budget = int(torch.cuda.memory_allocated() + share * layer) + 3 * sum(p.numel() * 4 for p in model.parameters())
+    off = ao.Offloader(impl="fast", device="cuda", memory_budget=budget)
+    inputs = [torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+    def step(m, i):
+        x = inputs[i % 4].clone().requires_grad_(True)
+        m(x).square().sum().backward()
+        got = grads_of(m, x)
+        zero_grads(m, x)
+        return got
+
+    with ao.wrap(model, off):
+        for i in range(30):
+            step(model, i)
+            if off.stats()["plan"]["settled"]:
+                break
+        settled = off.stats()["plan"]
+        assert settled["settled"], settled["state"]
+        for i in range(3):
+            loss = model(inputs[i].clone().requires_grad_(True)).square().sum()
+            del loss  # skipped
+            assert_bitwise(step(model, i), step(expected, i))
+            plan = off.stats()["plan"]
+            assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
+            assert plan["measured_reserved_peak_bytes"] <= budget, (plan["measured_reserved_peak_bytes"], budget)
