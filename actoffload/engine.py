@@ -657,7 +657,12 @@ class Engine(Generic[GroupT, MovedT]):
             group.kept_storages[id(t)] = t.nbytes
         group.summary["saved"] += 1
         group.summary["kept"]["budget"] = group.summary["saved"]
-        return t, t._version  # autograd checks no version of what saved-tensor hooks hand back (R6)
+        # held as a detach()ed alias where it has an autograd history (as SavedBuffer holds one):
+        # an op's output held as itself closes a cycle through the C++ node saving it, which
+        # Python's collector cannot see, and a forward let go without a backward pass would live
+        # on (the alias shares its version counter: autograd checks no version of what
+        # saved-tensor hooks hand back, R6)
+        return t if t.is_leaf else t.detach(), t._version
 
     def _backward_begins(self) -> None:
         """A backward pass is running (it unpacked a save of this step, or checkpointing runs a

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import actoffload as ao
+from actoffload import compat
 from actoffload.budget import costmodel
 from actoffload.budget.controller import PROFILE_STEPS, State
 from actoffload.budget.probe import Probe
@@ -118,13 +119,38 @@ def test_budget_a_forward_let_go_without_a_backward_pass_leaves_the_next_one_its
                 h = h + b(h)
             loss = h.square().mean()
             if let_go == "evaluated":
-                float(loss)
+                loss.item()
                 blocks.train()
             del h, loss
             for step in range(2):
                 assert_bitwise(_step(blocks, step), _step(expected, step))
                 plan = off.stats()["plan"]
                 assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
+
+
+@pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 1 << 40])  # the first group moved; everything kept
+def test_budget_a_forward_let_go_frees_what_its_groups_saved(budget):
+    """What a forward let go without a backward pass saved is freed with its graph (R8), an
+    op's output a group keeps whole included: held as itself, it closed a cycle through the
+    autograd node saving it, which Python's collector cannot see, and the forward lived on."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Softmax(-1), torch.nn.Linear(D, D))
+                                 for _ in range(4))
+    outputs = []  # each softmax's output's storage (its node saves the output), weakly
+    for b in blocks:
+        b[1].register_forward_hook(lambda m, args, out: outputs.append(compat.storage_weakref(out)))
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 2):
+            _step(blocks, step)
+        assert off.stats()["plan"]["state"] == "settled"
+        outputs.clear()
+        h = torch.randn(64, D, requires_grad=True) * 1
+        for b in blocks:
+            h = h + b(h)
+        assert len(outputs) == 4 and not outputs[-1].expired()  # (the last group keeps it)
+        del h
+        assert [r.expired() for r in outputs] == [True] * 4
 
 
 @pytest.mark.parametrize("cut_at", range(PROFILE_STEPS))
