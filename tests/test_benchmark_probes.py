@@ -19,6 +19,7 @@ PROBES = [
     ["loop_keep_probe.py", "--device", "cpu", "--budget", "1000000"],
     ["recompute_host_probe.py", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-profile"],
     ["recompute_pace_probe.py", "--device", "cpu", "--budget-gib", "0.0004", "--steps", "6"],
+    ["skipped_batch_probe.py", "--device", "cpu"],
     ["whole_vs_checkpoint_probe.py", "--device", "cpu", "--steps", "2", "--cprofile", "0"],
 ]
 
