@@ -367,11 +367,17 @@ class Engine(Generic[GroupT, MovedT]):
         if new_step:
             marks.new_step()
             if cut_short:
+                self._forward_let_go()
                 self.plan.forward_cut_short()
             self.plan.step_begins()  # may raise (no plan fits): the next group begins it again
             self._asks = self.plan.acts_at()
             with self._lock:
                 self._in_step = True
+
+    def _forward_let_go(self) -> None:
+        """The step's forward was cut short or let go (:meth:`_decide_cut_short`), and a step
+        begins: what the implementation still holds for it (copies in flight) may go, before
+        the plan reads what the step begins with."""
 
     def _delegating_hooks(self, group: GroupT, outer: tuple[Callable, Callable]) -> tuple[Callable, Callable]:
         """A group opened inside saved-tensor hooks that must see every save (activation

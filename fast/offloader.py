@@ -231,6 +231,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     def _prefetch_depth(self) -> int:
         return self._copy_window()[1]
 
+    def _forward_let_go(self) -> None:
+        # its copies still in flight serve no backward, and their sources would count in what the
+        # next step begins with (a budget re-profiles where that moves): let go at once
+        self._reap(keep=0)
+
     def _group_opening(self) -> None:
         # Copies finished while the last group ran: free their sources now, not at the next
         # group that moves something (groups that keep everything may come in between).
@@ -374,8 +379,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             if m.dev is not None and m.ready is not None:  # (used: the compute stream waited already)
                 self._streams.wait(m.ready)
 
-    def _reap(self) -> None:
-        """Release the sources of finished copies; at most ``max_inflight`` groups keep theirs.
+    def _reap(self, keep: int | None = None) -> None:
+        """Release the sources of finished copies; at most ``keep`` groups (``max_inflight``)
+        keep theirs.
 
         For older ones the compute stream waits for their copy before it goes on, so the
         allocator can hand their memory to later compute work: stream-ordered, no host wait.
@@ -385,7 +391,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         with self._inflight_lock:
             while self._inflight and self._inflight[0][0].done.query():
                 self._release_sources(self._inflight.popleft())
-            while len(self._inflight) > self._copy_window()[0]:
+            while len(self._inflight) > (self._copy_window()[0] if keep is None else keep):
                 entry = self._inflight.popleft()
                 self._streams.wait(entry[0].done)  # later compute work waits for the copy
                 self.counters["compute_waits"] += 1
