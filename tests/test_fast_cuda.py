@@ -179,3 +179,39 @@ def test_fast_budget_a_skipped_batch_leaves_the_settled_plan_as_it_was(share):
             plan = off.stats()["plan"]
             assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
             assert plan["measured_reserved_peak_bytes"] <= budget, (plan["measured_reserved_peak_bytes"], budget)
+
+
+def test_fast_budget_a_skipped_batch_lets_its_copies_in_flight_go_before_the_next_step():
+    """A plan moving bytes with copies in flight (``max_inflight=2``): a batch skipped after its
+    forward leaves its last groups' copies in flight, their sources held until reaped. They go
+    before the next step begins (R8), so that what it begins with is its own: the budget neither
+    re-plans nor profiles again."""
+    from actoffload.budget.actions import Action, GroupDecision
+
+    torch.manual_seed(0)
+    model, expected = mlp_stack(6, 1024, "cuda"), mlp_stack(6, 1024, "cuda")
+    off = ao.Offloader(impl="fast", device="cuda", memory_budget=torch.cuda.get_device_properties(0).total_memory // 2)
+    inputs = [torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+    def step(m, i):
+        x = inputs[i % 4].clone().requires_grad_(True)
+        m(x).square().sum().backward()
+        got = grads_of(m, x)
+        zero_grads(m, x)
+        return got
+
+    with ao.wrap(model, off):
+        for i in range(3):  # profiled
+            step(model, i)
+        controller = off.plan.controller
+        controller.force([GroupDecision(Action.OFFLOAD)] * len(controller.profile.groups), max_inflight=2, prefetch=1)
+        for i in range(3):
+            step(model, i)
+        forced = off.stats()["plan"]
+        assert [g["action"] for g in forced["groups"]] == ["offload"] * 6 and forced["max_inflight"] == 2
+        for i in range(3):
+            loss = model(inputs[i].clone().requires_grad_(True)).square().sum()
+            del loss  # skipped
+            assert_bitwise(step(model, i), step(expected, i))
+            plan = off.stats()["plan"]
+            assert plan["state"] not in ("profiling", "re-planning") and plan["groups"] == forced["groups"], plan["state"]
