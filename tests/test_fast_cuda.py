@@ -146,6 +146,32 @@ def test_fast_reserves_about_what_it_allocates_while_copies_lag():
     assert reserved < none_reserved - 3 * group_bytes, (allocated, reserved, none_reserved)
 
 
+def _inputs() -> list[torch.Tensor]:
+    return [torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+
+def _step(m: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """One step on a copy of ``x``: its gradients (zeroed after)."""
+    x = x.clone().requires_grad_(True)
+    m(x).square().sum().backward()
+    got = grads_of(m, x)
+    zero_grads(m, x)
+    return got
+
+
+def _skipping(model: torch.nn.Module, expected: torch.nn.Module, inputs: list[torch.Tensor],
+              off: ao.Offloader) -> list[dict]:
+    """Three times a batch skipped after its forward (``del loss``), then a step, bitwise equal
+    to no offloading: the plan after each step."""
+    plans = []
+    for i in range(3):
+        loss = model(inputs[i].clone().requires_grad_(True)).square().sum()
+        del loss  # skipped
+        assert_bitwise(_step(model, inputs[i]), _step(expected, inputs[i]))
+        plans.append(off.stats()["plan"])
+    return plans
+
+
 @pytest.mark.parametrize("share", [2.0, 8.0])  # of one layer's saves over the parameters: groups moved; everything kept
 def test_fast_budget_a_skipped_batch_leaves_the_settled_plan_as_it_was(share):
     """A batch skipped after its forward (``del loss``) on a settled memory budget: the next
@@ -156,27 +182,15 @@ def test_fast_budget_a_skipped_batch_leaves_the_settled_plan_as_it_was(share):
     layer = 2048 * (1024 + 2 * 2 * 2048) * 4
     budget = int(torch.cuda.memory_allocated() + share * layer) + 3 * sum(p.numel() * 4 for p in model.parameters())
     off = ao.Offloader(impl="fast", device="cuda", memory_budget=budget)
-    inputs = [torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
-
-    def step(m, i):
-        x = inputs[i % 4].clone().requires_grad_(True)
-        m(x).square().sum().backward()
-        got = grads_of(m, x)
-        zero_grads(m, x)
-        return got
-
+    inputs = _inputs()
     with ao.wrap(model, off):
         for i in range(30):
-            step(model, i)
+            _step(model, inputs[i % 4])
             if off.stats()["plan"]["settled"]:
                 break
         settled = off.stats()["plan"]
         assert settled["settled"], settled["state"]
-        for i in range(3):
-            loss = model(inputs[i].clone().requires_grad_(True)).square().sum()
-            del loss  # skipped
-            assert_bitwise(step(model, i), step(expected, i))
-            plan = off.stats()["plan"]
+        for plan in _skipping(model, expected, inputs, off):
             assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
             assert plan["measured_reserved_peak_bytes"] <= budget, (plan["measured_reserved_peak_bytes"], budget)
 
@@ -191,27 +205,15 @@ def test_fast_budget_a_skipped_batch_lets_its_copies_in_flight_go_before_the_nex
     torch.manual_seed(0)
     model, expected = mlp_stack(6, 1024, "cuda"), mlp_stack(6, 1024, "cuda")
     off = ao.Offloader(impl="fast", device="cuda", memory_budget=torch.cuda.get_device_properties(0).total_memory // 2)
-    inputs = [torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
-
-    def step(m, i):
-        x = inputs[i % 4].clone().requires_grad_(True)
-        m(x).square().sum().backward()
-        got = grads_of(m, x)
-        zero_grads(m, x)
-        return got
-
+    inputs = _inputs()
     with ao.wrap(model, off):
         for i in range(3):  # profiled
-            step(model, i)
+            _step(model, inputs[i])
         controller = off.plan.controller
         controller.force([GroupDecision(Action.OFFLOAD)] * len(controller.profile.groups), max_inflight=2, prefetch=1)
         for i in range(3):
-            step(model, i)
+            _step(model, inputs[i])
         forced = off.stats()["plan"]
         assert [g["action"] for g in forced["groups"]] == ["offload"] * 6 and forced["max_inflight"] == 2
-        for i in range(3):
-            loss = model(inputs[i].clone().requires_grad_(True)).square().sum()
-            del loss  # skipped
-            assert_bitwise(step(model, i), step(expected, i))
-            plan = off.stats()["plan"]
+        for plan in _skipping(model, expected, inputs, off):
             assert plan["state"] not in ("profiling", "re-planning") and plan["groups"] == forced["groups"], plan["state"]
