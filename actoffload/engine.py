@@ -331,18 +331,18 @@ class Engine(Generic[GroupT, MovedT]):
         a let-go group a while: the step then goes on, and its plan re-plans, as it would for any
         step that opens more groups than planned.)
 
-        After an exception since the step began, it is decided once per exception, and the
-        decision recorded (the lock held): asked again before the next exception, it answers no.
-        Without one, some group of the step must have saved something: a forward none of whose
-        groups did (a plan runs them all without hooks, or they save nothing) says nothing of
-        its graph, and goes on."""
-        if self._backward_began or name != self._step_first:
+        After an exception since the step began, it is decided once per exception, at the next
+        group opening whatever its name, and the decision recorded (the lock held): asked again
+        before the next exception, it answers no. Without one, some group of the step must have
+        saved something: a forward none of whose groups did (a plan runs them all without hooks,
+        or they save nothing) says nothing of its graph, and goes on."""
+        if self._backward_began:
             return False
         if self._failures != self._step_failures:
             self._step_failures = self._failures
-        elif not self._holders:
+        elif name != self._step_first or not self._holders:
             return False
-        return all(ref() is None for ref, _ in self._holders.values())
+        return name == self._step_first and all(ref() is None for ref, _ in self._holders.values())
 
     def _begin_step_if_new(self, name: str) -> None:
         """A group opening (``name``) after a backward pass began (or the first ever, or after an
