@@ -19,6 +19,7 @@ import torch
 
 from . import compat
 from .locks import OwnedLock
+from .settings import memory_fraction
 
 HostAllocator = Callable[[int, bool], torch.Tensor]
 """``allocator(nbytes, pinned) -> torch.Tensor``: a 1-D uint8 CPU tensor of ``nbytes``."""
@@ -100,10 +101,25 @@ def machine_ram() -> int:
     return total
 
 
-def default_host_budget() -> int:
-    """80% of this machine's RAM, divided among the ranks of this host (``LOCAL_WORLD_SIZE``)."""
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return int(machine_ram() * HOST_BUDGET_FRACTION) // ranks
+def host_budget_of(spec: int | str) -> int:
+    """Bytes a host budget parsed by :func:`~actoffload.settings.parse_memory_budget` means: a
+    size stands as given; a share of this machine's RAM (``"auto"``: :data:`HOST_BUDGET_FRACTION`,
+    the default) is divided among the ranks of this host (``LOCAL_WORLD_SIZE``), each holding
+    its own offloader's.
+
+    >>> host_budget_of(1 << 30), host_budget_of("50%") == int(machine_ram() * 0.5) // local_ranks()
+    (1073741824, True)
+    """
+    if isinstance(spec, int):
+        return spec
+    fraction = HOST_BUDGET_FRACTION if spec == "auto" else memory_fraction(spec)
+    assert fraction is not None
+    return max(1, int(machine_ram() * fraction) // local_ranks())
+
+
+def local_ranks() -> int:
+    """The ranks of this host (``LOCAL_WORLD_SIZE``, else one)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 class HostMemory:

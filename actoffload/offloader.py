@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 
 from . import compat
 from .engine import Engine, GroupT, MovedT
-from .hostmem import HostAllocator, HostMemory, default_host_budget, exact_host_allocator
+from .hostmem import HostAllocator, HostMemory, exact_host_allocator, host_budget_of
 from .observe import Observer
 from .plans import Plan
 from .policy import POLICIES
-from .settings import IMPLS, check_choice, check_count, parse_bytes, resolve_device, resolve_impl
+from .settings import IMPLS, check_choice, check_count, parse_memory_budget, resolve_device, resolve_impl
 
 _CLASSES = {"ref": "actoffload.ref:RefOffloader", "fast": "actoffload.fast:FastOffloader"}
 
@@ -168,10 +168,11 @@ class Offloader(Engine[GroupT, MovedT]):
     - ``keep_last`` (default 1): the last groups of a forward stay on the device, because
       backward needs them first; each costs its activations in device memory and saves
       their round trip over the bus.
-    - ``host_budget``: the most host memory (bytes, or a size such as ``"64GiB"``) this
-      offloader may hold; a commit that would exceed it raises
-      :class:`actoffload.HostMemoryError` and the group stays resident. Default: 80% of
-      this machine's RAM divided among its ranks (``LOCAL_WORLD_SIZE``).
+    - ``host_budget``: the most host memory (bytes, a size such as ``"64GiB"``, or a share
+      of this machine's RAM such as ``"50%"``, divided among its ranks) this offloader may
+      hold; a commit that would exceed it raises :class:`actoffload.HostMemoryError` and the
+      group stays resident. Default (``None`` or ``"auto"``): 80% of this machine's RAM
+      divided among its ranks (``LOCAL_WORLD_SIZE``).
     - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host
       buffers come from (default: ``fast`` pins exactly what its pool keeps; ``ref``, which
       allocates every step, takes PyTorch's cached pinned memory).
@@ -232,7 +233,8 @@ class Offloader(Engine[GroupT, MovedT]):
             raise ValueError(f"{type(self).__name__} is the {self.impl!r} implementation, not {impl!r}; "
                              f"use ao.Offloader(impl={impl!r})")
         dev = resolve_device(device)
-        budget = default_host_budget() if host_budget is None else parse_bytes("host_budget", host_budget)
+        budget = host_budget_of("auto" if host_budget is None else
+                                parse_memory_budget("host_budget", host_budget, of="this host's memory"))
         if host_allocator is not None and not callable(host_allocator):
             raise TypeError(f"host_allocator must be callable as allocator(nbytes, pinned), got {host_allocator!r}")
         if plan is not None and not isinstance(plan, Plan):

@@ -120,11 +120,11 @@ def parse_bytes(name: str, value: Any) -> int:
 AUTO_FRACTION = 0.9
 
 
-def parse_memory_budget(name: str, value: Any) -> int | str:
-    """A memory budget: bytes (:func:`parse_bytes`), or a share of the device's memory, as
-    ``"auto"`` (:data:`AUTO_FRACTION`) or a percentage such as ``"90%"`` (more than 0, at most
-    100), returned as the string, normalized, for :func:`memory_fraction` and
-    :func:`budget_of` once the device's memory is known (at the first step).
+def parse_memory_budget(name: str, value: Any, of: str = "the device's memory") -> int | str:
+    """A memory budget: bytes (:func:`parse_bytes`), or a share of memory (``of``: whose, for the
+    errors), as ``"auto"`` or a percentage such as ``"90%"`` (more than 0, at most 100), returned
+    as the string, normalized, for :func:`memory_fraction` and :func:`budget_of` once the
+    memory is known (a device's at the first step).
 
     >>> parse_memory_budget("memory_budget", "1GiB"), parse_memory_budget("memory_budget", " 85.5 % ")
     (1073741824, '85.5%')
@@ -140,14 +140,14 @@ def parse_memory_budget(name: str, value: Any) -> int | str:
             except ValueError:
                 share = math.nan
             if not math.isfinite(share) or not 0 < share <= 100:
-                raise ValueError(f"{name} {value!r} is not a share of the device's memory: write a percentage "
+                raise ValueError(f"{name} {value!r} is not a share of {of}: write a percentage "
                                  "above 0 and at most 100, such as '90%', or 'auto'")
             return f"{number}%"
     try:
         return parse_bytes(name, value)
     except ValueError as e:
         if isinstance(value, str):
-            raise ValueError(f"{e}; or a share of the device's memory: 'auto' or a percentage such as '90%'") from None
+            raise ValueError(f"{e}; or a share of {of}: 'auto' or a percentage such as '90%'") from None
         raise
 
 

@@ -72,6 +72,32 @@ def test_R10_host_budget_takes_bytes_or_a_size(size, expected):
     assert ao.Offloader(impl="ref", device="cpu", host_budget=size).settings["host_budget"] == expected
 
 
+@pytest.mark.parametrize("ranks", [None, "4"])
+def test_R10_host_budget_takes_a_share_of_the_hosts_memory_divided_among_its_ranks(monkeypatch, ranks):
+    """``"50%"`` of this machine's RAM, ``"auto"`` (and ``None``) the default 80%, each divided
+    among the ranks of this host, as the default is; a share out of range says what to write."""
+    from actoffload.hostmem import HOST_BUDGET_FRACTION, machine_ram
+
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    n = int(ranks or 1)
+
+    def budget(spec):
+        return ao.Offloader(impl="ref", device="cpu", host_budget=spec).host_budget
+
+    assert budget("50%") == int(machine_ram() * 0.5) // n
+    assert budget(" 12.5 % ") == int(machine_ram() * 0.125) // n
+    assert budget("auto") == budget(None) == int(machine_ram() * HOST_BUDGET_FRACTION) // n
+    for bad in ("0%", "101%", "half%"):
+        with pytest.raises(ValueError, match=f"host_budget '{bad}' is not a share of this host's memory: write a "
+                                             "percentage above 0 and at most 100"):
+            budget(bad)
+    with pytest.raises(ValueError, match="or a share of this host's memory: 'auto' or a percentage"):
+        budget("lots")
+
+
 @pytest.mark.parametrize("size, message", [
     ("1e400", "host_budget '1e400' is too large: a size is at most 2\\*\\*63 bytes"),
     ("9" * 400, "host_budget '9999.*\\.\\.\\. is too large"),
