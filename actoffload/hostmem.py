@@ -104,8 +104,8 @@ def machine_ram() -> int:
 def host_budget_of(spec: int | str) -> int:
     """Bytes a host budget parsed by :func:`~actoffload.settings.parse_memory_budget` means: a
     size stands as given; a share of this machine's RAM (``"auto"``: :data:`HOST_BUDGET_FRACTION`,
-    the default) is divided among the ranks of this host (``LOCAL_WORLD_SIZE``), each holding
-    its own offloader's.
+    the default) is divided among the ranks of this host (``LOCAL_WORLD_SIZE``), whose
+    offloaders share that RAM.
 
     >>> host_budget_of(1 << 30), host_budget_of("50%") == int(machine_ram() * 0.5) // local_ranks()
     (1073741824, True)
