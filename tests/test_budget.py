@@ -98,12 +98,13 @@ def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan(ba
 
 
 @pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 8 * GROUP_BYTES])  # groups moved; everything kept
-@pytest.mark.parametrize("let_go", ["skipped", "evaluated"])
+@pytest.mark.parametrize("let_go", ["skipped", "evaluated", "skipped, then evaluated under no_grad"])
 def test_budget_a_forward_let_go_without_a_backward_pass_leaves_the_next_one_its_plan(budget, let_go):
     """A batch skipped after its forward (``del loss``), or an evaluation with gradients on (in
     ``eval()``, its loss read and dropped): the next forward begins a step of its own (R8), on
     the plan it had, where it would otherwise run as a second forward of that step, see twice
-    its groups and re-plan; gradients bitwise."""
+    its groups and re-plan; gradients bitwise. Where that next forward is an evaluation under
+    ``no_grad`` (no step's), the training forward after it says the step's workload."""
     blocks, expected = _blocks(), _blocks()
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
     with ao.wrap(blocks, off):
@@ -122,6 +123,11 @@ def test_budget_a_forward_let_go_without_a_backward_pass_leaves_the_next_one_its
                 loss.item()
                 blocks.train()
             del h, loss
+            if let_go.endswith("no_grad"):
+                with torch.no_grad():
+                    h = torch.randn(64, D)
+                    for b in blocks:
+                        h = h + b(h)
             for step in range(2):
                 assert_bitwise(_step(blocks, step), _step(expected, step))
                 plan = off.stats()["plan"]

@@ -202,6 +202,9 @@ class BudgetPlan(Plan):
     def forward_cut_short(self) -> None:
         if self.workloads is not None or self._fixed is not None:
             self.controller.forward_cut_short()
+        # the step beginning is the next forward's: where that is an evaluation under no_grad (no
+        # step's), the first forward with gradients after it says the workload
+        self.wants_inputs = True
 
     def group_failed(self) -> None:
         # the forward may be run again (a batch retried or skipped): its first inputs are read
