@@ -134,6 +134,37 @@ def test_budget_a_forward_let_go_without_a_backward_pass_leaves_the_next_one_its
                 assert plan["state"] == "settled" and plan["groups"] == settled["groups"], plan["state"]
 
 
+@pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 8 * GROUP_BYTES])
+def test_budget_a_micro_batch_skipped_in_accumulation_leaves_the_plan_settled(budget):
+    """Gradient accumulation, a backward per micro-batch, the third of four skipped after its
+    forward at every optimizer step: each skipped forward is a step cut short (R8), and the plan
+    stays settled (it re-planned at every optimizer step, each skipped forward run as a second
+    forward of the next micro-batch's step); gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=budget, min_offload_bytes=0)
+
+    def optimizer_step(bs, seed, skips):
+        for m in range(4):
+            h = torch.randn(64, D, generator=torch.Generator().manual_seed(10 * seed + m)) * 1
+            for b in bs:
+                h = h + b(h)
+            loss = h.square().sum()
+            if m == 2:
+                if skips:
+                    del loss  # skipped
+                continue
+            loss.backward()
+        grads = [p.grad.clone() for p in bs.parameters()]
+        for p in bs.parameters():
+            p.grad = None
+        return grads
+
+    with ao.wrap(blocks, off):
+        for seed in range(4):
+            assert_bitwise(optimizer_step(blocks, seed, True), optimizer_step(expected, seed, False))
+            assert off.stats()["plan"]["state"] == "settled", (seed, off.stats()["plan"]["state"])
+
+
 @pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 1 << 40])  # the first group moved; everything kept
 def test_budget_a_forward_let_go_frees_what_its_groups_saved(budget):
     """What a forward let go without a backward pass saved is freed with its graph (R8), an
