@@ -120,8 +120,9 @@ def test_R8_a_forward_let_go_without_a_backward_pass_ends_its_step(impl, hooks):
     """A batch skipped after its forward (``del loss``), or an evaluation with gradients on whose
     loss was read and dropped: the next forward begins a step of its own, cut short as after an
     exception, whether the plan hooks every group or keeps everything, hooking only its first
-    (a memory budget's plan: its hooks tell the step's backward pass). Forwards whose graphs live on (micro-batches
-    whose backward is to come, several forwards then one backward) stay one step."""
+    (a memory budget's plan: its hooks tell the step's backward pass). Forwards whose graphs
+    live on (micro-batches whose backward is to come, several forwards then one backward) stay
+    one step."""
     model, expected = mlp_stack(3, 32, "cpu"), mlp_stack(3, 32, "cpu")
     plan = _CountsSteps(hooks)
     off = ao.Offloader(impl=impl, device="cpu", plan=plan, min_offload_bytes=0)
