@@ -18,6 +18,7 @@ pytest.importorskip("lightning", reason="the Lightning integration needs lightni
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "integrations"
 sys.path.insert(0, str(EXAMPLES))
 
+import lightning as L  # noqa: E402
 import lightning_fit  # noqa: E402
 
 from actoffload.integrations.lightning import ActivationOffload  # noqa: E402
@@ -41,6 +42,42 @@ def test_layers_by_path_and_a_budget():
     offloaded = lightning_fit.fit([callback], 1, "auto")
     assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
     assert callback.offloader.impl == "fast" and callback.offloader.stats()["plan"]["groups"]
+
+
+class _SkipsBatches(lightning_fit.Model):
+    """Skips every third batch after its forward: ``training_step`` returns ``None``, and
+    Lightning runs no backward for it."""
+
+    def training_step(self, batch, i):
+        loss = super().training_step(batch, i)
+        return None if i % 3 == 2 else loss
+
+
+def test_batches_skipped_by_training_step_leave_the_budgets_plan_settled():
+    """A batch whose ``training_step`` returns ``None`` is a forward let go without a backward
+    pass: the next batch begins a step of its own on the plan it had (R8), which stays
+    settled from the first step after profiling; bitwise."""
+    torch.use_deterministic_algorithms(True)
+    states = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+            states.append(callback.offloader.stats()["plan"]["state"])
+
+    def fit(callbacks):
+        L.seed_everything(0, verbose=False)
+        model = _SkipsBatches()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=callbacks, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            deterministic=True, limit_val_batches=0)
+        trainer.fit(model, lightning_fit.data())
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain = fit([])
+    callback = ActivationOffload(layers="blocks", memory_budget="1GiB", min_offload_bytes=0)
+    offloaded = fit([callback, Watch()])
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain)
+    assert len(states) == 16 and states[2:] == ["settled"] * 14, states
 
 
 def _free_port() -> int:
