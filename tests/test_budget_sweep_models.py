@@ -179,10 +179,16 @@ def test_small_sweep_of_hf_llama_eager_end_to_end(tmp_path, monkeypatch):
     assert w["none_vs_none_bitwise"] is True
     v = doc["verdicts"]["hf_llama_eager"]
     assert v["none_vs_none_bitwise"] is True and set(v["methods"]) == {*methods, "checkpoint_1"}
-    (cell,) = v["cells"]
-    assert cell["bitwise"] and cell["fastest_fitting_alternative"] in (*bs.ALTERNATIVES, "checkpoint_1")
-    (budget,) = w["budgets"]  # each warm-up step says what its plan was: which went over, running what
-    early = budget["early_steps"]
+    # the CPU has no allocator to read: one budget; on a GPU the sweep's levels, those under the
+    # smallest reachable peak saying so
+    cells = [c for c in v["cells"] if "error" not in c]
+    assert cells and len(cells) == len(v["cells"]) - sum("no plan fits" in c.get("error", "") for c in v["cells"])
+    if not torch.cuda.is_available():
+        assert len(v["cells"]) == 1
+    for cell in cells:
+        assert cell["bitwise"] and cell["fastest_fitting_alternative"] in (*bs.ALTERNATIVES, "checkpoint_1")
+    budget = next(b for b in w["budgets"] if "error" not in b)
+    early = budget["early_steps"]  # each warm-up step says what its plan was: which went over, running what
     assert len(early) == len(budget["early_steps_ms"]) and all(e["plan"] is not None for e in early)
     assert early[0]["plan"]["state"] == "profiling" and early[0]["plan"]["ran"] is None  # no plan of its own yet
     last = early[-1]["plan"]
