@@ -12,6 +12,7 @@ from actoffload import compat
 from actoffload.budget import costmodel
 from actoffload.budget.controller import PROFILE_STEPS, State
 from actoffload.budget.probe import Probe
+from actoffload.budget.workloads import RECENT
 from helpers import assert_bitwise, residual_step
 
 D, H = 256, 1024
@@ -95,6 +96,33 @@ def test_budget_a_forward_an_exception_cut_short_leaves_the_next_one_its_plan(ba
                 plan = off.stats()["plan"]
                 assert plan["state"] == "settled" and plan["groups"] == settled["groups"]
                 assert list(off.stats()["groups"]) == listed == ["0", "1", "2"]  # the kept last group has no hooks
+
+
+@pytest.mark.parametrize("bad_at", [0, 2])
+def test_budget_a_batch_that_raises_every_other_step_leaves_the_plan_settled(bad_at):
+    """Bad batches skipped every other step, more often than the workload's recent steps (RECENT)
+    can outvote: the groups a cut-short forward opened are not counted as its workload's (counted,
+    half the recent steps opening fewer groups made the workload expect that many, and each
+    good step began a new workload, profiling for good); gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=3 * GROUP_BYTES, min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 1):
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+        settled = off.stats()["plan"]
+        assert settled["state"] == "settled"
+        kept = []
+        for step in range(2 * RECENT):
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                _cut_short(blocks, bad_at)
+            assert_bitwise(_step(blocks, step), _step(expected, step))
+            plan = off.stats()["plan"]
+            assert plan["state"] == "settled" and plan["groups"] == settled["groups"], step
+            assert plan["workload"]["groups"] == 4
+            kept.append(plan["workload"]["kept"])
+        # (a bad batch raising in the first group shows that group its own signature: a workload
+        # of its own, kept beside the good batches' one)
+        assert kept == [1 if bad_at else 2] * len(kept)
 
 
 @pytest.mark.parametrize("budget", [3 * GROUP_BYTES, 8 * GROUP_BYTES])  # groups moved; everything kept

@@ -30,7 +30,8 @@ def run(tmp_path_factory):
 
 def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
     doc, printed = run
-    assert {"gpu", "torch", "date", "commit"} <= set(doc["env"]) and doc["env"]["gpu"] == "cpu"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    assert {"gpu", "torch", "date", "commit"} <= set(doc["env"]) and doc["env"]["gpu"] == gpu
     assert [w["workload"] for w in doc["workloads"]] == ["llama", "gpt_moe"] == list(doc["verdicts"])
     for w in doc["workloads"]:
         assert "error" not in w
@@ -247,7 +248,10 @@ def test_each_budget_step_says_what_the_host_did_meanwhile(run):
             assert steps and all({"planning_s_all", "host_allocations", "cache_trims", "gc"} <= set(r) for r in steps)
             totals = [r["planning_s_all"] for r in steps]
             assert totals[-1] > 0 and totals == sorted(totals)  # a running total, once plans were made
-            assert all(r["cache_trims"] is None for r in steps)  # the CPU has no cache to give back
+            if torch.cuda.is_available():
+                assert all(isinstance(r["cache_trims"], int) for r in steps)
+            else:
+                assert all(r["cache_trims"] is None for r in steps)  # the CPU has no cache to give back
             assert all(set(r["gc"]) == {"passes", "oldest", "seconds"} for r in steps)
 
 
@@ -271,7 +275,10 @@ def test_each_budget_records_every_signatures_controller_with_a_profile_that_reb
             assert {r["signature"] for r in b["workloads"]} == seen
             assert sum(r["steps"] for r in b["workloads"]) >= len(b["plan_steps"]) - 1
             for r in b["workloads"]:
-                assert r["memory_budget"] == b["budget_bytes"] and r["state"] and r["actions"]
+                assert r["memory_budget"] == b["budget_bytes"] and r["state"]
+                if r["state"] == "profiling" and not r["actions"]:
+                    continue  # a signature seen only in profiling steps (a short GPU run): no plan yet
+                assert r["actions"]
                 profile = profile_of(r["profile"])
                 assert isinstance(profile, Profile) and len(profile.groups) == len(r["actions"])
                 assert search.candidates(profile)  # a profile the search plans on, as the run's did

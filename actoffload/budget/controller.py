@@ -773,6 +773,12 @@ class BudgetController:
         g = profile.groups[position]
         return g.attention_calls if attention_only else g.costly_calls
 
+    @property
+    def unfinished_step(self) -> bool:
+        """Whether the latest step's forward was cut short, or its backward raised: the groups it
+        opened say nothing of how many its workload's steps open."""
+        return self._awaiting_end or self._cut_short
+
     def forward_cut_short(self) -> None:
         """This step's forward was cut short by an exception and begins again: what it measured
         is dropped as the next step begins (a profiling step profiles again), as for a step whose

@@ -241,6 +241,11 @@ class Workloads:
         if e.predicted_from is not None and not e.controller.predicted:  # its bytes were off: profiled
             e.predicted_from = None
         n, c = e.controller.step_groups, e.controller
+        if c.unfinished_step:
+            # a forward cut short (a batch that raised and was skipped) opened fewer groups than
+            # its workload's steps do: counted, such batches every other step would make the
+            # workload expect that many and begin a new one at each (profiling for good)
+            return
         recent = self._recent.setdefault(e.signature, collections.deque(maxlen=RECENT))
         recent.append(n)
         if c.profile is None:  # profiling: the latest step's groups are the profile's
