@@ -114,12 +114,25 @@ def host_budget_of(spec: int | str) -> int:
         return spec
     fraction = HOST_BUDGET_FRACTION if spec == "auto" else memory_fraction(spec)
     assert fraction is not None
-    return max(1, int(machine_ram() * fraction) // local_ranks())
+    ram, ranks = machine_ram(), local_ranks()
+    share = int(ram * fraction) // ranks
+    if share < 1 << 20:  # nothing a plan could offload into: say so now, not at the first step
+        raise ValueError(f"host_budget={spec!r} leaves {share} bytes of this machine's {ram:,} bytes of RAM"
+                         f"{f' for each of its {ranks} local ranks (LOCAL_WORLD_SIZE)' if ranks > 1 else ''}; "
+                         f"give a larger share or a size such as '8GiB'")
+    return share
 
 
 def local_ranks() -> int:
-    """The ranks of this host (``LOCAL_WORLD_SIZE``, else one)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    """The ranks of this host (``LOCAL_WORLD_SIZE``, as torchrun sets it, else one)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a count of ranks (a whole number of at least 1, "
+                         f"as torchrun sets it): the host budget's share of RAM is divided among them; "
+                         f"set it right or unset it")
+    return int(value)
 
 
 class HostMemory:

@@ -172,7 +172,8 @@ class Offloader(Engine[GroupT, MovedT]):
       of this machine's RAM such as ``"50%"``, divided among its ranks) this offloader may
       hold; a commit that would exceed it raises :class:`actoffload.HostMemoryError` and the
       group stays resident. Default (``None`` or ``"auto"``): 80% of this machine's RAM
-      divided among its ranks (``LOCAL_WORLD_SIZE``).
+      divided among its ranks (``LOCAL_WORLD_SIZE``). A share that leaves under 1 MiB, or a
+      ``LOCAL_WORLD_SIZE`` that is no whole number of at least 1, raises ``ValueError`` here.
     - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host
       buffers come from (default: ``fast`` pins exactly what its pool keeps; ``ref``, which
       allocates every step, takes PyTorch's cached pinned memory).

@@ -96,6 +96,18 @@ def test_R10_host_budget_takes_a_share_of_the_hosts_memory_divided_among_its_ran
             budget(bad)
     with pytest.raises(ValueError, match="or a share of this host's memory: 'auto' or a percentage"):
         budget("lots")
+    with pytest.raises(ValueError, match=r"host_budget='1e-9%' leaves 0 bytes of this machine's .* give a larger share"):
+        budget("1e-9%")  # a share that rounds to nothing: said as the offloader is made, not at the first step
+
+
+@pytest.mark.parametrize("ranks", ["abc", "2.0", "0", "-1"])
+def test_R10_a_local_world_size_that_is_no_count_of_ranks_says_so(monkeypatch, ranks):
+    """The default host budget is a share of RAM divided among the host's ranks: a
+    ``LOCAL_WORLD_SIZE`` that counts none is named, where it divided by one or raised int()'s error."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{ranks}' is not a count of ranks .* set it right or unset it"):
+        ao.Offloader(impl="ref", device="cpu")
+    assert ao.Offloader(impl="ref", device="cpu", host_budget="1GiB").host_budget == 1 << 30  # a size divides nothing
 
 
 @pytest.mark.parametrize("size, message", [
