@@ -96,7 +96,7 @@ def test_R10_host_budget_takes_a_share_of_the_hosts_memory_divided_among_its_ran
             budget(bad)
     with pytest.raises(ValueError, match="or a share of this host's memory: 'auto' or a percentage"):
         budget("lots")
-    with pytest.raises(ValueError, match=r"host_budget='1e-9%' leaves 0 bytes of this machine's .* give a larger share"):
+    with pytest.raises(ValueError, match=r"host_budget='1e-9%' leaves \d+ bytes of this machine's .* give a larger share"):
         budget("1e-9%")  # a share that rounds to nothing: said as the offloader is made, not at the first step
 
 
