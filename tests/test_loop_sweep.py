@@ -58,9 +58,10 @@ def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
                         "steps_over_budget_allocated", "total_s", "vs_checkpoint_all", "bitwise", "plan_state",
                         "plan_settled", "steps_to_settle", "planning_s", "gc_s", "cache_trims",
                         "host_allocations"} <= set(cell)
+                cpu = not torch.cuda.is_available()  # the CPU has no allocator to read
                 if loop == "variable_length":
-                    assert cell["steps_over_budget_from_first_group"] is None  # no allocator
-                assert cell["max_step_reserved_bytes"] is None and cell["steps_over_budget"] is None  # no allocator
+                    assert (cell["steps_over_budget_from_first_group"] is None) == cpu
+                assert (cell["max_step_reserved_bytes"] is None) == cpu and (cell["steps_over_budget"] is None) == cpu
                 assert cell["total_s"] > 0 and cell["vs_checkpoint_all"] > 0 and cell["plan_state"]
                 assert cell["steps_to_settle"] and all(n is None or n >= 1 for n in cell["steps_to_settle"].values())
         assert set(v["asks"]) >= {"variable_length_no_step_over_budget", "variable_length_at_halfway_within_ask",
