@@ -551,7 +551,7 @@ class BudgetController:
     def _step_begins(self) -> None:
         now = self._probe.mark()
         # its backward raised, or its forward was cut short: what it measured is no step's
-        unfinished = self._awaiting_end or self._cut_short
+        unfinished = self.unfinished_step
         self._awaiting_end = self._cut_short = False
         self._step_number += 1
         if not self._lighter_now:
