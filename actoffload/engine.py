@@ -153,6 +153,12 @@ class Engine(Generic[GroupT, MovedT]):
         return None
 
     # ------------------------------------------------------------------ for plans
+    def host_room(self) -> int:
+        """Bytes the host budget has room for now: the budget less what copies hold (host buffers
+        a pool keeps free count as room: it lets them go for others; an estimate)."""
+        in_use, _ = self._host_bytes()
+        return max(0, self.host_budget - in_use)
+
     def reserve_host_blocks(self, span_bytes: list[int]) -> Callable[[], None]:
         """Get host memory ready, ahead of time, for a commit that will move spans of these
         sizes; returns what gives the reservation back. (Implementations that pin a pool
@@ -483,7 +489,9 @@ class Engine(Generic[GroupT, MovedT]):
                 pending.popleft()
 
     # ------------------------------------------------------------------ deciding
-    def _plan(self, group: GroupT, committed: bool) -> policy.SavePlan:
+    def _plan(self, group: GroupT, committed: bool, nothing_moves: bool = False) -> policy.SavePlan:
+        """What ``group`` moves and keeps (``nothing_moves``: the host memory its plan's share
+        asked for was short, and the plan lets it stay)."""
         device = self.device
         plan = policy.plan_facts(
             [policy.fact_of(s.tensor, device, s.is_parameter) for s in group.saved],  # (policy.plan_group)
@@ -492,7 +500,7 @@ class Engine(Generic[GroupT, MovedT]):
             policy=self.policy,
             committed=committed,
             moved_earlier=self._moved_earlier if committed else None,
-            move_at_most=self.plan.move_at_most(group) if "move_at_most" in self._asks else None,
+            move_at_most=0 if nothing_moves else self.plan.move_at_most(group) if "move_at_most" in self._asks else None,
         )
         summary = plan.summary()
         if group.recompute:  # what it saved are its inputs; the rest comes back by recomputing
@@ -529,14 +537,17 @@ class Engine(Generic[GroupT, MovedT]):
             if moved:  # nothing to move (a plan keeps its inputs): no copy to order or await
                 self._move_out(group, moved)
         except HostMemoryError as e:
-            group.state = GroupState.RESIDENT
-            self._plan(group, committed=False)
-            group.decided()
-            self._forward_failed()  # raised into the forward, which it cuts short as an exception in a group does
-            advice = self.plan.host_short()
-            if advice:
-                raise HostMemoryError(f"{e} {advice}") from e
-            raise
+            advice = self.plan.host_short(group)
+            if advice is None:  # its share was the room host memory seemed to have: it stays, as moving nothing
+                plan, moved = self._plan(group, committed=True, nothing_moves=True), []
+            else:
+                group.state = GroupState.RESIDENT
+                self._plan(group, committed=False)
+                group.decided()
+                self._forward_failed()  # raised into the forward, which it cuts short as an exception in a group does
+                if advice:
+                    raise HostMemoryError(f"{e} {advice}") from e
+                raise
         needed: list[Moved] = list(moved)
         uses = [len(span.members) for span in plan.spans]
         saved_at = [min(span.members) for span in plan.spans]

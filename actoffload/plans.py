@@ -199,9 +199,10 @@ class Plan:
         """Entries for the offloader's ``stats()``."""
         return {}
 
-    def host_short(self) -> str:
-        """What to do, besides what :class:`~actoffload.HostMemoryError` says, where this plan's
-        commit could not have host memory ("": nothing)."""
+    def host_short(self, group: Group) -> str | None:
+        """Where ``group``'s commit could not have the host memory it asked for: what to do,
+        besides what :class:`~actoffload.HostMemoryError` says ("": nothing), or ``None``: the
+        group stays on the device, moving nothing, and its forward goes on."""
         return ""
 
 

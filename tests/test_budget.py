@@ -326,6 +326,47 @@ def test_budget_plans_within_the_host_budget():
     assert max(costmodel.host_bytes(c.profile, p.groups) for p in c.plans) <= costmodel.most_host_bytes(c.profile)
 
 
+def _forwards(blocks, seed, n):
+    """The loss of ``n`` forwards over ``blocks`` before one backward (each its own input)."""
+    loss = 0
+    for k in range(n):
+        x = torch.randn(64, D, generator=torch.Generator().manual_seed(seed * 10 + k)).requires_grad_(True)
+        h = x * 1
+        for b in blocks:
+            h = h + b(h)
+        loss = loss + h.square().sum()
+    return loss
+
+
+@pytest.mark.parametrize("room", ["estimated", "overestimated"])
+def test_budget_steps_past_their_plan_keep_within_the_host_budget(room, monkeypatch):
+    """R10 with a memory budget: a step that opens more groups than its plan (here a second
+    forward before the backward, every other step; R8: several forwards in flight) moves, in
+    the groups past the plan, only what the host budget has room for, and the rest stays;
+    where that room was overestimated (a pool's free blocks of other sizes), the group stays
+    whole. Either way no HostMemoryError after profiling, host memory within its budget, and
+    gradients bitwise equal to no offloading."""
+    host = 2 * GROUP_BYTES
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0,
+                       host_budget=host)
+    if room == "overestimated":
+        monkeypatch.setattr(off, "host_room", lambda: host)
+    blocks, expected = _blocks(), _blocks()
+    held = []
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS + 12):
+            n = 1 + step % 2
+            loss = _forwards(blocks, step, n)
+            stats = off.stats()
+            held.append(stats["host_bytes_in_use"] + stats["host_bytes_pooled"])
+            loss.backward()
+            _forwards(expected, step, n).backward()
+            for a, b in zip(blocks.parameters(), expected.parameters()):
+                assert_bitwise(a.grad, b.grad)
+                a.grad = b.grad = None
+    assert 0 < max(held) <= host
+
+
 def test_budget_host_cap_reaches_every_workload_and_spares_plans_that_ran():
     """Each signature's controller gets the host cap; a plan that ran a step to its end had its host
     memory (the profiled plan, however close to the cap its bytes came)."""

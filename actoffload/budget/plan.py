@@ -167,7 +167,15 @@ class BudgetPlan(Plan):
         planned = group.plan_state
         if planned is None or (group.recompute and planned.position in self._written):
             return None
-        return planned.controller.move_at_most(planned.position, planned.decision)
+        at_most = planned.controller.move_at_most(planned.position, planned.decision)
+        if at_most == 0 or planned.controller.profiling:
+            return at_most
+        # Outside profiling no group moves more than the host budget has room for: a group past
+        # its plan (a step opening more groups than planned) moves all it can, and the plan's
+        # host cap reckons only with the groups it planned (budgets.md, "Candidate plans").
+        assert self.offloader is not None
+        room = int(self.offloader.host_room() / HOST_ROUNDING)
+        return room if at_most is None else min(at_most, room)
 
     def inputs_written(self, group: Group) -> None:
         self._written.add(group.plan_state.position)
@@ -219,9 +227,10 @@ class BudgetPlan(Plan):
             # nothing of theirs). The step begins here, with nothing for the plan to decide.
             self._begin(in_backward=True)
 
-    def host_short(self) -> str:
-        if self.workloads is None or not self.controller.profiling:
-            return ""  # (the plans keep within host_budget: budgets.md, "Candidate plans")
+    def host_short(self, group: Group) -> str | None:
+        planned: _Planned | None = group.plan_state
+        if planned is None or not planned.controller.profiling:
+            return None  # its share was the room host memory seemed to have (move_at_most): it stays
         return ("A memory budget's profiling steps move out every recomputed module's inputs and every other "
                 "group whole (a module traced by torch.compile or handed a key-value cache is not recomputed), "
                 "whatever host_budget allows (the plans after them keep within it): raise host_budget, or leave "
