@@ -54,10 +54,21 @@ def resolve_device(device: Any) -> torch.device:
 
 
 def check_count(name: str, value: Any, least: int = 0) -> int:
-    """An ``int >= least`` (bools are refused: ``True`` is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    """An integer ``>= least``, as an ``int`` (``numpy.int64`` and other integer types too;
+    bools are refused: ``True`` is not a count).
+
+    >>> check_count("keep_last", 2)
+    2
+    """
+    n = None
+    if not isinstance(value, (bool, torch.Tensor)):  # (a one-element tensor is no setting)
+        try:
+            n = operator.index(value)
+        except TypeError:
+            pass
+    if n is None or n < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    return value
+    return n
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...], plural: str | None = None) -> str:
@@ -170,9 +181,11 @@ def budget_of(name: str, spec: int | str, total: int, outside: int) -> int:
     if fraction is None:
         assert isinstance(spec, int)
         return spec
-    n = int(fraction * total) - outside
+    share = int(fraction * total)
+    n = share - outside
     if n <= 0:
-        raise ValueError(f"{name}={spec!r} leaves nothing: {fraction:.0%} of the device's {total:,} bytes is "
-                         f"{int(fraction * total):,}, and {outside:,} are held outside this process's allocator "
-                         "(other processes, CUDA contexts); give a size in bytes, or free the device")
+        held = (f", and {outside:,} are held outside this process's allocator (other processes, CUDA contexts)"
+                if outside else "")
+        raise ValueError(f"{name}={spec!r} leaves nothing: {spec} of the device's {total:,} bytes is {share:,}{held}; "
+                         f"give a larger share or a size in bytes{', or free the device' if outside else ''}")
     return n

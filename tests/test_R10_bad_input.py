@@ -45,6 +45,18 @@ def test_R10_bad_arguments_name_the_problem(impl, kwargs, message):
         ao.Offloader(impl=impl, **{"device": "cpu", **kwargs})
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_counts_take_any_integer_type(impl):
+    """A count read from a config through NumPy (``numpy.int64``) is a count; a bool, a float or a
+    tensor is not."""
+    np = pytest.importorskip("numpy")
+    off = ao.Offloader(impl=impl, device="cpu", keep_last=np.int64(2), min_offload_bytes=np.int32(0))
+    assert off.keep_last == 2 and off.min_offload_bytes == 0 and type(off.keep_last) is int
+    for bad in (np.bool_(True), 2.0, torch.tensor(2)):
+        with pytest.raises(ValueError, match="keep_last must be an int >= 0"):
+            ao.Offloader(impl=impl, device="cpu", keep_last=bad)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

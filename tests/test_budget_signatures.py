@@ -636,8 +636,14 @@ def test_budget_shares_parse_and_resolve():
     assert budget_of("memory_budget", "auto", total, 3 << 30) == int(AUTO_FRACTION * total) - (3 << 30)
     assert budget_of("memory_budget", "50%", total, 0) == 40 << 30
     assert budget_of("memory_budget", 1 << 30, total, 79 << 30) == 1 << 30  # bytes stand as given
-    with pytest.raises(ValueError, match="memory_budget='10%' leaves nothing"):
+    with pytest.raises(ValueError, match="memory_budget='10%' leaves nothing: 10% of the device's .* are held "
+                                         "outside this process's allocator .* or free the device"):
         budget_of("memory_budget", "10%", total, 9 << 30)
+    # a share that rounds to nothing, where nothing is held outside (the CPU): said as given, and
+    # without the holders outside the allocator that there are none of
+    with pytest.raises(ValueError, match=r"memory_budget='1e-300%' leaves nothing: 1e-300% of the device's "
+                                         r"85,899,345,920 bytes is 0; give a larger share or a size in bytes$"):
+        budget_of("memory_budget", "1e-300%", total, 0)
 
 
 def test_a_share_of_memory_is_read_at_the_first_step_through_the_probe(monkeypatch):
