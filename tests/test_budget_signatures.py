@@ -622,6 +622,26 @@ def test_a_step_with_another_micro_batch_count_runs_and_does_not_disturb_the_pla
     assert states == ["settled", "settled"]
 
 
+@pytest.mark.parametrize("turns", [(1, 2), (1, 1, 2), (1, 2, 2)])
+def test_steps_taking_turns_at_forwards_per_backward_each_run_their_own_plan(turns):
+    """Steps of one signature opening different numbers of groups by turns (one forward, then two
+    before one backward; R8: several forwards in flight): each finds its own workload once the
+    turns have recurred, so that the heavier step runs its own plan rather than the lighter one's
+    with its groups past the plan, and every step settles; gradients bitwise."""
+    blocks, expected = _blocks(), _blocks()
+    off = ao.Offloader(device="cpu", memory_budget=3 * _bytes(64), min_offload_bytes=0)
+    ran = []
+    with ao.wrap(blocks, off):
+        for i in range(27):
+            n = turns[i % len(turns)]
+            for a, b in zip(_step(blocks, 64, i, n), _step(expected, 64, i, n)):
+                assert_bitwise(a, b)
+            plan = off.stats()["plan"]
+            ran.append((n, plan["state"], len(plan.get("groups") or ())))
+    late = ran[-4 * len(turns):]
+    assert all(state == "settled" and groups == 4 * n for n, state, groups in late), ran
+
+
 # ---------------------------------------------------------------- a share of the device's memory
 def test_budget_shares_parse_and_resolve():
     assert parse_memory_budget("memory_budget", "auto") == "auto"

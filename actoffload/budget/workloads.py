@@ -40,6 +40,7 @@ from .tolerances import MiB, base_tolerance
 
 CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
 RECENT = 8  # steps of a signature whose group counts say how many groups its next step opens
+CONTEXT = 3  # the most of their latest counts whose continuation is looked for (Workloads._expected)
 
 
 class Signature(NamedTuple):
@@ -274,13 +275,32 @@ class Workloads:
             del self._recent[next(iter(self._recent))]
 
     def _expected(self, signature: Signature) -> int | None:
-        """The groups the next step of ``signature`` will open: the count its recent steps opened
-        most (the latest among equals); ``None`` for a signature not seen."""
+        """The groups the next step of ``signature`` will open; ``None`` for a signature not seen.
+
+        Its recent steps' counts continued: what most often followed their latest ``k`` counts
+        (``k`` from ``CONTEXT`` down to 1, the longest that came before with one answer), so that
+        steps taking turns (one forward, then two before a backward) each find their own
+        workload; else the count they opened most (the latest among equals). Predicting the
+        latest count in turns would give each step the other's plan, the heavier one's running
+        its groups past the plan.
+
+        >>> w = Workloads(1 << 30, torch.device("cpu"))
+        >>> w._recent[UNKNOWN] = collections.deque([4, 8, 4, 8, 4], maxlen=RECENT)
+        >>> w._expected(UNKNOWN)
+        8
+        """
         recent = self._recent.get(signature)
         if not recent:
             return None
-        counts = collections.Counter(recent)
-        return max(reversed(recent), key=lambda n: counts[n])
+        seen = list(recent)
+        for k in range(min(CONTEXT, len(seen) - 1), 0, -1):
+            context = seen[-k:]
+            followers = collections.Counter(seen[i + k] for i in range(len(seen) - k) if seen[i:i + k] == context)
+            ranked = followers.most_common(2)
+            if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]):
+                return ranked[0][0]
+        counts = collections.Counter(seen)
+        return max(reversed(seen), key=lambda n: counts[n])
 
     def _find(self, signature: Signature, base: int) -> Workload | None:
         groups = self._expected(signature)
