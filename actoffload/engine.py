@@ -523,9 +523,9 @@ class Engine(Generic[GroupT, MovedT]):
                 self._report_commit(group)
             return
         plan = self._plan(group, committed=True)
-        if "committed" in self._asks:
-            self.plan.committed(group, plan)
         if not plan.spans and not plan.shared and not group.guard_inputs:  # all stays: each buffer as it is
+            if "committed" in self._asks:
+                self.plan.committed(group, plan)
             group.state = GroupState.COMMITTED
             group.decided()
             if self._observers:
@@ -538,7 +538,7 @@ class Engine(Generic[GroupT, MovedT]):
                 self._move_out(group, moved)
         except HostMemoryError as e:
             advice = self.plan.host_short(group)
-            if advice is None:  # its share was the room host memory seemed to have: it stays, as moving nothing
+            if advice is None:  # its share was the room host memory seemed to have: it stays, moving nothing
                 plan, moved = self._plan(group, committed=True, nothing_moves=True), []
             else:
                 group.state = GroupState.RESIDENT
@@ -548,6 +548,8 @@ class Engine(Generic[GroupT, MovedT]):
                 if advice:
                     raise HostMemoryError(f"{e} {advice}") from e
                 raise
+        if "committed" in self._asks:  # (what it moves, once its host memory was had)
+            self.plan.committed(group, plan)
         needed: list[Moved] = list(moved)
         uses = [len(span.members) for span in plan.spans]
         saved_at = [min(span.members) for span in plan.spans]

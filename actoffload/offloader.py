@@ -171,7 +171,8 @@ class Offloader(Engine[GroupT, MovedT]):
     - ``host_budget``: the most host memory (bytes, a size such as ``"64GiB"``, or a share
       of this machine's RAM such as ``"50%"``, divided among its ranks) this offloader may
       hold; a commit that would exceed it raises :class:`actoffload.HostMemoryError` and the
-      group stays resident. Default (``None`` or ``"auto"``): 80% of this machine's RAM
+      group stays resident (with a ``memory_budget``, what does not fit stays, and nothing is
+      raised). Default (``None`` or ``"auto"``): 80% of this machine's RAM
       divided among its ranks (``LOCAL_WORLD_SIZE``). A share that leaves under 1 MiB, or a
       ``LOCAL_WORLD_SIZE`` that is no whole number of at least 1, raises ``ValueError`` here.
     - ``host_allocator``: ``allocator(nbytes, pinned) -> uint8 CPU tensor``, where host

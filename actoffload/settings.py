@@ -66,7 +66,7 @@ def check_count(name: str, value: Any, least: int = 0) -> int:
             n = operator.index(value)
         except TypeError:
             pass
-    if n is None or n < least:
+    if n is None or isinstance(n, bool) or n < least:  # (an __index__ may answer a bool)
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     return n
 

@@ -192,7 +192,8 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         self.warmup = check_choice("warmup", warmup, WARMUPS)
         device = resolve_device(settings.pop("device", None))
         chosen = plans.for_fast(warmup=self.warmup, memory_budget=memory_budget, device=device, plan=plan,
-                                window=(self.max_inflight, self.prefetch), keep_last=settings.get("keep_last", 1))
+                                window=(self.max_inflight, self.prefetch),
+                                keep_last=check_count("keep_last", settings.get("keep_last", 1)))
         super().__init__(impl, device=device, plan=chosen, **settings)
         if self.warmup == "auto":  # as plans.for_fast resolved it
             self.warmup = "recompute" if isinstance(self.plan, WarmUp) and self.plan.warming else "offload"

@@ -1,5 +1,7 @@
 """R10: misuse gets a clear error naming the problem; faults never corrupt or drop data."""
 
+import re
+
 import pytest
 import torch
 
@@ -55,6 +57,14 @@ def test_R10_counts_take_any_integer_type(impl):
     for bad in (np.bool_(True), 2.0, torch.tensor(2)):
         with pytest.raises(ValueError, match="keep_last must be an int >= 0"):
             ao.Offloader(impl=impl, device="cpu", keep_last=bad)
+
+
+@pytest.mark.parametrize("bad", ["1", 1.5, -1, [1, 1]])
+def test_R10_a_bad_count_beside_a_memory_budget_says_what_a_count_is(bad):
+    """keep_last is checked as a count before a memory budget's rule that it keep its default:
+    "1" is no count (and not the default 1)."""
+    with pytest.raises(ValueError, match=re.escape(f"keep_last must be an int >= 0, got {bad!r}")):
+        ao.Offloader(impl="fast", device="cpu", memory_budget="1GiB", keep_last=bad)
 
 
 @pytest.mark.parametrize(

@@ -837,8 +837,10 @@ class BudgetController:
                 m.spans = tuple(sorted((s.nbytes for s in inner.spans), reverse=True))
                 m.kept = sum(n for reason, n in inner.stayed if reason != "parameter")
             else:
-                m.spans = tuple(sorted((s.nbytes for s in plan.spans), reverse=True))
-                m.kept = kept
+                # what stayed for want of host room (move_at_most) may move under a plan: its spans too
+                short = [n for reason, n in plan.stayed if reason == "budget"]
+                m.spans = tuple(sorted([s.nbytes for s in plan.spans] + short, reverse=True))
+                m.kept = kept - sum(short)
             return
         if self._profile is None or position >= len(self._profile.groups):
             return

@@ -168,11 +168,11 @@ class BudgetPlan(Plan):
         if planned is None or (group.recompute and planned.position in self._written):
             return None
         at_most = planned.controller.move_at_most(planned.position, planned.decision)
-        if at_most == 0 or planned.controller.profiling:
-            return at_most
-        # Outside profiling no group moves more than the host budget has room for: a group past
-        # its plan (a step opening more groups than planned) moves all it can, and the plan's
-        # host cap reckons only with the groups it planned (budgets.md, "Candidate plans").
+        if at_most == 0:
+            return 0
+        # No group moves more than the host budget has room for: a profiling step moves all it
+        # can, and so does a group past its plan (a step opening more groups than planned), where
+        # the plan's host cap reckons only with the groups it planned (budgets.md, "Candidate plans").
         assert self.offloader is not None
         room = int(self.offloader.host_room() / HOST_ROUNDING)
         return room if at_most is None else min(at_most, room)
@@ -228,13 +228,7 @@ class BudgetPlan(Plan):
             self._begin(in_backward=True)
 
     def host_short(self, group: Group) -> str | None:
-        planned: _Planned | None = group.plan_state
-        if planned is None or not planned.controller.profiling:
-            return None  # its share was the room host memory seemed to have (move_at_most): it stays
-        return ("A memory budget's profiling steps move out every recomputed module's inputs and every other "
-                "group whole (a module traced by torch.compile or handed a key-value cache is not recomputed), "
-                "whatever host_budget allows (the plans after them keep within it): raise host_budget, or leave "
-                "it unset.")
+        return None  # its share was the room host memory seemed to have (move_at_most): it stays
 
     def copy_window(self) -> tuple[int, int] | None:
         return self.controller.window() if self.workloads is not None or self._fixed is not None else None
