@@ -342,15 +342,17 @@ def _forwards(blocks, seed, n):
     return loss
 
 
-@pytest.mark.parametrize("room", ["estimated", "overestimated"])
-def test_budget_steps_past_their_plan_keep_within_the_host_budget(room, monkeypatch):
+@pytest.mark.parametrize("room, host", [("estimated", 2 * GROUP_BYTES), ("overestimated", 2 * GROUP_BYTES),
+                                        ("estimated", 400_000)])
+def test_budget_steps_past_their_plan_keep_within_the_host_budget(room, host, monkeypatch):
     """R10 with a memory budget: a step that opens more groups than its plan (here a second
     forward before the backward, every other step; R8: several forwards in flight) moves, in
     the groups past the plan, only what the host budget has room for, and the rest stays;
     where that room was overestimated (a pool's free blocks of other sizes), the group stays
-    whole. Either way no HostMemoryError after profiling, host memory within its budget, and
-    gradients bitwise equal to no offloading."""
-    host = 2 * GROUP_BYTES
+    whole. So do the profiling steps of the two-forward steps' own workload, where the host
+    budget (400,000 bytes: one forward's inputs, not two's) cannot hold all they move. Either
+    way no HostMemoryError, host memory within its budget, and gradients bitwise equal to no
+    offloading."""
     off = ao.Offloader(impl="fast", device="cpu", memory_budget=2 * GROUP_BYTES, min_offload_bytes=0,
                        host_budget=host)
     if room == "overestimated":
