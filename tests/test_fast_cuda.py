@@ -195,6 +195,36 @@ def test_fast_budget_a_skipped_batch_leaves_the_settled_plan_as_it_was(share):
             assert plan["measured_reserved_peak_bytes"] <= budget, (plan["measured_reserved_peak_bytes"], budget)
 
 
+def test_fast_budget_a_host_budget_short_of_profiling_raises_nothing_and_holds():
+    """R10 under a memory budget, on a GPU with the pinned pool's blocks counted as room: steps
+    taking turns at one and two forwards before a backward, under a host budget of about one
+    layer's saves, which neither workload's profiling steps (every layer moved out whole) fit:
+    what does not fit stays, no HostMemoryError, pinned memory within the host budget, bitwise."""
+    torch.manual_seed(0)
+    model, expected = mlp_stack(6, 1024, "cuda"), mlp_stack(6, 1024, "cuda")
+    layer = 2048 * (1024 + 2 * 2 * 2048) * 4
+    params = sum(p.numel() * 4 for p in model.parameters())
+    budget = int(torch.cuda.memory_allocated() + 2 * 6 * layer) + 3 * params  # each forward's every layer
+    host = layer
+    off = ao.Offloader(impl="fast", device="cuda", memory_budget=budget, host_budget=host, min_offload_bytes=0)
+    inputs, held = _inputs(), []
+    with ao.wrap(model, off):
+        for i in range(16):
+            forwards = 1 + i % 2
+            got = []
+            for m in (model, expected):
+                xs = [inputs[(i + k) % 4].clone().requires_grad_(True) for k in range(forwards)]
+                loss = sum(m(x).square().sum() for x in xs)
+                if m is model:
+                    stats = off.stats()
+                    held.append(stats["host_bytes_in_use"] + stats["host_bytes_pooled"])
+                loss.backward()
+                got.append([x.grad for x in xs] + [p.grad.clone() for p in m.parameters()])
+                zero_grads(m)
+            assert_bitwise(got[0], got[1])
+    assert 0 < max(held) <= host, (held, host)
+
+
 def test_fast_budget_a_skipped_batch_lets_its_copies_in_flight_go_before_the_next_step():
     """A plan moving bytes with copies in flight (``max_inflight=2``): a batch skipped after its
     forward leaves its last groups' copies in flight, their sources held until reaped. They go
