@@ -536,18 +536,14 @@ class Engine(Generic[GroupT, MovedT]):
         try:
             if moved:  # nothing to move (a plan keeps its inputs): no copy to order or await
                 self._move_out(group, moved)
-        except HostMemoryError as e:
-            advice = self.plan.host_short(group)
-            if advice is None:  # its share was the room host memory seemed to have: it stays, moving nothing
-                plan, moved = self._plan(group, committed=True, nothing_moves=True), []
-            else:
+        except HostMemoryError:
+            if not self.plan.stays_when_host_short:
                 group.state = GroupState.RESIDENT
                 self._plan(group, committed=False)
                 group.decided()
                 self._forward_failed()  # raised into the forward, which it cuts short as an exception in a group does
-                if advice:
-                    raise HostMemoryError(f"{e} {advice}") from e
                 raise
+            plan, moved = self._plan(group, committed=True, nothing_moves=True), []  # it stays, moving nothing
         if "committed" in self._asks:  # (what it moves, once its host memory was had)
             self.plan.committed(group, plan)
         needed: list[Moved] = list(moved)

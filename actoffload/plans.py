@@ -95,6 +95,9 @@ class Plan:
     # memory: "auto", "90%"), reported in the offloader's settings; None: it keeps none
     memory_budget: int | str | None = None
     wants_inputs: bool = False  # ao.wrap calls step_inputs while this is set (a plan sets it when it needs them)
+    # where a commit cannot have the host memory it asked for: False, HostMemoryError is raised
+    # into the forward (R10); True, the group stays on the device, moving nothing, and it goes on
+    stays_when_host_short: bool = False
 
     def __init__(self) -> None:
         self.offloader: Engine | None = None
@@ -198,12 +201,6 @@ class Plan:
     def stats(self) -> dict[str, Any]:
         """Entries for the offloader's ``stats()``."""
         return {}
-
-    def host_short(self, group: Group) -> str | None:
-        """Where ``group``'s commit could not have the host memory it asked for: what to do,
-        besides what :class:`~actoffload.HostMemoryError` says ("": nothing), or ``None``: the
-        group stays on the device, moving nothing, and its forward goes on."""
-        return ""
 
 
 WARMUPS = ("auto", "offload", "recompute")

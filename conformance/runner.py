@@ -339,9 +339,8 @@ def _step(model: Model, s: Scenario, off: Offloader | None, inputs: list[torch.T
     if device.type == "cuda":
         if off is not None:
             off.synchronize()  # resident once the copies out have finished
-        torch.cuda.synchronize()
         gc.collect()
-        out.resident_bytes.append(_allocated(device) - base)
+        out.resident_bytes.append(_allocated(device) - base)  # (synchronized there)
     if off is not None:
         stats = off.stats()
         out.offloaded_bytes = stats["offloaded_bytes"]

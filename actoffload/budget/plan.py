@@ -50,6 +50,7 @@ class BudgetPlan(Plan):
     """
 
     keep_last = 0  # the plan decides what stays
+    stays_when_host_short = True  # its share was the room host memory seemed to have (move_at_most)
 
     def __init__(self, budget: int | str, device: torch.device):
         super().__init__()
@@ -226,9 +227,6 @@ class BudgetPlan(Plan):
             # evaluation, a forward whose groups all ran under reentrant checkpointing (which saves
             # nothing of theirs). The step begins here, with nothing for the plan to decide.
             self._begin(in_backward=True)
-
-    def host_short(self, group: Group) -> str | None:
-        return None  # its share was the room host memory seemed to have (move_at_most): it stays
 
     def copy_window(self) -> tuple[int, int] | None:
         return self.controller.window() if self.workloads is not None or self._fixed is not None else None
