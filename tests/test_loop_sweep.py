@@ -16,6 +16,9 @@ from actoffload.tools.provenance import read_results, write_results
 
 STEPS, OPT_STEPS = 12, 5
 
+# one small sweep (the module's fixture) for all of them: under pytest-xdist, one worker
+pytestmark = pytest.mark.xdist_group("loop_sweep")
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

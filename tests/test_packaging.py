@@ -21,8 +21,8 @@ pytestmark = pytest.mark.xdist_group("packaging")
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     # built from a copy of what pyproject.toml packages: a build in the checkout walks all of it,
-    # virtual environments included, and fails where one is being written meanwhile (.ci/run
-    # makes the oldest torch's while these tests run)
+    # virtual environments included, and fails where one is being written meanwhile
+    # (scripts/test-oldest-torch --install-only beside the tests)
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
