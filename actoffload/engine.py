@@ -85,6 +85,9 @@ class Engine(Generic[GroupT, MovedT]):
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
         self._owner: int | None = None  # the thread whose forwards open groups
+        # whether a forward that saves chose that thread: one that saves nothing (an evaluation on
+        # a thread of its own, run first) chooses it only until a forward with gradients on comes
+        self._owner_saves = False
         self._observers: list[Observer] = []
         self._shared = SharedStorages()  # spans moved out, by storage: a later group reuses them (R5)
         self._cuda = device.type == "cuda"  # (CUDA graph captures: checked at each save only there)
@@ -200,12 +203,13 @@ class Engine(Generic[GroupT, MovedT]):
                 f"cannot open group {name!r} inside group {open_name!r}: groups do not nest (R2); "
                 "close the outer group first, or wrap the inner modules instead of the outer one"
             )
-        if self._owner is None:
+        saves = torch.is_grad_enabled()
+        if self._owner is None or (saves and not self._owner_saves):
             with self._lock:
-                if self._owner is None:
-                    self._owner = me
+                if self._owner is None or (saves and not self._owner_saves and self._owner not in _open_on):
+                    self._owner, self._owner_saves = me, saves
         if self._owner != me:
-            if not torch.is_grad_enabled():
+            if not saves:
                 return None  # (another thread's forward that saves nothing, an evaluation say: R2 leaves it be)
             raise RuntimeError(
                 f"group {name!r} opened on thread {me}, but this offloader serves the forwards of thread "

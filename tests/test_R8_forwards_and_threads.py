@@ -275,6 +275,32 @@ def test_R8_a_forward_that_saves_nothing_runs_on_another_thread(impl, saves_noth
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_R8_an_evaluation_on_a_thread_of_its_own_before_training_leaves_training_its_thread(impl):
+    """The first forward, under no_grad on a thread that then ends, does not keep training on
+    the main thread from opening groups: a forward with gradients on takes the offloader over, and
+    from then on it is the training thread's (a second evaluation there runs plain)."""
+    model = mlp_stack(3, 32, "cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = reference_grads(model, x)
+    off = off_for(impl, "cpu", keep_last=0)
+    out = {}
+
+    def evaluate(key):
+        with torch.no_grad():
+            out[key] = run_groups(model, x, off)
+
+    for key in ("before", "after"):
+        t = threading.Thread(target=evaluate, args=(key,))
+        t.start()
+        t.join()
+        run_groups(model, x, off).sum().backward()
+        assert_bitwise(grads_of(model, x), expected)
+        assert off.stats()["offloaded_bytes"] > 0
+        zero_grads(model, x)
+    assert torch.equal(out["before"], out["after"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_R8_two_offloaders_in_two_threads_train_correctly(impl):
     results = {}
 
