@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 import re
@@ -82,35 +83,43 @@ _MAX_BYTES = 1 << 63  # more than any machine holds: a larger size is a typo
 
 
 def parse_bytes(name: str, value: Any) -> int:
-    """Bytes from an int (or an integer-like value such as ``numpy.int64``, not a bool) or a
-    string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most ``2**63`` bytes. A size in a
-    unit is rounded down to whole bytes; bytes themselves must be whole (``"1.5"`` is refused).
+    """Bytes from a number (an int, a whole float, or the like from NumPy or a one-element
+    tensor; not a bool) or a string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most
+    ``2**63`` bytes. A size in a unit is rounded down to whole bytes; bytes themselves must be
+    whole (``"1.5"`` is refused).
 
     >>> parse_bytes("memory_budget", "1.5GiB")
     1610612736
     """
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         raise ValueError(f"{name} must be a number of bytes or a size such as '60GiB', got {value!r}")
-    if isinstance(value, float):
-        if not value.is_integer():  # also inf and nan
+    number = value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        number = value.item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        number = float(value)  # numpy.float32 and the like, as a float is
+    if isinstance(number, float):
+        if not number.is_integer():  # also inf and nan
             raise ValueError(f"{name} must be a whole number of bytes or a size such as '60GiB', got {value!r}")
-        n = int(value)
+        n = int(number)
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        unit = m.group(2).lower() if m else ""
+        m = re.fullmatch(r"\s*([+-]?)([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(3).lower() if m else ""
         if m is None or unit not in _UNITS:
             raise ValueError(
                 f"{name} {value!r} is not a size; write bytes as a number or with a unit: "
                 "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
             )
-        digits = m.group(1).lstrip("0") or "0"
+        digits = m.group(2).lstrip("0") or "0"
         if digits.isdigit():  # exact, and checked for length before int() reads it
             n = int(digits) * _UNITS[unit] if len(digits) <= 30 else _MAX_BYTES + 1
         else:  # a fraction or an exponent: float() gives inf rather than raise when it overflows
-            x = float(m.group(1)) * _UNITS[unit]
+            x = float(m.group(2)) * _UNITS[unit]
             if _UNITS[unit] == 1 and math.isfinite(x) and not x.is_integer():  # a size in a unit may round; bytes may not
                 raise ValueError(f"{name} must be a whole number of bytes or a size such as '60GiB', got {value!r}")
             n = int(x) if math.isfinite(x) and x <= _MAX_BYTES else _MAX_BYTES + 1
+        if m.group(1) == "-":
+            n = -n  # (refused below as not positive, where "-1" read as no size at all)
     else:
         try:
             n = operator.index(value)  # int, numpy.int64, an integer tensor of one element

@@ -110,6 +110,10 @@ def wrap(
     for m in modules:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"wrap takes nn.Modules, got {type(m).__name__}")
+        if isinstance(m, torch.jit.ScriptModule):
+            raise TypeError(f"wrap cannot hook {getattr(m, 'original_name', type(m).__name__)}: it is a TorchScript "
+                            "module (torch.jit.script or torch.jit.trace), whose forward is not Python; wrap the "
+                            "eager module instead (torch.compile, not TorchScript, compiles wrapped modules)")
     if parts is not None and not callable(parts):
         raise TypeError(f"wrap's parts must be a function giving a module's parts (lambda b: [b.attn, b.mlp]), "
                         f"got {type(parts).__name__}")

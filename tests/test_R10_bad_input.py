@@ -160,8 +160,15 @@ def test_R10_integer_like_sizes_are_sizes():
     assert ao.Offloader(impl="ref", device="cpu", host_budget=torch.tensor(4096)).settings["host_budget"] == 4096
     assert ao.Offloader(impl="ref", device="cpu", host_budget=np.float64(2048.0)).settings["host_budget"] == 2048
     assert ao.Offloader(impl="fast", device="cpu", memory_budget=np.int32(1 << 20)).memory_budget == 1 << 20
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=np.float32(1e9)).settings["host_budget"] == 10**9
+    assert ao.Offloader(impl="ref", device="cpu", host_budget=torch.tensor(1e9)).settings["host_budget"] == 10**9
     with pytest.raises(ValueError, match="host_budget must be a number of bytes"):
         ao.Offloader(impl="ref", device="cpu", host_budget=np.bool_(True))
+    with pytest.raises(ValueError, match=r"host_budget must be a whole number of bytes .*, got tensor\(2.5000\)"):
+        ao.Offloader(impl="ref", device="cpu", host_budget=torch.tensor(2.5))
+    for negative in ("-1", "-2GiB", " -0 "):  # a size, not a positive one
+        with pytest.raises(ValueError, match=f"host_budget must be positive, got '{negative}'"):
+            ao.Offloader(impl="ref", device="cpu", host_budget=negative)
 
 
 def test_R10_implementation_class_refuses_another_impl_name():
@@ -188,6 +195,10 @@ def test_R10_wrap_rejects_what_is_not_a_module_or_offloader():
         ao.wrap([lambda x: x], off)
     with pytest.raises(TypeError, match="wrap needs an offloader"):
         ao.wrap(torch.nn.Linear(2, 2), object())
+    scripted = torch.jit.script(torch.nn.Linear(2, 2))
+    for given in (scripted, [scripted], torch.nn.ModuleList([scripted])):
+        with pytest.raises(TypeError, match="wrap cannot hook Linear: it is a TorchScript module"):
+            ao.wrap(given, off)
     with pytest.raises(ValueError, match="wrap got 2 modules but 1 names"):
         ao.wrap([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], off, names=["a"])
     for what, name in ((5, "int"), (None, "NoneType"), ("blocks", "str"), ({"a": torch.nn.Linear(2, 2)}, "dict")):
