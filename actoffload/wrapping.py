@@ -225,6 +225,11 @@ class _Wrap:
 _WRITES_INPUTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # the modules wrapped now, so that wrapping a module inside one of them is refused at once
 _WRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# module -> training flag -> the buffers (dotted names) its forward writes in place, seen at its
+# first recomputed forward in that mode (spectral normalization's power iteration): the
+# recomputation runs on copies of them as they were before the forward, so they are written once
+# and the recomputed forward is the forward (an empty set: none; no entry: not seen yet)
+_BUFFER_WRITES: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, frozenset[str]]] = weakref.WeakKeyDictionary()
 
 
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
@@ -457,9 +462,10 @@ def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
 
 class _ForwardState:
     """What a recomputed module's forward saw, for its recomputation in backward: the
-    parameters and buffers of the module and its submodules (references, not copies), and
-    their immutable plain attributes (the training flag among them). Taken at every forward
-    of a recomputed group: kept to C-level copies and set operations."""
+    parameters and buffers of the module and its submodules (references, not copies; copies of
+    the buffers its forward writes in place, as they were before it), and their immutable plain
+    attributes (the training flag among them). Taken at every forward of a recomputed group:
+    kept to C-level copies and set operations."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -468,6 +474,23 @@ class _ForwardState:
         self.entries = [(m, _plain_attributes(m),
                          None if compat.parameters_swapped_by_fsdp(m) else compat.own_tensors(m))
                         for m in module.modules()]
+        # buffers the forward may write in place, watched by their versions: copied (the writes
+        # cannot be undone) every one the first time in this mode, then those it wrote
+        self.training = module.training
+        self.seen = _BUFFER_WRITES.get(module, {}).get(module.training)
+        self.versions = {name: (b, b._version) for name, b in module.named_buffers()
+                         if not b.is_inference()}  # (which has no version)
+        self.before = {name: b.detach().clone() for name, (b, _) in self.versions.items()
+                       if self.seen is None or name in self.seen}
+
+    def forward_ran(self) -> None:
+        """After the forward: keep the copies of the buffers it wrote, for the recomputation,
+        and say for the module's later forwards which it writes."""
+        written = frozenset(name for name, (b, v) in self.versions.items() if b._version != v)
+        self.before = {name: t for name, t in self.before.items() if name in written}
+        self.versions = {}
+        if self.seen is None or not written <= self.seen:  # (one written first now is missed in this step)
+            _BUFFER_WRITES.setdefault(self.module, {})[self.training] = written | (self.seen or frozenset())
 
     def _changed_tensors(self) -> dict[str, torch.Tensor] | None:
         """The forward's parameters and buffers by dotted name, if any of them is not the
@@ -495,6 +518,8 @@ class _ForwardState:
                         undo.append((d, k, now))
                         d[k] = v
             tensors = self._changed_tensors()
+            if self.before:  # a fresh copy each time: a second backward (retain_graph) recomputes again
+                tensors = {**(tensors or {}), **{name: t.clone() for name, t in self.before.items()}}
             with contextlib.nullcontext() if tensors is None else compat.reparametrized(self.module, tensors):
                 yield
         finally:
@@ -545,6 +570,7 @@ def _recomputed(module: torch.nn.Module, inner: Callable[..., Any], group: Group
 
     versions = [t._version for t in tensors]
     out = torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, context_fn=group.checkpoint_contexts)
+    state.forward_ran()
     if any(t._version != v for t, v in zip(tensors, versions)):  # written by the module itself
         group.inputs_written()
         _WRITES_INPUTS.add(module)

@@ -4,6 +4,8 @@ state its forward saw: the parameters and buffers it was called with (``function
 its training flags, and its immutable plain attributes. Each step is compared bit for bit with
 the same one without an offloader (R1)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -170,3 +172,50 @@ def test_keyword_arguments_reach_the_recomputed_module(settings, flags):
         return torch.nn.Sequential(*[Flagged() for _ in range(3)])
 
     assert_bitwise(_wrapped_step(model(), settings, step), step(model()))
+
+
+class Ema(torch.nn.Module):
+    """Adds a running mean of its inputs, updated in place in its forward (training only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+        self.register_buffer("mean", torch.zeros(D))
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.9).add_(x.detach().mean(0), alpha=0.1)
+        return x + torch.tanh(self.fc(x) + self.mean)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_buffers_a_forward_writes_in_place_are_written_once_and_the_recomputation_is_the_forward(settings):
+    """Spectral normalization's power iteration and a running mean write their buffers in the
+    forward: recomputed, the forward runs on copies of them as they were before it, so the
+    gradients and the buffers stay those without an offloader, step after step (a second backward
+    over one forward recomputes again, from the same copies; an evaluation forward writes none)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(spectral_norm(torch.nn.Linear(D, D)), Ema(), Ema())
+
+    def steps(m, off=None):
+        out = []
+        with ao.wrap(m, off) if off is not None else contextlib.nullcontext():
+            for step in range(4):
+                m.train(step != 2)  # an evaluation step: its forward writes nothing
+                x = _x(step)
+                loss = m(x).square().sum()
+                loss.backward(retain_graph=step == 1)
+                if step == 1:
+                    loss.backward()  # recomputed again, from the same copies
+                out += [x.grad] + [p.grad.clone() for p in m.parameters()]
+                out += [b.clone() for b in m.buffers()]
+                m.zero_grad()
+                if off is not None and step == 0:
+                    groups = off.stats()["groups"]
+                    assert groups and all(g.get("recomputed") for g in groups.values()), groups
+        return out
+
+    assert_bitwise(steps(model(), _off(settings)), steps(model()))
