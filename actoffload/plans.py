@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
-from .settings import parse_memory_budget
+from .settings import budget_of, device_memory, parse_memory_budget
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -216,6 +216,8 @@ def for_fast(*, warmup: str, memory_budget: int | str | None, device: torch.devi
     be overruled without a word."""
     if memory_budget is not None:
         memory_budget = parse_memory_budget("memory_budget", memory_budget)
+        if isinstance(memory_budget, str):  # a share that leaves nothing of all there is: said now, not at a step
+            budget_of("memory_budget", memory_budget, device_memory(device), 0)
     if plan is not None:
         if memory_budget is not None:
             raise ValueError("give either memory_budget or a plan, not both: a memory budget is a plan itself")

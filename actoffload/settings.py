@@ -171,6 +171,13 @@ def parse_memory_budget(name: str, value: Any, of: str = "the device's memory") 
         raise
 
 
+def device_memory(device: torch.device) -> int:
+    """All the memory of ``device``: a GPU's, or on the CPU the machine's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def memory_fraction(spec: int | str) -> float | None:
     """The share of the device's memory a parsed budget asks for (``None``: it is bytes)."""
     if isinstance(spec, int):

@@ -664,6 +664,10 @@ def test_budget_shares_parse_and_resolve():
     with pytest.raises(ValueError, match=r"memory_budget='1e-300%' leaves nothing: 1e-300% of the device's "
                                          r"85,899,345,920 bytes is 0; give a larger share or a size in bytes$"):
         budget_of("memory_budget", "1e-300%", total, 0)
+    # one that leaves nothing of all the device's memory is said as the offloader is made
+    with pytest.raises(ValueError, match=r"memory_budget='1e-30%' leaves nothing: 1e-30% of the device's [0-9,]+ "
+                                         r"bytes is 0; give a larger share or a size in bytes$"):
+        ao.Offloader(impl="fast", device="cpu", memory_budget="1e-30%")
 
 
 def test_a_share_of_memory_is_read_at_the_first_step_through_the_probe(monkeypatch):

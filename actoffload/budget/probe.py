@@ -8,13 +8,13 @@ controller testable without a GPU.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 import torch
 
 from ..hostmem import exact_host_allocator
+from ..settings import device_memory
 
 _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
 
@@ -95,7 +95,7 @@ class Probe:
         if self.cuda:
             free, total = torch.cuda.mem_get_info(self.device)
             return total, max(0, total - free - self.reserved())
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 0
+        return device_memory(self.device), 0
 
     def mark(self) -> Any:
         """A point in time on the compute stream (an event on CUDA)."""
