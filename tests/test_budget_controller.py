@@ -873,6 +873,33 @@ def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than
     assert own.bytes == 170 * MiB
 
 
+@pytest.mark.parametrize("need,other_length,given_back", [
+    (850 * MiB, False, True),    # judged within the budget; the idle blocks could take it over
+    (250 * MiB, False, False),   # room for every idle block
+    (1100 * MiB, False, False),  # over the budget by the model: the cache as it stands is its best chance
+    (850 * MiB, True, False),    # another length grew the cache: _outgrown decides
+])
+def test_allocator_reserve_gives_back_a_cache_its_lengths_other_plans_built_before_a_plan_within_the_budget(
+        need, other_length, given_back):
+    """A plan new to a cache that only steps of its length grew (another plan's: exploring, a plan
+    changed mid-accumulation) gets it given back first where, judged within the budget, the cache's
+    idle blocks would take it over should none serve it ("new plan")."""
+    probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB  # allocated: BASE (100 MiB)
+    reserve.step_of(2048)
+    reserve.step_begins(probe, budget)  # the first: given back
+    reserve.step_ended(probe, budget, allocated_peak=700 * MiB, reserved_peak=800 * MiB)
+    probe.reserved_bytes = 800 * MiB
+    if other_length:
+        reserve.step_of(512)
+        reserve.step_begins(probe, budget)
+        reserve.step_ended(probe, budget, allocated_peak=300 * MiB, reserved_peak=810 * MiB)
+        probe.reserved_bytes = 810 * MiB
+        reserve.step_of(2048)
+    reserve.step_begins(probe, budget, needs=lambda: need)  # idle: 700 MiB or 710
+    assert reserve.trims_by == ({"first": 1, "new plan": 1} if given_back else {"first": 1})
+    assert probe.reserved_bytes == (BASE if given_back else 800 * MiB + 10 * MiB * other_length)
+
+
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
     """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
     it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of
