@@ -1,0 +1,105 @@
+"""Where a plan's step goes on transformers' 8B-shaped Llama at 32k tokens (``hf_8b_32k``), and
+what the budget's model says of it (a diagnostic, not a test; CUDA).
+
+Each variant runs as a block of steps: no offloading, torch's checkpoint around each layer, and
+fast under a budget whose controller is made to run one action on every layer
+(``BudgetController.force``): recomputing only the cheap ops (the costly ops' outputs kept,
+``recompute_selective``), the same with all or half of those outputs moved to host memory
+(``recompute_selective_offload``) at two copy windows, recomputing all but the fused attention
+with the inputs moved out (``recompute_attention_offload``), and offloading everything. A
+step is timed whole (its median) and in halves: the forward and loss, then the backward, the
+device synchronized between them (so the forward's half includes its copies draining). The
+model's step time and peak for each forced plan (``costmodel.simulate`` on the profile the
+controller holds) are printed beside them.
+
+    PYTHONPATH=benchmarks:. python benchmarks/selective_offload_probe.py [--steps 5] [--device cpu] > OUT-log.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from actoffload.budget import costmodel
+from actoffload.budget.actions import Action, GroupDecision
+from actoffload.tools.sweep_models import plain
+from forced_llama import ForcedLlama
+
+VARIANTS: list[tuple[str, Action | None, float, int, int]] = [
+    ("recompute_selective", Action.RECOMPUTE_SELECTIVE, 1.0, 0, 0),
+    ("recompute_selective_offload 1.0 w1 p1", Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0, 1, 1),
+    ("recompute_selective_offload 1.0 w2 p2", Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0, 2, 2),
+    ("recompute_selective_offload 0.5 w1 p1", Action.RECOMPUTE_SELECTIVE_OFFLOAD, 0.5, 1, 1),
+    ("recompute_attention_offload w0 p1", Action.RECOMPUTE_ATTENTION_OFFLOAD, 1.0, 0, 1),
+    ("offload 1.0 w1 p1", Action.OFFLOAD, 1.0, 1, 1),
+]
+
+
+def halves(rig: ForcedLlama, call: Any, i: int) -> tuple[float, float, float]:
+    """One step's forward-and-loss ms, backward ms and peak allocated GiB (0 on the CPU)."""
+    cuda = rig.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rig._sync()
+    t0 = time.perf_counter()
+    loss = rig.workload.loss(call, i)
+    rig._sync()
+    t1 = time.perf_counter()
+    loss.backward()
+    rig._sync()
+    t2 = time.perf_counter()
+    for q in rig.workload.trainable:
+        q.grad = None
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+
+
+def block(rig: ForcedLlama, name: str, call: Any, steps: int, model: tuple[int, float] | None) -> None:
+    full = [rig.step(call, i)[1] for i in range(steps)]
+    split = [halves(rig, call, i) for i in range(steps)]
+    fwd = statistics.median(s[0] for s in split)
+    bwd = statistics.median(s[1] for s in split)
+    peak = max(s[2] for s in split)
+    said = "" if model is None else f"   model {model[1] * 1e3:7.1f} ms, {model[0] / 2**30:6.2f} GiB"
+    print(f"{name:40s} step {statistics.median(full):7.1f} ms (forward {fwd:6.1f}, backward {bwd:6.1f}), "
+          f"peak {peak:6.2f} GiB{said}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--workload", default="hf_8b_32k")
+    ap.add_argument("--device", default="cuda", help="cpu: the workload's tiny shape, to check the probe runs")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("selective_offload_probe: no CUDA device; --device cpu runs the tiny shape")
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{card}, torch {torch.__version__}, {args.workload}", flush=True)
+    rig = ForcedLlama(device, args.workload)
+    profile = rig._controller.profile
+    assert profile is not None
+    for g in profile.groups:
+        print(f"group {g.name}: forward {g.forward_s * 1e3:.1f} ms, backward {g.backward_s * 1e3:.1f} ms, "
+              f"recompute {(g.recompute_s or 0) * 1e3:.1f} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
+              f"costly {sum(g.costly or ()) / 2**30:.2f} GiB", flush=True)
+    print(f"bus: {profile.d2h_bps / 1e9:.1f} GB/s out, {profile.h2d_bps / 1e9:.1f} GB/s in", flush=True)
+    block(rig, "none", plain, args.steps, None)
+    block(rig, "checkpoint", rig.checkpointed, args.steps, None)
+    for name, action, fraction, window, prefetch in VARIANTS:
+        assert action is not None
+        decisions = [GroupDecision(action, fraction)] * len(rig.workload.blocks)
+        model = costmodel.simulate(profile, decisions, window, prefetch)
+        handle = rig.forced(decisions, window, prefetch)
+        try:
+            block(rig, name, plain, args.steps, model)
+        finally:
+            handle.remove()
+    block(rig, "none (again)", plain, args.steps, None)
+
+
+if __name__ == "__main__":
+    main()
