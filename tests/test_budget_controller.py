@@ -873,33 +873,6 @@ def test_allocator_reserve_counts_a_step_on_other_lengths_blocks_by_no_more_than
     assert own.bytes == 170 * MiB
 
 
-@pytest.mark.parametrize("need,other_length,given_back", [
-    (850 * MiB, False, True),    # judged within the budget; the idle blocks could take it over
-    (250 * MiB, False, False),   # room for every idle block
-    (1100 * MiB, False, False),  # over the budget by the model: the cache as it stands is its best chance
-    (850 * MiB, True, False),    # another length grew the cache: _outgrown decides
-])
-def test_allocator_reserve_gives_back_a_cache_its_lengths_other_plans_built_before_a_plan_within_the_budget(
-        need, other_length, given_back):
-    """A plan new to a cache that only steps of its length grew (another plan's: exploring, a plan
-    changed mid-accumulation) gets it given back first where, judged within the budget, the cache's
-    idle blocks would take it over should none serve it ("new plan")."""
-    probe, reserve, budget = FakeProbe(), AllocatorReserve(), 1000 * MiB  # allocated: BASE (100 MiB)
-    reserve.step_of(2048)
-    reserve.step_begins(probe, budget)  # the first: given back
-    reserve.step_ended(probe, budget, allocated_peak=700 * MiB, reserved_peak=800 * MiB)
-    probe.reserved_bytes = 800 * MiB
-    if other_length:
-        reserve.step_of(512)
-        reserve.step_begins(probe, budget)
-        reserve.step_ended(probe, budget, allocated_peak=300 * MiB, reserved_peak=810 * MiB)
-        probe.reserved_bytes = 810 * MiB
-        reserve.step_of(2048)
-    reserve.step_begins(probe, budget, needs=lambda: need)  # idle: 700 MiB or 710
-    assert reserve.trims_by == ({"first": 1, "new plan": 1} if given_back else {"first": 1})
-    assert probe.reserved_bytes == (BASE if given_back else 800 * MiB + 10 * MiB * other_length)
-
-
 def test_controller_a_cache_over_the_budget_stays_for_a_workload_that_cannot_reach_it_not_for_one_that_can():
     """Two workloads (two lengths) on one allocator under one budget: the longer cannot reach
     it (BudgetTooSmall, then the least memory, over the budget), and its cache stays from one of
@@ -1052,7 +1025,7 @@ def test_controller_a_cache_shorter_steps_built_is_given_back_before_a_longer_st
     assert reserve.trims_by["outgrown"] == int(outgrown) and probe.trims == 1 + int(outgrown)
     assert probe.reserved_bytes <= long.budget and reserve.bytes == 5 * MiB
     step(long, keep_all.peak, 5 * MiB)
-    step(short, BASE + 40 * MiB, keep_all.peak - BASE - 35 * MiB)  # served by the cache as it stands
+    step(short, BASE + 40 * MiB, 0)
     step(long, keep_all.peak, 5 * MiB)
     assert probe.trims == 1 + int(outgrown)
 
@@ -1138,26 +1111,17 @@ def test_controller_a_cache_longer_steps_grew_is_given_back_before_a_shorter_wor
     assert reserve.bytes == before
 
 
-@pytest.mark.parametrize("first_tokens,room", [(2048, 30 * MiB), (2048, 80 * MiB), (None, 30 * MiB)])
-def test_controller_a_cache_steps_as_long_grew_is_given_back_before_a_plan_new_to_it_whose_idle_blocks_could_take_it_over(
-        first_tokens, room):
-    """The cache was built by a step as long as the one that follows, of another plan (exploring,
-    a plan changed mid-accumulation): its blocks are cut for that plan's tensors, in its order (on
-    an H200 the loop sweep's decoder reserved 11.12 GiB for 10.42 allocated in a micro-batch of
-    one plan, then 13.07 for 10.46 in the next, of another, 0.71 GiB over 12.36). Where its idle
-    blocks, should none serve the plan, would take it over the budget, the cache is given back
-    before it; with room for them it is kept, and so is a cache a step of tokens not known built
-    (nothing says which lengths grew it)."""
-    probe, reserve, keep_all, long, first = _sharing_a_cache(room)
+@pytest.mark.parametrize("first_tokens", [2048, None])
+def test_controller_a_cache_only_steps_as_long_grew_is_kept_for_a_step_that_allocates_more(first_tokens):
+    """The same steps, the cache built by a step as long as the one that follows (or of tokens
+    not known): its blocks are cut to sizes the step can use, and a cache given back would be
+    built again, its own way, by whichever step came next, so it is kept."""
+    probe, reserve, keep_all, long, first = _sharing_a_cache()
     long.adopt_profile(_profile())
     first.adopt_profile(_small_profile())
     for c, tokens, peak in ((first, first_tokens, BASE + 40 * MiB), (long, 2048, keep_all.peak)):
-        _step_of(c, reserve, tokens, peak, 5 * MiB)  # idle as the longer step begins: 45 MiB, and the reserve 5
-    given_back = first_tokens is not None and room < 45 * MiB + 5 * MiB
-    assert reserve.trims_by == ({"first": 1, "new plan": 1} if given_back else {"first": 1})
-    assert probe.reserved_bytes <= long.budget
-    _step_of(long, reserve, 2048, keep_all.peak, 5 * MiB)  # the cache served its plan: kept
-    assert probe.trims == 1 + given_back
+        _step_of(c, reserve, tokens, peak, 5 * MiB)
+    assert probe.trims == 1 and reserve.trims_by == {"first": 1}
 
 
 def test_controller_a_cache_that_served_the_longer_plan_is_kept_though_a_shorter_step_grew_it_since():

@@ -656,7 +656,7 @@ class BudgetController:
             return None
         if plan.key in self._served_now() or not self._reaches_budget():
             return None
-        with self.planning_time("choosing"):  # (asked only where the plan is new to the cache)
+        with self.planning_time("choosing"):  # (asked only where shorter steps grew the cache)
             judged = self._judged_peaks(True, by_cache=False)
             return min((q for p, q in zip(self._plans, judged) if p.key == plan.key), default=None)
 

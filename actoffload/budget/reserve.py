@@ -30,10 +30,7 @@ plan, judged within the budget, would go over, or, over it by the model, could n
 as on a cache of its own: on the GPT-MoE the first full-length step after a 768-token one had
 grown the cache by 5.2 GiB reserved 12.40 GiB for 10.78 allocated, over 11.80, in every run;
 blocks only steps as long or longer added serve the step, and a few MiB a short step added take
-none over); before a plan's first step on a cache only steps of its length grew, where the
-cache's idle blocks, were none of them of use to it, would take it over the budget
-(:meth:`AllocatorReserve._crowded`: they are cut for its workload's other plans); before a
-workload's first profiling step, where steps of other lengths grew the
+none over); before a workload's first profiling step, where steps of other lengths grew the
 cache since it was given back, shorter or longer (it measures the reserve, which their idle
 blocks would inflate for every plan after; its second step runs on the cache as it stands, since
 its times are the profile's, and where other lengths grew that cache what it reserves beyond its
@@ -96,8 +93,7 @@ class AllocatorReserve:
         self._growth_on_shared = 0  # the most a step grew a cache longer steps had grown
         self.trims = 0  # times the cache was given back
         # ... by why: "first" (before the first step), "grown between steps", "over the budget",
-        # "outgrown" (as a step began: see step_begins), "new plan" (as a step began: see _crowded),
-        # "plan changed" (after a step over the budget)
+        # "outgrown" (as a step began: see step_begins), "plan changed" (after a step over the budget)
         self.trims_by: collections.Counter[str] = collections.Counter()
         self.cache_grew = False  # the latest step's reserved peak passed what was reserved as it began
         self._start: int | None = None  # reserved when the latest step began
@@ -154,8 +150,6 @@ class AllocatorReserve:
             why = "over the budget"
         elif self._outgrown(budget, needs, profiling == 1):
             why = "outgrown"
-        elif self._crowded(budget, needs, probe):
-            why = "new plan"
         else:
             why = None
         self.fresh = why is not None
@@ -223,28 +217,6 @@ class AllocatorReserve:
             return False
         need = needs()
         return need is not None and need + shorter > budget
-
-    def _crowded(self, budget: int, needs: Callable[[], int | None], probe: Any) -> bool:
-        """Whether this step's plan, new to a cache that only steps of its own length grew since
-        it was given back (its workload's other plans: exploring, a plan changed mid-accumulation),
-        judged within the budget, would go over it were none of the cache's idle bytes (reserved,
-        not allocated) of use to it. Those blocks are cut for the other plans' tensors, in their
-        order: on an H200 the loop sweep's decoder, accumulating four micro-batches, reserved
-        11.12 GiB for 10.42 allocated in a micro-batch of one plan, then 13.07 for 10.46 in the
-        next, of another, 0.71 GiB over 12.36; on a cache of its own a plan reserves what the
-        reserve measures. Where other lengths grew the cache, :meth:`_outgrown` decides (a cache
-        warmed by every length serves them all)."""
-        if self._tokens is None or not self._growth[self._tokens] or self._others_grew():
-            return False  # (a step of tokens not known grows no count: its blocks are kept)
-        idle = probe.reserved() - probe.allocated()
-        if idle <= 0:
-            return False
-        need = needs()
-        # a plan over the budget by the model would be over on a cache of its own too: the cache
-        # as it stands is its best chance (on the decoder's accumulation at checkpointing's peak the
-        # least memory reserved 7.62 GiB on the profiling steps' cache under 8.13, and 8.66 on
-        # one given back before it, then in every micro-batch after)
-        return need is not None and need <= budget < need + idle
 
     def _others_grew(self, longer: bool = False) -> bool:
         """Whether steps of other tokens than this one's (``longer``: of more) grew the cache since
