@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBES = [
     ["attention_kept_probe.py", "--device", "cpu", "--rounds", "1", "--steps", "1"],
+    ["forced_plans_model_probe.py", "--device", "cpu", "--steps", "1"],
     ["first_steps_probe.py", "--device", "cpu", "--steps", "3", "--cprofile", "0", "--budget-gib", "0.001", "--compare"],
     ["host_diff_probe.py", "--device", "cpu"],
     ["least_memory_probe.py", "--device", "cpu", "--steps", "2", "--budget-gib", "0.001"],

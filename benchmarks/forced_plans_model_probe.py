@@ -10,9 +10,17 @@ with the inputs moved out (``recompute_attention_offload``), and offloading ever
 step is timed whole (its median) and in halves: the forward and loss, then the backward, the
 device synchronized between them (so the forward's half includes its copies draining). The
 model's step time and peak for each forced plan (``costmodel.simulate`` on the profile the
-controller holds) are printed beside them.
+controller holds) are printed beside them: where ``attention_kept_probe.py --fast-plans`` measures
+such plans against torch's methods with deterministic algorithms, this asks how far the model a
+budget ranks its candidates by is from them, before any step calibrates it. It runs without
+deterministic algorithms (SDPA's deterministic backward takes about 1.8x as long).
 
-    PYTHONPATH=benchmarks:. python benchmarks/selective_offload_probe.py [--steps 5] [--device cpu] > OUT-log.txt
+On an H200 at 1054d98 (run as ``selective_offload_probe.py``,
+``benchmarks/results/*-forced-plans-model-probe-log.txt``): the model's peaks within 0.05 GiB of
+the measured, its times 47-93 ms (6-14%) slow on the plans that recompute, and 273 ms fast on
+offloading everything (1184 ms measured, no offloading 619).
+
+    PYTHONPATH=benchmarks:. python benchmarks/forced_plans_model_probe.py [--steps 5] [--device cpu] > OUT-log.txt
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("selective_offload_probe: no CUDA device; --device cpu runs the tiny shape")
+        raise SystemExit("forced_plans_model_probe: no CUDA device; --device cpu runs the tiny shape")
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{card}, torch {torch.__version__}, {args.workload}", flush=True)
     rig = ForcedLlama(device, args.workload)
