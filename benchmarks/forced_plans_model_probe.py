@@ -10,7 +10,8 @@ with the inputs moved out (``recompute_attention_offload``), and offloading ever
 step is timed whole (its median) and in halves: the forward and loss, then the backward, the
 device synchronized between them (so the forward's half includes its copies draining). The
 model's step time and peak for each forced plan (``costmodel.simulate`` on the profile the
-controller holds) are printed beside them: where ``attention_kept_probe.py --fast-plans`` measures
+controller holds) are printed beside them, and beside no offloading and checkpointing the
+model's figures for keeping everything and for recomputing every layer: where ``attention_kept_probe.py --fast-plans`` measures
 such plans against torch's methods with deterministic algorithms, this asks how far the model a
 budget ranks its candidates by is from them, before any step calibrates it. It runs without
 deterministic algorithms (SDPA's deterministic backward takes about 1.8x as long).
@@ -95,11 +96,14 @@ def main() -> None:
               f"recompute {(g.recompute_s or 0) * 1e3:.1f} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
               f"costly {sum(g.costly or ()) / 2**30:.2f} GiB", flush=True)
     print(f"bus: {profile.d2h_bps / 1e9:.1f} GB/s out, {profile.h2d_bps / 1e9:.1f} GB/s in", flush=True)
-    block(rig, "none", plain, args.steps, None)
-    block(rig, "checkpoint", rig.checkpointed, args.steps, None)
+    layers = len(rig.workload.blocks)
+    keep_all = costmodel.simulate(profile, [GroupDecision(Action.KEEP)] * layers, 0, 0)
+    recompute_all = costmodel.simulate(profile, [GroupDecision(Action.RECOMPUTE)] * layers, 0, 0)
+    block(rig, "none", plain, args.steps, keep_all)  # (the model's: fast keeping everything)
+    block(rig, "checkpoint", rig.checkpointed, args.steps, recompute_all)  # (fast recomputing every layer)
     for name, action, fraction, window, prefetch in VARIANTS:
         assert action is not None
-        decisions = [GroupDecision(action, fraction)] * len(rig.workload.blocks)
+        decisions = [GroupDecision(action, fraction)] * layers
         model = costmodel.simulate(profile, decisions, window, prefetch)
         handle = rig.forced(decisions, window, prefetch)
         try:
