@@ -21,7 +21,7 @@ On an H200 at 1054d98 (run as ``selective_offload_probe.py``,
 the measured, its times 47-93 ms (6-14%) slow on the plans that recompute, and 273 ms fast on
 offloading everything (1184 ms measured, no offloading 619).
 
-    PYTHONPATH=benchmarks:. python benchmarks/forced_plans_model_probe.py [--steps 5] [--device cpu] > OUT-log.txt
+    PYTHONPATH=benchmarks:. python benchmarks/forced_plans_model_probe.py [--steps 5] [--device cpu] [--deterministic] > OUT-log.txt
 """
 
 from __future__ import annotations
@@ -82,12 +82,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--workload", default="hf_8b_32k")
     ap.add_argument("--device", default="cuda", help="cpu: the workload's tiny shape, to check the probe runs")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic algorithms, as the sweeps run (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
     args = ap.parse_args()
+    torch.use_deterministic_algorithms(args.deterministic)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("forced_plans_model_probe: no CUDA device; --device cpu runs the tiny shape")
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{card}, torch {torch.__version__}, {args.workload}", flush=True)
+    print(f"{card}, torch {torch.__version__}, {args.workload}, deterministic: {args.deterministic}", flush=True)
     rig = ForcedLlama(device, args.workload)
     profile = rig._controller.profile
     assert profile is not None
