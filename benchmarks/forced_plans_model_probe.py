@@ -11,10 +11,11 @@ step is timed whole (its median) and in halves: the forward and loss, then the b
 device synchronized between them (so the forward's half includes its copies draining). The
 model's step time and peak for each forced plan (``costmodel.simulate`` on the profile the
 controller holds) are printed beside them, and beside no offloading and checkpointing the
-model's figures for keeping everything and for recomputing every layer: where ``attention_kept_probe.py --fast-plans`` measures
-such plans against torch's methods with deterministic algorithms, this asks how far the model a
-budget ranks its candidates by is from them, before any step calibrates it. It runs without
-deterministic algorithms (SDPA's deterministic backward takes about 1.8x as long).
+model's figures for keeping everything and for recomputing every layer. Where
+``attention_kept_probe.py --fast-plans`` measures such plans against torch's methods, this asks
+how far the model a budget ranks its candidates by is from them before any step calibrates it.
+It runs without deterministic algorithms unless ``--deterministic`` (as the sweeps run: SDPA's
+deterministic backward takes about 1.8x as long).
 
 On an H200 at 1054d98 (run as ``selective_offload_probe.py``,
 ``benchmarks/results/*-forced-plans-model-probe-log.txt``): the model's peaks within 0.05 GiB of
