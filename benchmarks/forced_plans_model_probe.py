@@ -14,13 +14,14 @@ controller holds) are printed beside them, and beside no offloading and checkpoi
 model's figures for keeping everything and for recomputing every layer. Where
 ``attention_kept_probe.py --fast-plans`` measures such plans against torch's methods, this asks
 how far the model a budget ranks its candidates by is from them before any step calibrates it.
-It runs without deterministic algorithms unless ``--deterministic`` (as the sweeps run: SDPA's
-deterministic backward takes about 1.8x as long).
+It runs without deterministic algorithms unless ``--deterministic`` (as the sweeps run: a layer's
+backward then takes about 1.8x as long).
 
-On an H200 at 1054d98 (run as ``selective_offload_probe.py``,
-``benchmarks/results/*-forced-plans-model-probe-log.txt``): the model's peaks within 0.05 GiB of
-the measured, its times 47-93 ms (6-14%) slow on the plans that recompute, and 273 ms fast on
-offloading everything (1184 ms measured, no offloading 619).
+On an H200 at 3e83115 (``benchmarks/results/*-forced-plans-model-probe*-log.txt``): the
+model's peaks within 0.05 GiB of the measured everywhere; with deterministic algorithms its
+times within 3% on no offloading, checkpointing and selective recomputation, 1-7% fast on the
+plans moving bytes, 23% fast on offloading everything; without them it charged selective
+recomputation more than recomputing every layer (765 ms against 746; 643 and 768 measured).
 
     PYTHONPATH=benchmarks:. python benchmarks/forced_plans_model_probe.py [--steps 5] [--device cpu] [--deterministic] > OUT-log.txt
 """
@@ -47,6 +48,10 @@ VARIANTS: list[tuple[str, Action | None, float, int, int]] = [
     ("recompute_attention_offload w0 p1", Action.RECOMPUTE_ATTENTION_OFFLOAD, 1.0, 0, 1),
     ("offload 1.0 w1 p1", Action.OFFLOAD, 1.0, 1, 1),
 ]
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def halves(rig: ForcedLlama, call: Any, i: int) -> tuple[float, float, float]:
@@ -95,10 +100,19 @@ def main() -> None:
     rig = ForcedLlama(device, args.workload)
     profile = rig._controller.profile
     assert profile is not None
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
     for g in profile.groups:
+        charged = {a.value: costmodel.recompute_seconds(GroupDecision(a), g)
+                   for a in (Action.RECOMPUTE, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_ATTENTION)}
         print(f"group {g.name}: forward {g.forward_s * 1e3:.1f} ms, backward {g.backward_s * 1e3:.1f} ms, "
-              f"recompute {(g.recompute_s or 0) * 1e3:.1f} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
-              f"costly {sum(g.costly or ()) / 2**30:.2f} GiB", flush=True)
+              f"recompute {ms(g.recompute_s)} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
+              f"costly {sum(g.costly or ()) / 2**30:.2f} GiB; host: forward {ms(g.host_s)} ms, recompute "
+              f"{ms(g.recompute_host_s)} ms, metered {'-' if g.dispatch_host_s is None else ' / '.join(ms(t) for t in g.dispatch_host_s)} ms; "
+              f"costly share {_share(g.costly_share)}, attention share {_share(g.attention_share)}; "
+              f"the model charges a recomputation "
+              + ", ".join(f"{k} {ms(v)} ms" for k, v in charged.items()), flush=True)
     print(f"bus: {profile.d2h_bps / 1e9:.1f} GB/s out, {profile.h2d_bps / 1e9:.1f} GB/s in", flush=True)
     layers = len(rig.workload.blocks)
     keep_all = costmodel.simulate(profile, [GroupDecision(Action.KEEP)] * layers, 0, 0)
