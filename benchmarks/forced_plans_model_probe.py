@@ -40,7 +40,7 @@ from actoffload.budget.actions import Action, GroupDecision
 from actoffload.tools.sweep_models import plain
 from forced_llama import ForcedLlama
 
-VARIANTS: list[tuple[str, Action | None, float, int, int]] = [
+VARIANTS: list[tuple[str, Action, float, int, int]] = [
     ("recompute_selective", Action.RECOMPUTE_SELECTIVE, 1.0, 0, 0),
     ("recompute_selective_offload 1.0 w1 p1", Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0, 1, 1),
     ("recompute_selective_offload 1.0 w2 p2", Action.RECOMPUTE_SELECTIVE_OFFLOAD, 1.0, 2, 2),
@@ -50,8 +50,25 @@ VARIANTS: list[tuple[str, Action | None, float, int, int]] = [
 ]
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def describe(g: costmodel.GroupProfile) -> str:
+    """What the profile holds of one group, and what the model charges its recomputations."""
+    charged = {a.value: costmodel.recompute_seconds(GroupDecision(a), g)
+               for a in (Action.RECOMPUTE, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_ATTENTION)}
+    metered = "-" if g.dispatch_host_s is None else " / ".join(_ms(t) for t in g.dispatch_host_s)
+    return (f"group {g.name}: forward {_ms(g.forward_s)} ms, backward {_ms(g.backward_s)} ms, "
+            f"recompute {_ms(g.recompute_s)} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
+            f"costly {sum(g.costly or ()) / 2**30:.2f} GiB; host: forward {_ms(g.host_s)} ms, "
+            f"recompute {_ms(g.recompute_host_s)} ms, metered {metered} ms; costly share "
+            f"{_share(g.costly_share)}, attention share {_share(g.attention_share)}; the model charges "
+            "a recomputation " + ", ".join(f"{k} {_ms(v)} ms" for k, v in charged.items()))
 
 
 def halves(rig: ForcedLlama, call: Any, i: int) -> tuple[float, float, float]:
@@ -100,19 +117,8 @@ def main() -> None:
     rig = ForcedLlama(device, args.workload)
     profile = rig._controller.profile
     assert profile is not None
-    def ms(seconds: float | None) -> str:
-        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
     for g in profile.groups:
-        charged = {a.value: costmodel.recompute_seconds(GroupDecision(a), g)
-                   for a in (Action.RECOMPUTE, Action.RECOMPUTE_SELECTIVE, Action.RECOMPUTE_ATTENTION)}
-        print(f"group {g.name}: forward {g.forward_s * 1e3:.1f} ms, backward {g.backward_s * 1e3:.1f} ms, "
-              f"recompute {ms(g.recompute_s)} ms, saved {sum(g.spans) / 2**30:.2f} GiB, "
-              f"costly {sum(g.costly or ()) / 2**30:.2f} GiB; host: forward {ms(g.host_s)} ms, recompute "
-              f"{ms(g.recompute_host_s)} ms, metered {'-' if g.dispatch_host_s is None else ' / '.join(ms(t) for t in g.dispatch_host_s)} ms; "
-              f"costly share {_share(g.costly_share)}, attention share {_share(g.attention_share)}; "
-              f"the model charges a recomputation "
-              + ", ".join(f"{k} {ms(v)} ms" for k, v in charged.items()), flush=True)
+        print(describe(g), flush=True)
     print(f"bus: {profile.d2h_bps / 1e9:.1f} GB/s out, {profile.h2d_bps / 1e9:.1f} GB/s in", flush=True)
     layers = len(rig.workload.blocks)
     keep_all = costmodel.simulate(profile, [GroupDecision(Action.KEEP)] * layers, 0, 0)
@@ -120,7 +126,6 @@ def main() -> None:
     block(rig, "none", plain, args.steps, keep_all)  # (the model's: fast keeping everything)
     block(rig, "checkpoint", rig.checkpointed, args.steps, recompute_all)  # (fast recomputing every layer)
     for name, action, fraction, window, prefetch in VARIANTS:
-        assert action is not None
         decisions = [GroupDecision(action, fraction)] * layers
         model = costmodel.simulate(profile, decisions, window, prefetch)
         handle = rig.forced(decisions, window, prefetch)
