@@ -233,6 +233,19 @@ def test_profile_of_takes_the_costly_figures_and_merged_keeps_the_metered_steps(
         assert (g.costly, g.costly_share, g.dispatch_host_s) == ((300, 100), pytest.approx(0.8), (0.9, 0.45))
 
 
+def test_a_metered_recomputation_is_charged_no_more_host_time_than_its_forward():
+    # the last group, recomputed first in backward, waited for the device's queue: not dispatch
+    m = costmodel.MeasuredGroup(recomputed=True, forward_s=0.040, backward_s=0.1, recompute_s=0.035, moved=0,
+                                spans=(1000,), kept=0, inputs=100, forward_peak=0, backward_peak=0,
+                                recompute_peak=0, host_s=0.006, recompute_host_s=0.113,
+                                costly=(600,), costly_s=0.028)
+    g = costmodel.profile_of(costmodel.MeasuredStep(0, (m,), 0.0, 0, 1e9, 1e9)).groups[0]
+    assert g.dispatch_host_s == (0.006, 0.006)
+    # so the device's cheap share, not the wait, is what selective recomputation costs
+    d = GroupDecision(Action.RECOMPUTE_SELECTIVE)
+    assert costmodel.recompute_seconds(d, g) == pytest.approx(0.035 * (1 - 0.8))
+
+
 def test_a_prediction_scales_the_costly_bytes_like_every_byte_figure():
     p = Profile((_group(costly=(300, 100), share=0.5),), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
     g = predict.predicted(p, 100, 200, base=0).groups[0]
