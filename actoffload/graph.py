@@ -2,9 +2,10 @@
 
 Used by implementations that reload ahead (``fast``'s prefetch). Each group remembers one
 node of the graph: a node the previous group's forward created (by its autograd sequence
-number) that one of its first saved tensors comes from: the node that made it, or, where
-ops outside any group lie between the two (a norm, a residual add: a layer wrapped by its
-parts), a node a few steps up from it (:data:`WALK`). Backward then
+number) that the tensor a wrapped module was called with, or one of its first saved tensors,
+comes from: the node that made it, or, where ops outside any group lie between the two (a
+norm, a residual add: a layer wrapped by its parts), a node a few steps up from it
+(:data:`WALK`). Backward then
 reaches the previous group exactly when that node is part of the running pass, which the
 engine itself says (``compat.will_execute``). A group of another graph (another
 micro-batch) is never yielded: its nodes are not part of this pass.
@@ -50,6 +51,22 @@ def note_save(group: Group, t: torch.Tensor) -> None:
         return
     node = t.grad_fn
     found = _made_by(prev, group, node) if node is not None else None
+    if found is not None:
+        group.link = found
+        group.link_tries = 0
+
+
+def note_input(group: Group, t: torch.Tensor) -> None:
+    """``group``'s module was called with ``t``: where the previous group's forward made it
+    (a few nodes up at most), that node is the link, and no save is looked at. A layer's first
+    saves may all be of tensors its own ops made (transformers' decoder layers cast their input
+    to float32 in their first norm): on an H200 such layers, wrapped whole, were linked to none
+    through their saves, and no reload ran ahead of backward."""
+    prev = group.previous()
+    node = t.grad_fn
+    if prev is None or node is None:
+        return
+    found = _made_by(prev, group, node)
     if found is not None:
         group.link = found
         group.link_tries = 0

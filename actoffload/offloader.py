@@ -7,7 +7,9 @@ import inspect
 import os
 from typing import Any, ClassVar
 
-from . import compat
+import torch
+
+from . import compat, graph
 from .engine import Engine, GroupT, MovedT
 from .hostmem import HostAllocator, HostMemory, exact_host_allocator, host_budget_of
 from .observe import Observer
@@ -123,6 +125,17 @@ class GroupContext:
     def recompute(self) -> bool:
         """Whether a memory plan runs this group under activation checkpointing."""
         return self._group is not None and self._group.recompute
+
+    def called_with(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The module whose group this is was called with ``args`` and ``kwargs``: where the
+        group before made the first tensor among them with an autograd history, prefetch knows
+        from it when backward reaches that group (only where it looks for that: reading a
+        tensor's ``grad_fn`` gives its node a Python object, graph.py)."""
+        if self._group is None or not self._group.link_tries:
+            return
+        made = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_leaf), None)
+        if made is not None:
+            graph.note_input(self._group, made)
 
     def inputs_written(self) -> None:
         """The recomputed module wrote a tensor it was called with in place in its forward,

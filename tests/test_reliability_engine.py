@@ -103,6 +103,35 @@ def test_prefetch_follows_layers_wrapped_by_their_parts_across_the_norms_and_add
     assert off.stats()["copies"]["prefetched_groups"] == 7  # 8 parts: each reached from the one after
 
 
+class _UpcastNormLayer(torch.nn.Module):
+    """A layer wrapped whole that begins as transformers' decoder layers do: its norm casts its
+    input up to float32 first, so its first saves are of tensors its own ops made."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(16))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+    def forward(self, h):
+        x = h.to(torch.float64)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h + self.mlp(self.weight * x.to(h.dtype))
+
+
+def test_prefetch_follows_layers_whose_first_saves_their_own_ops_made():
+    """The node of the layer before is found a few nodes up from the first saves, through the
+    layer's own cast: prefetch reaches every layer moved, as it does a chain of linear layers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_UpcastNormLayer() for _ in range(4)])
+    x = torch.randn(4, 16, requires_grad=True)
+    expected = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0, keep_last=1, prefetch=1)
+    with ao.wrap(model, off):
+        got = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert off.stats()["copies"]["prefetched_groups"] == 3  # layers 0..2 moved; 3 stayed (keep_last)
+
+
 _DEEP = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
