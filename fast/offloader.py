@@ -56,7 +56,8 @@ from .streams import CopyStreams
 
 # Of a group reloaded ahead, the share of bytes brought back before backward reaches it.
 # Whole groups ahead made fast's peak exceed ref's by more than a group (ref reloads a
-# tensor only when backward unpacks it); half keeps most of the overlap.
+# tensor only when backward unpacks it); half keeps most of the overlap. A memory budget's
+# plan brings whole groups back (its model counts them whole, _prefetch_share).
 PREFETCH_SHARE = 0.5
 
 
@@ -231,6 +232,15 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
 
     def _prefetch_depth(self) -> int:
         return self._copy_window()[1]
+
+    def _prefetch_share(self) -> float:
+        """The share of a group's bytes reloaded ahead: all of them under a memory budget's plan,
+        whose model counts the groups ahead whole. The rest of a half waits for backward to reach
+        its group, then (the host far ahead of the device) for the device to finish the group
+        before, whose memory it may take: on an H200, transformers' 8B-shaped Llama at 32k
+        offloading every layer with a window of one idled 40 ms a layer on it."""
+        planned = self.plan.copy_window() if "copy_window" in self._asks else None
+        return PREFETCH_SHARE if planned is None else 1.0
 
     def _forward_let_go(self) -> None:
         # its copies still in flight serve no backward, and their sources would count in what the
@@ -447,8 +457,9 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
                 self._reload(group)
         if group.link is None:
             return  # it found no node of the group before it: backward reaches none through it
+        share = self._prefetch_share()
         for ahead in upcoming(group, self._copy_window()[1]):
-            if self._start_reload(ahead, PREFETCH_SHARE):
+            if self._start_reload(ahead, share):
                 self.counters["prefetched_groups"] += 1
 
     def _start_reload(self, group: FastGroup, share: float = 1.0) -> bool:

@@ -679,6 +679,36 @@ def test_a_budgets_settings_show_the_copy_window_its_plan_runs():
     assert (off.settings["max_inflight"], off.settings["prefetch"], off.settings["keep_last"]) == (2, 3, 0)
 
 
+def test_a_budgets_plan_reloads_whole_groups_ahead_as_its_model_counts_them():
+    """Without a budget a group reloaded ahead brings half its bytes (the rest when backward
+    reaches it); a plan's model counts the groups ahead whole, and the engine brings them so."""
+    expected, _ = _steps(_blocks(), None, steps=PROFILE_STEPS + 2)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=1 << 40, min_offload_bytes=0)
+    from actoffload.budget.actions import Action, GroupDecision
+
+    calls = []
+    reload = off._reload
+
+    def recording(group, share=1.0):
+        left = reload(group, share)
+        calls.append((group.name, share, len(left)))
+        return left
+
+    blocks = _blocks()
+    with ao.wrap(blocks, off):
+        for step in range(PROFILE_STEPS):
+            _step(blocks, step)
+        off.plan.controller.force([GroupDecision(Action.OFFLOAD)] * 3 + [GroupDecision(Action.KEEP)],
+                                  max_inflight=1, prefetch=1)
+        _step(blocks, PROFILE_STEPS)
+        off._reload = recording
+        got = _step(blocks, PROFILE_STEPS + 1)
+    assert_bitwise(got, expected[PROFILE_STEPS + 1])
+    ahead = [c for c in calls if c[0] in ("0", "1")]  # reached from 1 and 2; 2 reloaded when reached
+    assert [c[1:] for c in ahead] == [(1.0, 0), (1.0, 0)], calls
+    assert off.stats()["copies"]["prefetched_groups"] >= 2
+
+
 def test_budget_is_a_setting_of_fast(monkeypatch):
     with pytest.raises(TypeError, match="memory_budget is a setting of the 'fast' implementation; impl 'ref' "
                                         "does not take it: pass impl='fast' or leave impl out"):
