@@ -10,6 +10,13 @@ late``) or had been waiting on another stream (``waited``). A plan whose copies 
 hides behind compute but whose backward runs as long as its compute and its reloads together
 shows here as gaps that waited on reloads.
 
+On an H200 (``benchmarks/results/*-copy-overlap-probe-log.txt``): at 4386384, offloading every
+layer with a window of one idled 363 ms in backward in three waits of about 120 ms, a whole
+layer's reload each (no reload ran ahead: the layers' first saves gave prefetch no link to the
+layer before); at 9acff22, 40 ms each (half a layer ahead, the rest after the layer before);
+at 127375b (whole layers ahead under a plan), 26-31 ms, and the selective plans moving their
+kept outputs 4 ms in all.
+
     PYTHONPATH=benchmarks:. python benchmarks/copy_overlap_probe.py [--steps 3] [--device cpu] [--trace DIR] > OUT-log.txt
 """
 

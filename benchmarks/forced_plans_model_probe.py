@@ -21,7 +21,10 @@ On an H200 at 3e83115 (``benchmarks/results/*-forced-plans-model-probe*-log.txt`
 model's peaks within 0.05 GiB of the measured everywhere; with deterministic algorithms its
 times within 3% on no offloading, checkpointing and selective recomputation, 1-7% fast on the
 plans moving bytes, 23% fast on offloading everything; without them it charged selective
-recomputation more than recomputing every layer (765 ms against 746; 643 and 768 measured).
+recomputation more than recomputing every layer (765 ms against 746; 643 and 768 measured): the
+metered step's last layer had waited 112.9 ms for the device while recomputing, now capped at its
+forward's host time (84be614). At 127375b, with whole layers reloaded ahead, the model is within
+3% of every plan (``benchmarks/README.md``, "reloads ahead of backward on transformers' Llama").
 
     PYTHONPATH=benchmarks:. python benchmarks/forced_plans_model_probe.py [--steps 5] [--device cpu] [--deterministic] > OUT-log.txt
 """

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBES = [
     ["attention_kept_probe.py", "--device", "cpu", "--rounds", "1", "--steps", "1"],
+    ["copy_overlap_probe.py", "--device", "cpu", "--steps", "1"],
     ["forced_plans_model_probe.py", "--device", "cpu", "--steps", "1"],
     ["first_steps_probe.py", "--device", "cpu", "--steps", "3", "--cprofile", "0", "--budget-gib", "0.001", "--compare"],
     ["host_diff_probe.py", "--device", "cpu"],
@@ -31,3 +32,34 @@ def test_probe_runs_on_the_cpu(argv):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:]], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_copy_overlap_probe_reads_a_gap_as_waited_or_launched_late():
+    """Its report on a made-up timeline: compute idles twice, once while a reload runs with the
+    next kernel already launched (waited), once with the next kernel launched after the gap
+    began (the host behind)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import copy_overlap_probe as probe
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def kernel(ts, dur, corr, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}
+
+    events = [kernel(0, 1000, 1), kernel(6000, 1000, 2), kernel(12000, 1000, 3), kernel(0, 50, 9, stream=20),
+              launch(0, 1), launch(10, 2), launch(9000, 3),
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 1000, "dur": 5000,
+               "args": {"stream": 30, "bytes": 5 * 10**9, "correlation": 4}}]
+    report = probe.timeline({"traceEvents": events}, backward_at=500.0)
+    assert "compute stream 7: 3.0 ms busy" in report
+    assert "in (HtoD): 1 copies, 4.66 GiB, 5.0 ms, 1000.0 GB/s" in report
+    assert "2 compute gaps of 1 ms or more, 10.0 ms in all; waited 5.0 ms, launched late 5.0 ms" in report
+    assert "idle    5.0 ms, waited; out 0.0, in 5.0 ms meanwhile; next k2" in report
+    assert "launched late; out 0.0, in 0.0 ms meanwhile; next k3" in report
+    assert probe.merged([probe.Span(0, 2), probe.Span(1, 3), probe.Span(5, 6)]) == [probe.Span(0, 3), probe.Span(5, 6)]
