@@ -227,8 +227,11 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
     # ------------------------------------------------------------------ the engine's points
     def _copy_window(self) -> tuple[int, int]:
         """``(max_inflight, prefetch)`` in effect: the plan's, else the settings."""
-        planned = self.plan.copy_window() if "copy_window" in self._asks else None
+        planned = self._planned_window()
         return planned if planned is not None else (self.max_inflight, self.prefetch)
+
+    def _planned_window(self) -> tuple[int, int] | None:
+        return self.plan.copy_window() if "copy_window" in self._asks else None
 
     def _prefetch_depth(self) -> int:
         return self._copy_window()[1]
@@ -239,8 +242,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
         its group, then (the host far ahead of the device) for the device to finish the group
         before, whose memory it may take: on an H200, transformers' 8B-shaped Llama at 32k
         offloading every layer with a window of one idled 40 ms a layer on it."""
-        planned = self.plan.copy_window() if "copy_window" in self._asks else None
-        return PREFETCH_SHARE if planned is None else 1.0
+        return PREFETCH_SHARE if self._planned_window() is None else 1.0
 
     def _forward_let_go(self) -> None:
         # its copies still in flight serve no backward, and their sources would count in what the
