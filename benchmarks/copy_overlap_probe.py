@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.tools.sweep_models import plain
-from forced_llama import ForcedLlama
+from forced_llama import ForcedLlama, probe_device
 
 VARIANTS: list[tuple[str, Action, float, int, int]] = [
     ("offload 1.0 w1 p1", Action.OFFLOAD, 1.0, 1, 1),
@@ -156,10 +156,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the workload's tiny shape, to check the probe runs")
     ap.add_argument("--trace", default=None, help="a folder for each variant's trace (gzipped Chrome JSON)")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("copy_overlap_probe: no CUDA device; --device cpu runs the tiny shape")
-    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    device, card = probe_device("copy_overlap_probe", args.device)
     print(f"{card}, torch {torch.__version__}, {args.workload}", flush=True)
     rig = ForcedLlama(device, args.workload)
     for i in range(args.steps):

@@ -2,7 +2,7 @@
 the CPU), its steps timed on the host and in full, and ``fast`` under a memory budget whose
 controller is made to run one action on every layer (``BudgetController.force``); and the loop
 sweep's decoder (:func:`loop_decoder`); and each function's time a step under cProfile
-(:func:`per_step`)."""
+(:func:`per_step`); and the device a probe's ``--device`` names (:func:`probe_device`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,15 @@ class ForcedLlama:
         self.step(plain, 0)
         self.step(plain, 1)
         return handle
+
+
+def probe_device(probe: str, asked: str) -> tuple[torch.device, str]:
+    """The device a probe's ``--device`` names, and the card's name ("CPU" on the CPU); the probe
+    stops with a message where CUDA is asked for and there is none."""
+    device = torch.device(asked)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{probe}: no CUDA device; --device cpu runs the tiny shape")
+    return device, torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
 
 
 def loop_decoder(device_name: str, probe: str) -> loop_sweep.LoopWorkload:

@@ -41,7 +41,7 @@ import torch
 from actoffload.budget import costmodel
 from actoffload.budget.actions import Action, GroupDecision
 from actoffload.tools.sweep_models import plain
-from forced_llama import ForcedLlama
+from forced_llama import ForcedLlama, probe_device
 
 VARIANTS: list[tuple[str, Action, float, int, int]] = [
     ("recompute_selective", Action.RECOMPUTE_SELECTIVE, 1.0, 0, 0),
@@ -112,10 +112,7 @@ def main() -> None:
                     help="deterministic algorithms, as the sweeps run (set CUBLAS_WORKSPACE_CONFIG=:4096:8 too)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(args.deterministic)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("forced_plans_model_probe: no CUDA device; --device cpu runs the tiny shape")
-    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    device, card = probe_device("forced_plans_model_probe", args.device)
     print(f"{card}, torch {torch.__version__}, {args.workload}, deterministic: {args.deterministic}", flush=True)
     rig = ForcedLlama(device, args.workload)
     profile = rig._controller.profile
