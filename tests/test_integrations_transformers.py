@@ -206,6 +206,29 @@ def test_the_layers_of_common_architectures_are_found(name):
     assert found == path and len(layers) == 2
 
 
+PREFETCHED = ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "GPT2", "GPTNeoX"]
+
+
+@pytest.mark.parametrize("name", PREFETCHED)
+def test_every_layer_wrapped_whole_is_reloaded_ahead_of_backward(name):
+    """Each layer's group knows the layer before from the hidden states it is called with, so
+    backward reloads ahead into every moved layer (a norm casting its input to float32 first
+    left the first saves no link to the layer before: no reload ran ahead), and bitwise."""
+    config, _ = ARCHITECTURES[name]
+    layers = {"GPT2": "n_layer"}.get(name, "num_hidden_layers")
+    config = {**config, layers: 4, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if name == "GPT2" else {})}
+    torch.manual_seed(0)
+    plain = _tiny(name, **config).to(torch.bfloat16)  # (in float32 the norms' cast to it makes no node)
+    model = copy.deepcopy(plain)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain(input_ids=ids, labels=ids).loss.backward()
+    handle = offload(model, impl="fast", min_offload_bytes=0, keep_last=1, prefetch=1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()) if q.grad is not None)
+    assert handle.stats()["copies"]["prefetched_groups"] == 3  # layers 0..2 moved; 3 stayed (keep_last)
+    handle.remove()
+
+
 def test_a_model_whose_layers_cannot_be_told_apart_asks_for_layers():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(ValueError, match="pass layers="):
