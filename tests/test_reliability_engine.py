@@ -105,7 +105,8 @@ def test_prefetch_follows_layers_wrapped_by_their_parts_across_the_norms_and_add
 
 class _UpcastNormLayer(torch.nn.Module):
     """A layer wrapped whole that begins as transformers' decoder layers do: its norm casts its
-    input up to float32 first, so its first saves are of tensors its own ops made."""
+    input up first (to float64 here, the input being float32), so its first saves are of tensors
+    its own ops made."""
 
     def __init__(self):
         super().__init__()
@@ -119,8 +120,8 @@ class _UpcastNormLayer(torch.nn.Module):
 
 
 def test_prefetch_follows_layers_whose_first_saves_their_own_ops_made():
-    """The node of the layer before is found a few nodes up from the first saves, through the
-    layer's own cast: prefetch reaches every layer moved, as it does a chain of linear layers."""
+    """The node of the layer before is found from the tensor the layer is called with, not from
+    its first saves: prefetch reaches every layer moved, as it does a chain of linear layers."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_UpcastNormLayer() for _ in range(4)])
     x = torch.randn(4, 16, requires_grad=True)
