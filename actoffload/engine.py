@@ -434,6 +434,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._open_group = None
         if self._prefetches:
             group.end_seq = compat.sequence_nr()
+            group.link_candidate = None  # unconfirmed by its saves: its graph may not reach it
         if group.state is not GroupState.INERT and "closing" in self._asks:
             self.plan.closing(group)
         if failed:

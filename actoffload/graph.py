@@ -2,10 +2,14 @@
 
 Used by implementations that reload ahead (``fast``'s prefetch). Each group remembers one
 node of the graph: a node the previous group's forward created (by its autograd sequence
-number) that the tensor a wrapped module was called with, or one of its first saved tensors,
-comes from: the node that made it, or, where ops outside any group lie between the two (a
-norm, a residual add: a layer wrapped by its parts), a node a few steps up from it
-(:data:`WALK`). Backward then
+number) that one of its first saved tensors comes from: the node that made it, or, where
+ops outside any group lie between the two (a norm, a residual add: a layer wrapped by its
+parts), a node a few steps up from it (:data:`WALK`); or the node that made the tensor a
+wrapped module was called with, once one of the group's first saves is seen to come from it
+through the group's own ops (transformers' decoder layers save first what their own float32
+cast of the layer's input made). A group lives as long as its graph, and so does its link: a
+node its own graph does not reach (a module that reads its input detached) would keep the
+previous group's graph alive. Backward then
 reaches the previous group exactly when that node is part of the running pass, which the
 engine itself says (``compat.will_execute``). A group of another graph (another
 micro-batch) is never yielded: its nodes are not part of this pass.
@@ -43,33 +47,51 @@ WALK = 8
 
 def note_save(group: Group, t: torch.Tensor) -> None:
     """``group`` saved ``t``, which has an autograd history (not a leaf), while it still
-    looks for its link: the node that made ``t``, if the previous group's forward created it."""
+    looks for its link: the node that made ``t``, if the previous group's forward created it,
+    or the group's candidate (:func:`note_input`), if ``t`` comes from it."""
     group.link_tries -= 1
     prev = group.previous()
     if prev is None:
         group.link_tries = 0
         return
     node = t.grad_fn
-    found = _made_by(prev, group, node) if node is not None else None
+    found = None
+    if node is not None:
+        found = _made_by(prev, group, node)
+        if found is None and group.link_candidate is not None and _comes_from(node, group.link_candidate, group):
+            found = group.link_candidate
     if found is not None:
         group.link = found
         group.link_tries = 0
+    if not group.link_tries:
+        group.link_candidate = None
 
 
 def note_input(group: Group, t: torch.Tensor) -> None:
     """``group``'s module was called with ``t``: where the previous group's forward made it
-    (a few nodes up at most), that node is the link, and no save is looked at. A layer's first
-    saves may all be of tensors its own ops made (transformers' decoder layers cast their input
-    to float32 in their first norm): on an H200 such layers, wrapped whole, were linked to none
-    through their saves, and no reload ran ahead of backward."""
+    (a few nodes up at most), that node is the group's candidate link, confirmed by its saves
+    (:func:`note_save`) and dropped when the group closes. A layer's first saves may all be of
+    tensors its own ops made (transformers' decoder layers cast their input to float32 in their
+    first norm): on an H200 such layers, wrapped whole, were linked to none through their
+    saves, and no reload ran ahead of backward."""
     prev = group.previous()
     node = t.grad_fn
-    if prev is None or node is None:
-        return
-    found = _made_by(prev, group, node)
-    if found is not None:
-        group.link = found
-        group.link_tries = 0
+    if prev is not None and node is not None:
+        group.link_candidate = _made_by(prev, group, node)
+
+
+def _comes_from(node: Any, candidate: Any, group: Group) -> bool:
+    """Whether ``candidate`` is among the first :data:`WALK` nodes up from ``node`` through
+    ``group``'s own forward."""
+    queue, looked = [node], 0
+    while queue and looked < WALK:
+        n = queue.pop(0)
+        looked += 1
+        if n is candidate:
+            return True
+        if compat.node_sequence_nr(n) >= group.first_seq:
+            queue.extend(f for f, _ in n.next_functions if f is not None)
+    return False
 
 
 def _made_by(prev: Group, group: Group, node: Any) -> Any:

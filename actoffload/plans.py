@@ -195,7 +195,9 @@ class Plan:
         again); the next group opened outside backward begins a step."""
 
     def copy_window(self) -> tuple[int, int] | None:
-        """``(max_inflight, prefetch)`` for implementations that copy ahead (``None``: their settings)."""
+        """``(max_inflight, prefetch)`` for implementations that copy ahead (``None``: their
+        settings). Under a window a plan sets, fast reloads the groups ahead whole, as a memory
+        budget's model counts them; under its own settings, half of each."""
         return None
 
     def stats(self) -> dict[str, Any]:

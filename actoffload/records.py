@@ -146,6 +146,9 @@ class Group:
     # backward reaches the previous group when it runs that node), looked for in this many saves
     link: Any = None
     link_tries = 0
+    # the node that made the tensor its module was called with, in the previous group's forward:
+    # its link once one of its saves is seen to come from it (its own graph then holds it)
+    link_candidate: Any = None
     position = 0  # its place among the groups of its step
     recomputable = False  # a wrapped module: it can run under activation checkpointing
     compiled = False  # ... compiled, or with a compiled submodule: never run under a dispatch mode (wrapping.py)

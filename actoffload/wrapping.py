@@ -586,11 +586,15 @@ def _open(module: torch.nn.Module, off: Offloader, name: str, recomputable: bool
     if (off.plan.wants_inputs or name == off._step_first) and not compat.in_backward():
         off.plan.step_inputs(args, kwargs, module)
     group = GroupContext(off, name, recomputable=recomputable, parts=parts, inputs=inputs, compiled=compiled).open()
-    group.called_with(args, kwargs)
     # at every call that opens a group (not a recomputation, a part of a module run whole, or a
     # module whose parts are the groups): a parameter's storage may have changed (.data, FSDP)
-    if group.opened:
-        mark_parameters(*module.parameters())
+    try:
+        group.called_with(args, kwargs)
+        if group.opened:
+            mark_parameters(*module.parameters())
+    except BaseException:  # the caller's try begins after this: no group is left open
+        group.close(failed=True)
+        raise
     return group
 
 

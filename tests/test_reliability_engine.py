@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -131,6 +132,86 @@ def test_prefetch_follows_layers_whose_first_saves_their_own_ops_made():
         got = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert off.stats()["copies"]["prefetched_groups"] == 3  # layers 0..2 moved; 3 stayed (keep_last)
+
+
+class _Marked(torch.autograd.Function):
+    """Identity whose autograd node holds ``ctx.marker``: the marker lives as long as the node."""
+
+    markers: list = []
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.marker = _MarkedNode()
+        _Marked.markers.append(weakref.ref(ctx.marker))
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _MarkedNode:
+    pass
+
+
+class _Detaching(torch.nn.Module):
+    """Reads the tensor it is called with detached (a probe, a target head): its graph does not
+    reach the layer before."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        return self.lin(h.detach()).relu()
+
+
+@pytest.mark.parametrize("impl", ["ref", "fast"])
+def test_a_graph_let_go_is_freed_while_a_later_group_that_reads_its_output_detached_lives(impl):
+    """R8: the first layer's graph and its saves go when the caller lets go of its output, though
+    the second layer, called with that output, still holds its own graph (prefetch's link to
+    the layer before is only ever a node the group's own graph reaches)."""
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    model = torch.nn.ModuleList([first, _Detaching()])
+    off = ao.Offloader(impl=impl, device="cpu", min_offload_bytes=0, keep_last=0, **({"prefetch": 1} if impl == "fast" else {}))
+    _Marked.markers.clear()
+    with ao.wrap(model, off):
+        h = _Marked.apply(model[0](torch.randn(4, 16, requires_grad=True)))
+        alone = off.stats()["host_bytes_in_use"]
+        out = model[1](h)
+        del h
+        gc.collect()
+        assert _Marked.markers[0]() is None
+        assert 0 < off.stats()["host_bytes_in_use"] < alone + 1  # the second layer's saves only
+        out.sum().backward()
+
+
+class _RefusesIsLeaf(torch.Tensor):
+    """A tensor subclass whose ``__torch_function__`` raises on reading ``is_leaf``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "is_leaf":
+            raise NotImplementedError("is_leaf")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_wrapped_call_that_raises_before_its_forward_leaves_no_group_open():
+    """R8: an exception as a wrapped module's group opens (here fast reading the tensor it is
+    called with, for prefetch's link) closes the group: no saved-tensor hooks are left behind,
+    and the next call runs."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+                                 for _ in range(3))
+    off = ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0)
+    with ao.wrap(blocks, off):
+        h = blocks[0](torch.randn(4, 16, requires_grad=True))
+        with pytest.raises(NotImplementedError, match="is_leaf"):
+            blocks[1](h.as_subclass(_RefusesIsLeaf))
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        blocks[2](torch.randn(4, 16, requires_grad=True)).sum().backward()
 
 
 _DEEP = textwrap.dedent("""
