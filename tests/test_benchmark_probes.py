@@ -17,6 +17,7 @@ PROBES = [
     ["forced_plans_model_probe.py", "--device", "cpu", "--steps", "1"],
     ["first_steps_probe.py", "--device", "cpu", "--steps", "3", "--cprofile", "0", "--budget-gib", "0.001", "--compare"],
     ["host_diff_probe.py", "--device", "cpu"],
+    ["idle_cache_probe.py", "--device", "cpu", "--name", "hf_llama_sdpa", "--steps", "1"],
     ["least_memory_probe.py", "--device", "cpu", "--steps", "2", "--budget-gib", "0.001"],
     ["loop_keep_probe.py", "--device", "cpu", "--budget", "1000000"],
     ["recompute_host_probe.py", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-profile"],
