@@ -5,9 +5,9 @@ node of the graph: a node the previous group's forward created (by its autograd 
 number) that one of its first saved tensors comes from: the node that made it, or, where
 ops outside any group lie between the two (a norm, a residual add: a layer wrapped by its
 parts), a node a few steps up from it (:data:`WALK`); or the node that made the tensor a
-wrapped module was called with, once one of the group's first saves is seen to come from it
-through the group's own ops (transformers' decoder layers save first what their own float32
-cast of the layer's input made). A group lives as long as its graph, and so does its link: a
+wrapped module was called with, once the group's first save with a history is seen to be
+made from it directly (transformers' decoder layers save first what their own float32 cast of
+the layer's input made). A group lives as long as its graph, and so does its link: a
 node its own graph does not reach (a module that reads its input detached) would keep the
 previous group's graph alive. Backward then
 reaches the previous group exactly when that node is part of the running pass, which the
@@ -55,43 +55,39 @@ def note_save(group: Group, t: torch.Tensor) -> None:
         group.link_tries = 0
         return
     node = t.grad_fn
-    found = None
+    found, candidate = None, group.link_candidate
+    group.link_candidate = None  # looked for in the first save only: each look costs nodes their Python objects
     if node is not None:
         found = _made_by(prev, group, node)
-        if found is None and group.link_candidate is not None and _comes_from(node, group.link_candidate, group):
-            found = group.link_candidate
+        if found is None and candidate is not None:
+            if _comes_from(node, candidate):
+                found = candidate
+            else:  # its first saves are not of its input: looking on costs more nodes their objects
+                group.link_tries = 0
     if found is not None:
         group.link = found
         group.link_tries = 0
-    if not group.link_tries:
-        group.link_candidate = None
 
 
 def note_input(group: Group, t: torch.Tensor) -> None:
     """``group``'s module was called with ``t``: where the previous group's forward made it
-    (a few nodes up at most), that node is the group's candidate link, confirmed by its saves
-    (:func:`note_save`) and dropped when the group closes. A layer's first saves may all be of
-    tensors its own ops made (transformers' decoder layers cast their input to float32 in their
-    first norm): on an H200 such layers, wrapped whole, were linked to none through their
-    saves, and no reload ran ahead of backward."""
+    (a few nodes up at most), that node is the group's candidate link, confirmed by its first
+    save with a history (:func:`note_save`), else dropped (at the latest when the group
+    closes). A layer's first saves may all be of tensors its own ops made (transformers'
+    decoder layers cast their input to float32 in their first norm): on an H200 such layers,
+    wrapped whole, were linked to none through their saves, and no reload ran ahead of backward."""
     prev = group.previous()
     node = t.grad_fn
     if prev is not None and node is not None:
         group.link_candidate = _made_by(prev, group, node)
 
 
-def _comes_from(node: Any, candidate: Any, group: Group) -> bool:
-    """Whether ``candidate`` is among the first :data:`WALK` nodes up from ``node`` through
-    ``group``'s own forward."""
-    queue, looked = [node], 0
-    while queue and looked < WALK:
-        n = queue.pop(0)
-        looked += 1
-        if n is candidate:
-            return True
-        if compat.node_sequence_nr(n) >= group.first_seq:
-            queue.extend(f for f, _ in n.next_functions if f is not None)
-    return False
+def _comes_from(node: Any, candidate: Any) -> bool:
+    """Whether ``node`` is ``candidate`` or was made from it directly (a cast of the tensor the
+    module was called with). No further: each node looked at gets a Python object, and on a
+    chain of 3,500 wrapped modules whose first save came a dozen of their own ops after their
+    input, a walk of eight nodes up from it made freeing the graph overflow the C stack."""
+    return node is candidate or any(f is candidate for f, _ in node.next_functions)
 
 
 def _made_by(prev: Group, group: Group, node: Any) -> Any:
