@@ -107,6 +107,8 @@ def wrap(
         raise TypeError(f"wrap takes an nn.Module or a sequence of them (a ModuleList, a list), got "
                         f"{type(modules).__name__}")
     modules = list(modules)
+    if not modules:
+        raise ValueError("wrap was given no modules: nothing would be offloaded (an empty ModuleList?)")
     for m in modules:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"wrap takes nn.Modules, got {type(m).__name__}")

@@ -302,3 +302,40 @@ def test_a_model_attached_and_let_go_without_remove_is_freed():
     del model, handle
     gc.collect()
     assert layer() is None and off() is None
+
+
+# ---------------------------------------------------------------- bad input, said at once (R10)
+@pytest.mark.parametrize("settings", [dict(memory_budget="lots"), dict(keep_last=-1), dict(foo=1),
+                                      dict(offloader="an offloader")])
+def test_a_callbacks_bad_setting_is_refused_when_it_is_built_not_in_training(settings):
+    """The callbacks check every setting as they are built: before the trainer makes its
+    dataloaders and optimizer, not from inside ``train()``."""
+    with pytest.raises((TypeError, ValueError)):
+        ActivationOffloadCallback(**settings)
+    lightning = pytest.importorskip("actoffload.integrations.lightning", exc_type=ImportError)
+    with pytest.raises((TypeError, ValueError)):
+        lightning.ActivationOffload(**settings)
+
+
+def test_what_is_not_a_model_is_refused_by_name():
+    from actoffload.integrations import trl
+
+    with pytest.raises(TypeError, match="takes the model .*got NoneType"):
+        offload(None)
+    with pytest.raises(TypeError, match="got str"):
+        trl.offload_context("model")
+    with pytest.raises(TypeError, match="for a model itself, use actoffload.integrations.transformers.offload"):
+        trl.offload(tiny.llama())
+
+
+def test_layers_must_be_the_models_own_and_a_path_names_them():
+    model = tiny.llama()
+    with pytest.raises(ValueError, match="not LlamaForCausalLM's"):
+        offload(model, layers=tiny.llama().model.layers)
+    with pytest.raises(ValueError, match="names the model itself"):
+        offload(model, layers="")
+    handle = offload(model, layers="model.layers.0")
+    try:
+        assert handle.names == ["model.layers.0"]
+    finally:
+        handle.remove()

@@ -316,3 +316,11 @@ def test_fully_shard_inside_a_recomputed_block_on_one_cpu_rank(one_rank):
             assert_bitwise([t.full_tensor() if hasattr(t, "full_tensor") else t for t in got], expected[step])
         assert off.stats()["plan"]["settled"]
 
+
+
+def test_wrap_of_no_modules_is_refused():
+    """An empty ModuleList wrapped would train with nothing offloaded and nothing said (R10)."""
+    off = ao.Offloader(impl="ref", device="cpu")
+    for empty in ([], torch.nn.ModuleList()):
+        with pytest.raises(ValueError, match="no modules"):
+            ao.wrap(empty, off)

@@ -70,6 +70,8 @@ def _outermost(stacks: list[tuple[str, Stack]]) -> list[tuple[str, Stack]]:
 
 
 def _get_path(model: torch.nn.Module, path: str) -> Any:
+    if not path.strip(". "):
+        raise ValueError("an empty path names the model itself, not its layers")
     obj: Any = model
     for part in path.split("."):
         if not part:
@@ -121,6 +123,8 @@ def find_layers(model: torch.nn.Module) -> list[tuple[str, Stack]]:
 
 def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torch.nn.Module], list[str]]:
     """The modules to wrap and their group names, from ``layers=`` (see :data:`LayersArg`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload takes the model (an nn.Module); got {type(model).__name__}")
     if layers is None:
         mods: list[torch.nn.Module] = []
         names: list[str] = []
@@ -143,6 +147,8 @@ def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torc
         keys, given = list(given.keys()), list(given.values())
     elif isinstance(given, torch.nn.Module) and not isinstance(given, (torch.nn.ModuleList, torch.nn.Sequential)):
         given = [given]
+        if prefix:  # one layer, named by its path
+            prefix, keys = prefix.rsplit(".", 1)[0] if "." in prefix else "", [prefix.rsplit(".", 1)[-1]]
     try:
         mods = list(given)
     except TypeError:
@@ -153,10 +159,14 @@ def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torc
             raise TypeError(f"layers= must give nn.Modules; got a {type(m).__name__}")
     if not mods:
         raise ValueError("layers= gives no modules: nothing to offload")
-    if not prefix:
-        paths = {id(m): p for p, m in model.named_modules()}
-        return mods, [paths.get(id(m)) or str(i) for i, m in enumerate(mods)]
-    return mods, [f"{prefix}.{k}" for k in (keys if keys is not None else range(len(mods)))]
+    paths = {id(m): p for p, m in model.named_modules()}
+    outside = [i for i, m in enumerate(mods) if id(m) not in paths]
+    if outside:
+        raise ValueError(f"layers= gives modules that are not {type(model).__name__}'s (at positions "
+                         f"{', '.join(map(str, outside[:5]))}): give the layers of the model being trained")
+    if not prefix and keys is None:
+        return mods, [paths[id(m)] or str(i) for i, m in enumerate(mods)]
+    return mods, [f"{prefix}.{k}" if prefix else str(k) for k in (keys if keys is not None else range(len(mods)))]
 
 
 def model_device(modules: Sequence[torch.nn.Module]) -> torch.device:
@@ -375,6 +385,10 @@ class ModelHandle:
     def __init__(self, owner: str, offloader: Offloader | None, layers: LayersArg, settings: dict[str, Any]):
         if offloader is not None and settings:
             raise TypeError(f"give {owner} either an offloader or its settings, not both")
+        if offloader is not None and not isinstance(offloader, Offloader):
+            raise TypeError(f"{owner}: offloader= must be an actoffload.Offloader, got {type(offloader).__name__}")
+        if settings:  # each setting checked now (R10), not once training has begun: on the CPU, cheaply
+            make_offloader(None, {**settings, "device": "cpu"}, [])
         self._given = offloader
         self.layers = layers
         self._settings = settings

@@ -58,8 +58,9 @@ def offload(trainer: Any, offloader: Offloader | None = None, *, layers: LayersA
             f"{type(trainer).__name__} was built with activation_offloading=True, TRL's own offloading, whose hooks "
             "are now on the model: build it with activation_offloading=False and let actoffload offload instead")
     model = getattr(trainer, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"offload takes a transformers/TRL Trainer with a model; got {type(trainer).__name__}")
+    if isinstance(trainer, torch.nn.Module) or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload takes a transformers/TRL Trainer with a model; got {type(trainer).__name__} "
+                        "(for a model itself, use actoffload.integrations.transformers.offload)")
     if hasattr(trainer, _CONTEXT):
         handle = offload_context(model, offloader, layers=layers, **offloader_settings)
         setattr(trainer, _CONTEXT, handle)
