@@ -290,6 +290,37 @@ def test_checkpointing_enabled_after_offload_is_said_once_and_attaching_again_mo
     handle.remove()
 
 
+def test_checkpointing_disabled_after_offload_is_said_once_and_attaching_again_offloads_the_layers():
+    """offload() after gradient_checkpointing_enable() groups each layer's checkpoint function;
+    with checkpointing disabled after, the layers run plainly and no group opens: a warning says
+    so, once (not in an evaluation forward), and attaching again wraps the layers themselves."""
+    model = tiny.llama(layers=2)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    handle = offload(model, **SETTINGS)
+
+    def held_in_step(seed):  # host memory the step's groups hold before its backward
+        ids = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(seed))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        held = handle.stats()["host_bytes_in_use"]
+        loss.backward()
+        return held
+
+    assert held_in_step(0) > 0 and handle.checkpointed
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 4, dtype=torch.long))  # said nothing: no step's
+    with pytest.warns(UserWarning, match="gradient checkpointing was disabled on the model after its layers were "
+                                         "attached") as caught:
+        assert held_in_step(1) == 0
+        held_in_step(2)
+    assert sum("disabled on the model after" in str(w.message) for w in caught) == 1
+    handle.remove()
+    handle.attach()
+    assert held_in_step(3) > 0 and not handle.checkpointed
+    handle.remove()
+
+
 def test_a_model_attached_and_let_go_without_remove_is_freed():
     """The registry the warning's hook looks a layer up in holds its layers and handles weakly."""
     import gc

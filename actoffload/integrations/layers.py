@@ -275,6 +275,7 @@ class OffloadHandle:
         self._undo: list[Callable[[], None]] = []
         self._attached = False
         self.warned = False  # that checkpointing was enabled after attaching (said once)
+        self.warned_unchecked = False  # ... or disabled, where the layers were attached through it
 
     @property
     def attached(self) -> bool:
@@ -295,6 +296,7 @@ class OffloadHandle:
             for m, name in zip(self.modules, self.names):
                 if checkpointed(m):
                     _GROUPING[m] = (self.offloader, name)
+                    _ATTACHED[m] = weakref.ref(self)
                     _group_checkpoint(m)
                     # transformers sets a fresh checkpoint function whenever checkpointing is enabled
                     # again (TRL's GRPO disables it around generation): group that one too
@@ -354,11 +356,21 @@ def _group_checkpoint(module: torch.nn.Module, *args: Any) -> None:
     func = vars(module).get(_CHECKPOINT_FUNC)
     if grouping is not None and callable(func) and not isinstance(func, _GroupedCheckpoint):
         vars(module)[_CHECKPOINT_FUNC] = _GroupedCheckpoint(func, *grouping)
+    if grouping is not None and not checkpointed(module) and module.training and torch.is_grad_enabled():
+        ref = _ATTACHED.get(module)
+        handle = ref() if ref is not None else None
+        if handle is not None and not handle.warned_unchecked:  # (generation under no_grad says nothing)
+            handle.warned_unchecked = True
+            warnings.warn("gradient checkpointing was disabled on the model after its layers were attached for "
+                          "offloading through it: nothing of theirs is offloaded now (no group opens outside the "
+                          "checkpoint). Call handle.remove() and handle.attach() again after "
+                          "model.gradient_checkpointing_disable()", stacklevel=2)
 
 
 def _ungroup_checkpoint(module: torch.nn.Module, hook: Any) -> None:
     hook.remove()
     _GROUPING.pop(module, None)
+    _ATTACHED.pop(module, None)
     func = vars(module).get(_CHECKPOINT_FUNC)
     if isinstance(func, _GroupedCheckpoint):
         vars(module)[_CHECKPOINT_FUNC] = func.func
