@@ -265,6 +265,21 @@ def test_layers_given_as_a_moduledict_are_named_by_their_keys():
     handle.remove()
 
 
+def _said_once_until_attached_again(handle, step, change):
+    """Checkpointing ``change``d ("enabled", "disabled") after attaching: the next two steps
+    (``step(seed)`` says what moved) move nothing and the warning comes once; attached again,
+    the layers move, grouped through their checkpoint where it is on."""
+    with pytest.warns(UserWarning, match=f"gradient checkpointing was {change} on the model after its layers were "
+                                         "attached") as caught:
+        assert step(1) == 0
+        step(2)
+    assert sum(f"{change} on the model after" in str(w.message) for w in caught) == 1
+    handle.remove()
+    handle.attach()
+    assert step(3) > 0 and bool(handle.checkpointed) == (change == "enabled")
+    handle.remove()
+
+
 def test_checkpointing_enabled_after_offload_is_said_once_and_attaching_again_moves_the_inputs():
     """offload() before gradient_checkpointing_enable(): each layer's group runs inside the
     checkpoint, which takes its saves, so nothing moves; a warning says so, once, and attaching
@@ -279,15 +294,7 @@ def test_checkpointing_enabled_after_offload_is_said_once_and_attaching_again_mo
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         return handle.stats()["offloaded_bytes"]
 
-    with pytest.warns(UserWarning, match="gradient checkpointing was enabled on the model after its layers were "
-                                         "attached") as caught:
-        assert step(0) == 0
-        step(1)
-    assert sum("enabled on the model after" in str(w.message) for w in caught) == 1
-    handle.remove()
-    handle.attach()
-    assert step(2) > 0 and handle.checkpointed
-    handle.remove()
+    _said_once_until_attached_again(handle, step, "enabled")
 
 
 def test_checkpointing_disabled_after_offload_is_said_once_and_attaching_again_offloads_the_layers():
@@ -310,15 +317,7 @@ def test_checkpointing_disabled_after_offload_is_said_once_and_attaching_again_o
     model.gradient_checkpointing_disable()
     with torch.no_grad():
         model(input_ids=torch.ones(1, 4, dtype=torch.long))  # said nothing: no step's
-    with pytest.warns(UserWarning, match="gradient checkpointing was disabled on the model after its layers were "
-                                         "attached") as caught:
-        assert held_in_step(1) == 0
-        held_in_step(2)
-    assert sum("disabled on the model after" in str(w.message) for w in caught) == 1
-    handle.remove()
-    handle.attach()
-    assert held_in_step(3) > 0 and not handle.checkpointed
-    handle.remove()
+    _said_once_until_attached_again(handle, held_in_step, "disabled")
 
 
 def test_a_model_attached_and_let_go_without_remove_is_freed():
