@@ -48,7 +48,8 @@ WALK = 8
 def note_save(group: Group, t: torch.Tensor) -> None:
     """``group`` saved ``t``, which has an autograd history (not a leaf), while it still
     looks for its link: the node that made ``t``, if the previous group's forward created it,
-    or the group's candidate (:func:`note_input`), if ``t`` comes from it."""
+    or the group's candidate (:func:`note_input`), if ``t``'s node is it or was made from it
+    directly (the first save only)."""
     group.link_tries -= 1
     prev = group.previous()
     if prev is None:

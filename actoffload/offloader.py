@@ -128,10 +128,10 @@ class GroupContext:
 
     def called_with(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The module whose group this is was called with ``args`` and ``kwargs``: where the
-        group before made the first tensor among them with an autograd history, and one of this
-        group's first saves comes from it, prefetch knows from it when backward reaches that
-        group (only where it looks for that: reading a tensor's ``grad_fn`` gives its node a
-        Python object, graph.py)."""
+        group before made the first tensor among them with an autograd history, and this group's
+        first save with a history is made from it directly, prefetch knows from it when backward
+        reaches that group (only where it looks for that: reading a tensor's ``grad_fn`` gives
+        its node a Python object, graph.py)."""
         if self._group is None or not self._group.link_tries:
             return
         made = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_leaf), None)

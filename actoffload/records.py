@@ -147,7 +147,7 @@ class Group:
     link: Any = None
     link_tries = 0
     # the node that made the tensor its module was called with, in the previous group's forward:
-    # its link once one of its saves is seen to come from it (its own graph then holds it)
+    # its link once its first save with a history is made from it directly (its graph then holds it)
     link_candidate: Any = None
     position = 0  # its place among the groups of its step
     recomputable = False  # a wrapped module: it can run under activation checkpointing

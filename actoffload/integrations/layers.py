@@ -400,7 +400,9 @@ class ModelHandle:
         if offloader is not None and not isinstance(offloader, Offloader):
             raise TypeError(f"{owner}: offloader= must be an actoffload.Offloader, got {type(offloader).__name__}")
         if settings:  # each setting checked now (R10), not once training has begun: on the CPU, cheaply
-            make_offloader(None, {**settings, "device": "cpu"}, [])
+            # (with no CUDA context made here; the packer's choice depends on the device: checked then)
+            make_offloader(None, {**{k: v for k, v in settings.items() if k not in ("device", "packer")},
+                                  "device": "cpu"}, [])
         self._given = offloader
         self.layers = layers
         self._settings = settings
