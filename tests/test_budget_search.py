@@ -498,3 +498,12 @@ def test_search_shares_keep_a_max_inflights_windows_together_and_the_families_la
     assert search.shares([(1, 1)], 4) == [[(1, 1)]]
     with pytest.raises(ValueError, match="processes must be at least 1"):
         candidates(PROFILES[0], processes=0)
+
+
+def test_budget_too_small_says_the_peak_in_a_unit_it_reaches():
+    """A budget of a few MiB (the CPU's, where only the groups' saves count) is said in MiB, not
+    as 0.00 GiB."""
+    g = GroupProfile("0", spans=(3 << 20,), kept=0, inputs=1024, forward_s=1e-3, backward_s=2e-3)
+    p = Profile((g, g), base=0, outside_s=0.0, d2h_bps=1e9, h2d_bps=1e9)
+    with pytest.raises(BudgetTooSmall, match=r"bytes \(3\.00 MiB\)\. Raise memory_budget"):
+        choose(p, budget=1)

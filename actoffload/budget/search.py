@@ -24,6 +24,7 @@ import numpy as np
 from . import fanout
 from .actions import Action, GroupDecision
 from .costmodel import Change, GroupProfile, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
+from ..settings import size_text
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -658,7 +659,7 @@ def choose(profile: Profile, budget: int, plans: Sequence[MemoryPlan] | None = N
         least = min(p.peak for p in plans)
         raise BudgetTooSmall(
             f"no plan fits a memory budget of {budget:,} bytes: the smallest reachable peak is about "
-            f"{least:,} bytes ({least / 2**30:.2f} GiB). Raise memory_budget, or make the step smaller."
+            f"{least:,} bytes ({size_text(least)}). Raise memory_budget, or make the step smaller."
         )
     return fastest(profile, fitting)
 
