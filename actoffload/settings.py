@@ -82,18 +82,6 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], plural: str | 
 _MAX_BYTES = 1 << 63  # more than any machine holds: a larger size is a typo
 
 
-def size_text(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit it reaches, to two decimals, for messages.
-
-    >>> size_text(3 << 20), size_text(5 * 2**30 // 2), size_text(512)
-    ('3.00 MiB', '2.50 GiB', '512 B')
-    """
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(nbytes) >= 1 << shift:
-            return f"{nbytes / (1 << shift):.2f} {unit}"
-    return f"{nbytes} B"
-
-
 def parse_bytes(name: str, value: Any) -> int:
     """Bytes from a number (an int, a whole float, or the like from NumPy or a one-element
     tensor; not a bool) or a string such as ``"60GiB"``, ``"512 MB"`` or ``"1e9"``; at most

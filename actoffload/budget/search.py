@@ -24,7 +24,6 @@ import numpy as np
 from . import fanout
 from .actions import Action, GroupDecision
 from .costmodel import Change, GroupProfile, MemoryPlan, Profile, Simulation, Work, simulate_each, unmodelled_work
-from ..settings import size_text
 from .tolerances import alike
 
 WINDOWS = (0, 1, 2)  # max_inflight
@@ -659,9 +658,22 @@ def choose(profile: Profile, budget: int, plans: Sequence[MemoryPlan] | None = N
         least = min(p.peak for p in plans)
         raise BudgetTooSmall(
             f"no plan fits a memory budget of {budget:,} bytes: the smallest reachable peak is about "
-            f"{least:,} bytes ({size_text(least)}). Raise memory_budget, or make the step smaller."
+            f"{least:,} bytes ({_size_text(least)}). Raise memory_budget, or make the step smaller."
         )
     return fastest(profile, fitting)
+
+
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit it reaches, to two decimals, for messages (here:
+    the planning process imports no torch, so not from ``settings``).
+
+    >>> _size_text(3 << 20), _size_text(5 * 2**30 // 2), _size_text(512)
+    ('3.00 MiB', '2.50 GiB', '512 B')
+    """
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(nbytes) >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def fastest(profile: Profile, plans: Iterable[MemoryPlan]) -> MemoryPlan:
