@@ -3,8 +3,9 @@ there (``torch.cuda.empty_cache()`` before the head and the loss) does to the st
 peak and its time (a diagnostic, not a test; CUDA).
 
 On transformers' 8B-shaped Llama at 32k tokens (``hf_8b_32k``) checkpointing every layer
-allocates at most 15.9 GiB and reserves 21.0: the blocks the layers' forwards freed stay cached,
-and the loss's float32 logits (4 GiB blocks) cannot reuse them. Each method runs as a block of
+allocates at most 15.9 GiB and reserves 21.0-21.8 (with and without deterministic algorithms):
+the blocks the layers' forwards freed stay cached, and, as we read it, the loss's float32
+logits (3.9 GiB blocks) cannot reuse them. Each method runs as a block of
 steps on a cache of its own (given back before its first step), with and without a forward hook
 on the model's final norm, which runs once every layer's forward has, giving the idle cache
 back; it prints each block's median step, its allocated and reserved peaks, and what the hook

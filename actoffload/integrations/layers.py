@@ -148,7 +148,8 @@ def resolve_layers(model: torch.nn.Module, layers: LayersArg) -> tuple[list[torc
     elif isinstance(given, torch.nn.Module) and not isinstance(given, (torch.nn.ModuleList, torch.nn.Sequential)):
         given = [given]
         if prefix:  # one layer, named by its path
-            prefix, keys = prefix.rsplit(".", 1)[0] if "." in prefix else "", [prefix.rsplit(".", 1)[-1]]
+            prefix, _, last = prefix.rpartition(".")
+            keys = [last]
     try:
         mods = list(given)
     except TypeError:
