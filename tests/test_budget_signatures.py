@@ -14,6 +14,7 @@ import actoffload as ao
 from actoffload.budget import buckets, predict
 from actoffload.budget.controller import LIGHTER_STEPS, PROFILE_STEPS
 from actoffload.budget.costmodel import GroupProfile, Profile
+from actoffload.budget.search import BudgetTooSmall
 from actoffload.budget.workloads import CAPACITY, signature_of
 from actoffload.settings import AUTO_FRACTION, budget_of, parse_memory_budget
 from helpers import assert_bitwise
@@ -402,6 +403,31 @@ def test_beyond_the_capacity_predicted_workloads_go_first_then_those_profiling_a
     workloads = off.plan.workloads.workloads
     assert [kind(w) for w in workloads] == ["measured", "profiling"] + ["predicted"] * (CAPACITY - 2)
     assert [w.signature.tokens for w in workloads[:2]] == [64, 128]
+
+
+def test_more_signatures_than_are_kept_taking_turns_each_settle_or_say_the_budget_is_too_small_once():
+    """Twice the capacity of batch sizes in turn, under a budget the larger ones cannot reach:
+    each workload dropped from those kept is parked and taken back when its size comes again,
+    so one whose prediction fitted no plan finishes profiling on its next turn rather than
+    profiling again at every turn (before parking, four sizes ran the profiling plan forever)."""
+    sizes = list(range(256, 256 + 32 * 2 * CAPACITY, 32))
+    blocks = torch.nn.Sequential(*_blocks())
+    off = ao.Offloader(device="cpu", memory_budget=6_000_000)
+    raised = dict.fromkeys(sizes, 0)
+    with ao.wrap(blocks, off):
+        for turn in range(4):
+            states = {}
+            for rows in sizes:
+                try:
+                    blocks(torch.randn(rows, D)).square().mean().backward()
+                except BudgetTooSmall as e:
+                    assert "smallest reachable peak" in str(e)
+                    raised[rows] += 1
+                    continue
+                states[rows] = off.stats()["plan"]["state"]
+    assert set(states.values()) == {"settled"}  # the last turn: every size runs its plan
+    assert set(raised.values()) == {0, 1}  # the larger sizes said so once each; the smaller, never
+    assert off.stats()["plan"]["workload"]["parked"] == len(sizes) - CAPACITY
 
 
 def test_a_bucket_has_at_most_four_significant_bits_and_holds_its_tokens():

@@ -8,7 +8,11 @@ backward open ``k`` times one forward's groups; the count a signature's recent s
 most is expected) and what is allocated when it begins (within the base tolerance,
 :func:`~.tolerances.base_tolerance`). Each workload has its own controller
 (:class:`~.controller.BudgetController`: its profile, plans, measurements and state), kept
-for the :data:`CAPACITY` workloads used last.
+for the :data:`CAPACITY` workloads used last; those dropped are **parked** (the :data:`PARKED`
+dropped last), neither searched nor predicted from, and taken back when a step of their signature
+comes again, their profile (or first profiling step) and plan as they left them: more
+signatures than :data:`CAPACITY` taking turns would otherwise each begin again at every turn,
+and one whose prediction fits no plan would profile at every turn and never finish.
 
 A signature seen before runs its controller's plan from its first group. One never seen gets a
 new controller: its plan is predicted from a profiled workload of the same model
@@ -39,6 +43,7 @@ from .reserve import AllocatorReserve
 from .tolerances import MiB, base_tolerance
 
 CAPACITY = 8  # workloads kept (least recently used dropped): a few sequence-length buckets, train and eval
+PARKED = 4 * CAPACITY  # workloads dropped from those kept, found again when their signature recurs
 RECENT = 8  # steps of a signature whose group counts say how many groups its next step opens
 CONTEXT = 3  # the most of their latest counts whose continuation is looked for (Workloads._expected)
 
@@ -155,6 +160,12 @@ def _measured(e: "Workload") -> bool:
     return e.controller.profile is not None and not e.controller.predicted
 
 
+def _least_worth(workloads: list["Workload"]) -> "Workload":
+    """The workload to let go first: the least recently used (``workloads`` are in that order)
+    of the predicted ones, else of those profiling, else of those measured."""
+    return min(workloads, key=lambda e: (_measured(e), e.controller.profile is None))
+
+
 @dataclass
 class Workload:
     """One workload: its signature, its controller, the groups its steps open (``None`` before
@@ -186,6 +197,7 @@ class Workloads:
         self._host_cap: int | None = None  # the most host memory a plan may hold (host_cap), for every workload
         self._first: BudgetController | None = BudgetController(budget, device, self.probe, self.reserve)
         self._entries: list[Workload] = []  # least recently used first
+        self._parked: list[Workload] = []  # dropped from _entries, the least recently dropped first
         self.current: Workload | None = None
         self._recent: dict[Signature, collections.deque[int]] = {}  # groups its latest steps opened
         self._open = False  # the current workload's step began and was not closed
@@ -213,7 +225,12 @@ class Workloads:
         raise :class:`~.search.BudgetTooSmall`, once per workload, where ``may_raise``)."""
         self._close()
         base = self.probe.allocated()
-        entry = self._find(signature, base)
+        entry = self._find(signature, base, self._entries)
+        if entry is None:
+            entry = self._find(signature, base, self._parked)
+            if entry is not None:
+                self._parked.remove(entry)
+                self._entries.append(entry)
         if entry is None:
             entry = self._new(signature, base)
         self._entries.remove(entry)
@@ -302,10 +319,11 @@ class Workloads:
         counts = collections.Counter(seen)
         return max(reversed(seen), key=lambda n: counts[n])
 
-    def _find(self, signature: Signature, base: int) -> Workload | None:
+    def _find(self, signature: Signature, base: int, among: list[Workload]) -> Workload | None:
+        """The workload of ``among`` a step of ``signature`` beginning on ``base`` bytes is."""
         groups = self._expected(signature)
         tolerance = base_tolerance(self.budget)
-        alike = [e for e in reversed(self._entries)
+        alike = [e for e in reversed(among)
                  if e.signature == signature and (groups is None or e.groups is None or e.groups == groups)]
         for e in alike:
             if e.base_matches(base, tolerance):
@@ -322,8 +340,10 @@ class Workloads:
     @host_cap.setter
     def host_cap(self, cap: int | None) -> None:
         self._host_cap = cap
-        for c in [e.controller for e in self._entries] + ([self._first] if self._first is not None else []):
-            c.host_cap = cap
+        for e in self._entries + self._parked:
+            e.controller.host_cap = cap
+        if self._first is not None:
+            self._first.host_cap = cap
 
     def _controller(self) -> BudgetController:
         first, self._first = self._first, None
@@ -419,17 +439,20 @@ class Workloads:
         return shared, ref.signature, window, tuple(s * bucket_share for s in top_shares), bucket_share
 
     def _evict(self, keep: Workload) -> None:
-        """Drop the least recently used workloads beyond the capacity: predicted ones first (a
+        """Park the least recently used workloads beyond the capacity: predicted ones first (a
         prediction is made again cheaply), then those profiling, those with a measured profile
         last: they are what new signatures are predicted from (lengths drawn from a continuous
         range make a new workload nearly every step, which would otherwise push out the one
-        profile within a few steps, and the next length would profile again)."""
+        profile within a few steps, and the next length would profile again). Beyond
+        :data:`PARKED` parked, one is dropped in the same order."""
         while len(self._entries) > self.capacity:
-            others = [e for e in self._entries if e is not keep]
-            # (min: the least recently used of the first kind there is)
-            old = min(others, key=lambda e: (_measured(e), e.controller.profile is None))
+            old = _least_worth([e for e in self._entries if e is not keep])
             self._entries.remove(old)
-            self.reserve.bind(old.controller, False)
+            self.reserve.bind(old.controller, False)  # (a parked workload runs no step)
+            self._parked.append(old)
+        while len(self._parked) > PARKED:
+            old = _least_worth(self._parked)
+            self._parked.remove(old)
             self._planning_dropped += old.controller.planning_s
             for what, seconds in old.controller.planning_by.items():
                 self._planning_by_dropped[what] += seconds
@@ -438,13 +461,13 @@ class Workloads:
     @property
     def planning_s(self) -> float:
         """Host seconds spent making and choosing plans, every workload's, all told."""
-        return self._planning_dropped + sum(e.controller.planning_s for e in self._entries)
+        return self._planning_dropped + sum(e.controller.planning_s for e in self._entries + self._parked)
 
     @property
     def planning_by(self) -> dict[str, float]:
         """:attr:`planning_s` by what it was spent on (the controllers' ``planning_by``)."""
         total = collections.defaultdict(float, self._planning_by_dropped)
-        for e in self._entries:
+        for e in self._entries + self._parked:
             for what, seconds in e.controller.planning_by.items():
                 total[what] += seconds
         return dict(total)
@@ -452,16 +475,17 @@ class Workloads:
     @property
     def background_planning_s(self) -> float:
         """Seconds the planning process searched for every workload, all told (:mod:`~.worker`)."""
-        return self._background_dropped + sum(e.controller.background_planning_s for e in self._entries)
+        return self._background_dropped + sum(e.controller.background_planning_s
+                                              for e in self._entries + self._parked)
 
     def describe(self) -> dict[str, Any]:
         """The latest step's workload, for ``stats()["plan"]["workload"]``."""
         e = self.current
         if e is None:
             return {"signature": None, "groups": None, "predicted_from": None, "kept": len(self._entries),
-                    "planning_s_all": self.planning_s, "planning_by_all": self.planning_by,
+                    "parked": len(self._parked), "planning_s_all": self.planning_s, "planning_by_all": self.planning_by,
                     "background_planning_s_all": self.background_planning_s}
         return {"signature": str(e.signature), "tokens": e.signature.tokens, "groups": e.groups,
                 "predicted_from": None if e.predicted_from is None else str(e.predicted_from),
-                "kept": len(self._entries), "planning_s_all": self.planning_s, "planning_by_all": self.planning_by,
-                "background_planning_s_all": self.background_planning_s}
+                "kept": len(self._entries), "parked": len(self._parked), "planning_s_all": self.planning_s,
+                "planning_by_all": self.planning_by, "background_planning_s_all": self.background_planning_s}
