@@ -32,7 +32,7 @@ _EXPORTS = {
     "HostMemoryError": "hostmem", "Observer": "observe", "Offloader": "offloader",
     "WrapHandle": "wrapping", "wrap": "wrapping", "select_modules": "ops",
     "mark_activation_offload": "marks", "mark_not_offload": "marks",
-    "Plan": "plans", "Opening": "plans",
+    "Plan": "plans", "Opening": "plans", "BudgetTooSmall": "budget.search",
 }
 __all__ = sorted([*_EXPORTS, "ops"])
 
@@ -55,6 +55,7 @@ if "torch" in sys.modules:
 
 if TYPE_CHECKING:
     from . import ops
+    from .budget.search import BudgetTooSmall
     from .grouped import GroupedTensor
     from .hostmem import HostMemoryError
     from .marks import mark_activation_offload, mark_not_offload
