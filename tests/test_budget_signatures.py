@@ -429,6 +429,40 @@ def test_more_signatures_than_are_kept_taking_turns_each_settle_or_say_the_budge
     assert off.stats()["plan"]["workload"]["parked"] == len(sizes) - CAPACITY
 
 
+def test_a_parked_workload_of_the_steps_base_is_taken_back_before_a_kept_one_profiling_on_another(monkeypatch):
+    """A step goes to the workload of its signature on its base, kept or parked; only where
+    none is, to one still profiling. (A kept one profiling on another base took the step and
+    profiled a second workload of that signature and base beside the parked one; with gradient
+    accumulation over 20 sizes in turn each size said BudgetTooSmall at every turn.)"""
+    from actoffload.budget.probe import Probe
+
+    base = {"bytes": 0}
+    monkeypatch.setattr(Probe, "allocated", lambda self: base["bytes"])
+    blocks = torch.nn.Sequential(*_blocks())
+    off = ao.Offloader(device="cpu", memory_budget=6_000_000)
+    sizes = list(range(400, 400 + 8 * (CAPACITY + 2), 8))
+
+    def step(rows, on=0):
+        base["bytes"] = on
+        blocks(torch.randn(rows, D)).square().mean().backward()
+        blocks.zero_grad(set_to_none=True)
+        return off.stats()["plan"]["state"]
+
+    def of(rows):
+        workloads = off.plan.workloads
+        return [(e.controller.state.value, e in workloads.workloads) for e in workloads.workloads + workloads.parked
+                if e.signature.tokens == rows]
+
+    with ao.wrap(blocks, off):
+        for _ in range(3):
+            for rows in sizes:
+                step(rows)
+        assert of(sizes[0]) == [("settled", False)]  # parked
+        assert step(sizes[0], on=2 << 20) == "profiling"  # another base: a workload of its own
+        assert step(sizes[0]) == "settled"  # the parked one, taken back
+        assert sorted(state for state, _ in of(sizes[0])) == ["profiling", "settled"]  # no second settled one
+
+
 def test_a_bucket_has_at_most_four_significant_bits_and_holds_its_tokens():
     assert doctest.testmod(buckets).failed == 0
     for tokens in range(1, 5000):

@@ -220,19 +220,22 @@ class Workloads:
         """The workloads kept, least recently used first."""
         return tuple(self._entries)
 
+    @property
+    def parked(self) -> tuple[Workload, ...]:
+        """The workloads parked, the least recently parked first."""
+        return tuple(self._parked)
+
     def begin(self, signature: Signature, may_raise: bool = True) -> BudgetController:
         """A step of ``signature`` begins: its workload's controller, whose step has begun (may
         raise :class:`~.search.BudgetTooSmall`, once per workload, where ``may_raise``)."""
         self._close()
         base = self.probe.allocated()
-        entry = self._find(signature, base, self._entries)
-        if entry is None:
-            entry = self._find(signature, base, self._parked)
-            if entry is not None:
-                self._parked.remove(entry)
-                self._entries.append(entry)
+        entry = self._find(signature, base)
         if entry is None:
             entry = self._new(signature, base)
+        elif entry in self._parked:
+            self._parked.remove(entry)
+            self._entries.append(entry)
         self._entries.remove(entry)
         self._entries.append(entry)
         self._evict(entry)
@@ -281,7 +284,8 @@ class Workloads:
         taken by the next micro-batches' workload): planned from that step, so that its next step
         runs a plan rather than profiling again from the start. Not where one on that base is kept."""
         tolerance = base_tolerance(self.budget)
-        if any(e.signature == signature and e.base_matches(profile.base, tolerance) for e in self._entries):
+        if any(e.signature == signature and e.base_matches(profile.base, tolerance)
+               for e in self._entries + self._parked):
             return
         entry = Workload(signature, self._controller(), len(profile.groups), profile.base)
         self._entries.insert(0, entry)  # the least recently used: its step came before the current one's
@@ -319,11 +323,12 @@ class Workloads:
         counts = collections.Counter(seen)
         return max(reversed(seen), key=lambda n: counts[n])
 
-    def _find(self, signature: Signature, base: int, among: list[Workload]) -> Workload | None:
-        """The workload of ``among`` a step of ``signature`` beginning on ``base`` bytes is."""
+    def _find(self, signature: Signature, base: int) -> Workload | None:
+        """The workload, kept or parked, a step of ``signature`` beginning on ``base`` bytes is:
+        one of its base, else one still profiling (a kept one first)."""
         groups = self._expected(signature)
         tolerance = base_tolerance(self.budget)
-        alike = [e for e in reversed(among)
+        alike = [e for e in reversed(self._parked + self._entries)
                  if e.signature == signature and (groups is None or e.groups is None or e.groups == groups)]
         for e in alike:
             if e.base_matches(base, tolerance):

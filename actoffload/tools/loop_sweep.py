@@ -388,7 +388,7 @@ def _plan_summary(off: ao.Offloader) -> dict[str, Any]:
 
 
 def workload_records(off: ao.Offloader) -> list[dict[str, Any]]:
-    """Each signature's controller as a run left it (its ``stats()``: the profile its plans are
+    """Each signature's controller, kept or parked, as a run left it (its ``stats()``: the profile its plans are
     modelled on, the plans it ran with their measured peaks and times, the plan, the budget, the
     margin and the reserve), so that why a signature settled where it did can be looked into on
     the CPU (``benchmarks/settle_replay.py`` reads a profile so). The latest step's signature
@@ -399,9 +399,11 @@ def workload_records(off: ao.Offloader) -> list[dict[str, Any]]:
         records = workload_records(off)   # [{"signature": "[4, 2048, 2048] ...", "profile": {...}, ...}, ...]
     """
     out = []
-    for wl in off.plan.workloads.workloads:
+    workloads = off.plan.workloads
+    for wl in workloads.parked + workloads.workloads:
         stats = wl.controller.stats()
         out.append({"signature": str(wl.signature), "tokens": wl.signature.tokens, "steps": wl.steps,
+                    "parked": wl in workloads.parked,
                     "predicted_from": None if wl.predicted_from is None else str(wl.predicted_from),
                     **{k: v for k, v in stats.items() if k != "groups"},
                     "actions": [g["action"] for g in stats.get("groups", [])]})
