@@ -225,6 +225,10 @@ class Workloads:
         """The workloads parked, the least recently parked first."""
         return tuple(self._parked)
 
+    def _every(self) -> list[Workload]:
+        """The workloads parked, then those kept (each in its order)."""
+        return self._parked + self._entries
+
     def begin(self, signature: Signature, may_raise: bool = True) -> BudgetController:
         """A step of ``signature`` begins: its workload's controller, whose step has begun (may
         raise :class:`~.search.BudgetTooSmall`, once per workload, where ``may_raise``)."""
@@ -233,10 +237,7 @@ class Workloads:
         entry = self._find(signature, base)
         if entry is None:
             entry = self._new(signature, base)
-        elif entry in self._parked:
-            self._parked.remove(entry)
-            self._entries.append(entry)
-        self._entries.remove(entry)
+        (self._parked if entry in self._parked else self._entries).remove(entry)
         self._entries.append(entry)
         self._evict(entry)
         self._forget()
@@ -285,7 +286,7 @@ class Workloads:
         runs a plan rather than profiling again from the start. Not where one on that base is kept."""
         tolerance = base_tolerance(self.budget)
         if any(e.signature == signature and e.base_matches(profile.base, tolerance)
-               for e in self._entries + self._parked):
+               for e in self._every()):
             return
         entry = Workload(signature, self._controller(), len(profile.groups), profile.base)
         self._entries.insert(0, entry)  # the least recently used: its step came before the current one's
@@ -328,7 +329,7 @@ class Workloads:
         one of its base, else one still profiling (a kept one first)."""
         groups = self._expected(signature)
         tolerance = base_tolerance(self.budget)
-        alike = [e for e in reversed(self._parked + self._entries)
+        alike = [e for e in reversed(self._every())
                  if e.signature == signature and (groups is None or e.groups is None or e.groups == groups)]
         for e in alike:
             if e.base_matches(base, tolerance):
@@ -345,7 +346,7 @@ class Workloads:
     @host_cap.setter
     def host_cap(self, cap: int | None) -> None:
         self._host_cap = cap
-        for e in self._entries + self._parked:
+        for e in self._every():
             e.controller.host_cap = cap
         if self._first is not None:
             self._first.host_cap = cap
@@ -466,13 +467,13 @@ class Workloads:
     @property
     def planning_s(self) -> float:
         """Host seconds spent making and choosing plans, every workload's, all told."""
-        return self._planning_dropped + sum(e.controller.planning_s for e in self._entries + self._parked)
+        return self._planning_dropped + sum(e.controller.planning_s for e in self._every())
 
     @property
     def planning_by(self) -> dict[str, float]:
         """:attr:`planning_s` by what it was spent on (the controllers' ``planning_by``)."""
         total = collections.defaultdict(float, self._planning_by_dropped)
-        for e in self._entries + self._parked:
+        for e in self._every():
             for what, seconds in e.controller.planning_by.items():
                 total[what] += seconds
         return dict(total)
@@ -480,8 +481,7 @@ class Workloads:
     @property
     def background_planning_s(self) -> float:
         """Seconds the planning process searched for every workload, all told (:mod:`~.worker`)."""
-        return self._background_dropped + sum(e.controller.background_planning_s
-                                              for e in self._entries + self._parked)
+        return self._background_dropped + sum(e.controller.background_planning_s for e in self._every())
 
     def describe(self) -> dict[str, Any]:
         """The latest step's workload, for ``stats()["plan"]["workload"]``."""
