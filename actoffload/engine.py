@@ -15,6 +15,7 @@ backward reaches next :mod:`actoffload.graph`'s.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import weakref
 from functools import partial
@@ -34,6 +35,26 @@ GroupT = TypeVar("GroupT", bound=Group)
 MovedT = TypeVar("MovedT", bound=Moved)
 
 _OPEN: dict[str, Any] = {}  # the stats() entry of a group still open: none (never written to)
+
+_deaths = itertools.count(1)  # (next() on it is atomic: a group may be let go on any thread)
+
+
+class _Holder(weakref.ref):
+    """A listed group, held weakly: how many exceptions had closed groups as it exited, and
+    when (in the order groups are let go) it was let go, if it was."""
+
+    __slots__ = ("failures", "died")
+
+    def __new__(cls, group: Group, failures: int) -> "_Holder":
+        return super().__new__(cls, group, _Holder._let_go)
+
+    def __init__(self, group: Group, failures: int) -> None:
+        super().__init__(group, _Holder._let_go)
+        self.failures, self.died = failures, None
+
+    @staticmethod
+    def _let_go(holder: "_Holder") -> None:
+        holder.died = next(_deaths)
 
 # The group open on each thread (groups do not nest), by thread id: its name, and whether it is a
 # module run whole in place of its parts, which open no groups of their own. (A dict, not a
@@ -74,13 +95,12 @@ class Engine(Generic[GroupT, MovedT]):
         # the listed group of each name in the window, and the groups an exception had closed as
         # it exited: a name whose group was let go (its forward cut short by an exception, or
         # discarded) is given again, not "name#2"; one cut short is not reported
-        self._holders: dict[str, tuple[weakref.ref[GroupT], int]] = {}
+        self._holders: dict[str, _Holder] = {}
         self._failures = 0  # groups an exception closed
         self._step_failures = 0  # ... when the step began (or was last found to go on: _decide_cut_short)
         self._step_first: str | None = None  # the name the step's first group with gradients on was opened with
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
-        self._last_opened: dict[str, int] = {}  # the name given -> the number of its latest opening
         self._opening_number = 0
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
@@ -248,7 +268,6 @@ class Engine(Generic[GroupT, MovedT]):
         self._window[unique] = _OPEN  # (not in stats() until it exits)
         self._opening_number += 1
         self._opened[unique] = (name, self._opening_number)
-        self._last_opened[name] = self._opening_number
         prev = self._last_group() if self._last_group is not None and self._prefetches else None
         # a node of the graph that tells whether backward reaches prev (graph.py), only where
         # reloading ahead may go there: each costs a node its Python object
@@ -301,7 +320,7 @@ class Engine(Generic[GroupT, MovedT]):
         if name not in self._window:
             return False
         holder = self._holders.get(name)
-        if holder is None or holder[0]() is not None:
+        if holder is None or holder() is not None:
             return True  # (open, or alive)
         self._unlist(name)
         return False
@@ -311,18 +330,33 @@ class Engine(Generic[GroupT, MovedT]):
         reported: after an exception closed a later group (its forward cut short), or before any
         backward pass began once a group of the name it was given opened after it (a forward
         discarded and run again: ``out = model(x); out = model(x)``). A forward discarded and
-        not run again stays reported as it ran until the next one."""
+        not run again stays reported as it ran until the next one.
+
+        Run again means outlived by a later group of the name it was given: a forward's graph is
+        let go at once, its groups with it (the later of them first), so one let go with the same
+        forward's later groups of that name (a module at several positions, its graph let go by
+        a backward pass that raised before reaching it) is not. Whether that forward's graph was
+        let go before stats() is read, or only after (autograd's device thread may let it go a
+        little after ``backward()`` raised), then reads the same."""
         if name in self._gone:
             return True
         if self._backward_began:
             return False  # (decided as it began: the groups backward frees are not let go)
         holder = self._holders.get(name)
-        if holder is None or holder[0]() is not None:
+        if holder is None or holder.died is None:
             return False
-        if self._failures > holder[1]:
+        if self._failures > holder.failures:
             return True
         given, number = self._opened.get(name, (name, 0))
-        return self._last_opened.get(given, number) > number
+        return any(other_given == given and other_number > number and self._outlives(other, holder.died)
+                   for other, (other_given, other_number) in list(self._opened.items()))
+
+    def _outlives(self, name: str, died: int) -> bool:
+        """Whether group ``name`` is open, alive, or was let go after the death numbered ``died``."""
+        holder = self._holders.get(name)
+        if holder is None:
+            return self._window.get(name) is _OPEN
+        return holder.died is None or holder.died > died
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -352,7 +386,7 @@ class Engine(Generic[GroupT, MovedT]):
             self._step_failures = self._failures
         elif name != self._step_first or not self._holders:
             return False
-        return name == self._step_first and all(ref() is None for ref, _ in self._holders.values())
+        return name == self._step_first and all(holder() is None for holder in self._holders.values())
 
     def _begin_step_if_new(self, name: str) -> None:
         """A group opening (``name``) after a backward pass began (or the first ever, or after an
@@ -366,7 +400,6 @@ class Engine(Generic[GroupT, MovedT]):
                 self._window.clear()
                 self._holders.clear()
                 self._opened.clear()
-                self._last_opened.clear()
                 self._gone = set()
                 self._repeats.clear()
                 self._backward_began = False
@@ -445,7 +478,7 @@ class Engine(Generic[GroupT, MovedT]):
             return
         if group.saved or group.summary["saved"]:
             self._window[group.name] = group.summary
-            self._holders[group.name] = (weakref.ref(group), self._failures)
+            self._holders[group.name] = _Holder(group, self._failures)
         else:
             # It saved nothing (frozen, or only ops that save nothing): not listed, so that steps
             # whose backward never reaches a group (it has nothing to unpack) add nothing either

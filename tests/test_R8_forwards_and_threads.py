@@ -49,6 +49,29 @@ def test_R8_a_module_called_twice_in_one_forward_is_two_groups(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("let_go", ["dropped", "backward_raised"])
+def test_R8_a_module_called_twice_in_one_forward_let_go_without_backward_stays_two_groups(impl, let_go):
+    """Its second call opens a group of the first one's name, as a forward run again would; but
+    one forward's graph is let go whole, so both stay reported, whether stats() is read before
+    the graph is let go or after (autograd's device thread may let it go a while after a
+    ``backward()`` that raised returns)."""
+    block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+    off = off_for(impl, "cpu", keep_last=0)
+    with ao.wrap([block], off):
+        y = block(block(torch.randn(16, 32, requires_grad=True) * 1))
+    y = y.sigmoid()
+    y.mul_(1)  # written after sigmoid saved it: backward raises before reaching either group
+    before = off.stats()["groups"]
+    assert sorted(before) == ["0", "0#2"]
+    if let_go == "backward_raised":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    del y
+    gc.collect()
+    assert off.stats()["groups"] == before
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_R8_stats_cover_the_forwards_since_backward_last_began(impl):
     model = mlp_stack(2, 32, "cpu")
     off = off_for(impl, "cpu", keep_last=0)
