@@ -48,13 +48,14 @@ class _Holder(weakref.ref):
     def __new__(cls, group: Group, failures: int) -> "_Holder":
         return super().__new__(cls, group, _Holder._let_go)
 
-    def __init__(self, group: Group, failures: int) -> None:
-        super().__init__(group, _Holder._let_go)
-        self.failures, self.died = failures, None
+    def __init__(self, group: Group, failures: int) -> None:  # (ref's own takes the callback)
+        self.failures = failures
+        self.died: int | None = None
 
     @staticmethod
     def _let_go(holder: "_Holder") -> None:
         holder.died = next(_deaths)
+
 
 # The group open on each thread (groups do not nest), by thread id: its name, and whether it is a
 # module run whole in place of its parts, which open no groups of their own. (A dict, not a
