@@ -80,6 +80,9 @@ class ReplayProbe:
     def trim(self) -> None:
         self.cache = self.base
 
+    def reclaim_above(self, budget: int) -> str:
+        return "a replayed device"
+
     def reset_peak(self) -> None:
         pass
 

@@ -80,6 +80,9 @@ class FakeProbe:
         self.trims += 1
         self.reserved_bytes = self.allocated_bytes
 
+    def reclaim_above(self, budget: int) -> str:
+        return "a fake device"
+
     def reset_peak(self) -> None:
         pass
 
@@ -748,9 +751,10 @@ def test_controller_stats_keep_their_keys_and_name_actions_plainly():
                       "predicted_peak_bytes", "predicted_step_s", "smallest_reachable_bytes", "plans_tried",
                       "peak_at", "tried", "profile", "profiled_peak_bytes", "measured_peak_bytes",
                       "measured_reserved_peak_bytes", "measured_step_s", "allocator_reserve_bytes", "cache_trims",
-                      "cache_trims_by", "cache_bound", "planning_s", "planning_by", "background_planning_s",
+                      "cache_trims_by", "allocator_reclaim", "cache_bound", "planning_s", "planning_by", "background_planning_s",
                       "planning_in_background"}
     assert [g["action"] for g in s["groups"]] == [Action.KEEP.value] * 4
+    assert s["allocator_reclaim"] == "a fake device"  # told at the first step
     # every planning second is counted by what it was spent on, choosing at least once
     assert s["planning_by"]["choosing"] > 0
     assert sum(s["planning_by"].values()) == pytest.approx(s["planning_s"])
@@ -1150,6 +1154,9 @@ def test_reserve_counts_what_a_step_of_several_backward_passes_grew_once():
 
         def trim(self) -> None:
             self.reserved_bytes = 0
+
+        def reclaim_above(self, budget: int) -> str:
+            return "a fake device"
 
     reserve, cache, budget = AllocatorReserve(), Cache(), 1 << 40
     reserve.step_of(512)

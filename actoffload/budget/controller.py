@@ -1669,6 +1669,7 @@ class BudgetController:
                                "allocator_reserve_bytes": self._reserve.bytes if cuda else None,
                                "cache_trims": self._reserve.trims if cuda else None,
                                "cache_trims_by": dict(self._reserve.trims_by) if cuda else None,
+                               "allocator_reclaim": self._reserve.reclaim if cuda else None,
                                "planning_s": self.planning_s,
                                "planning_by": dict(self.planning_by),
                                "background_planning_s": self.background_planning_s,

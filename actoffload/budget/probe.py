@@ -15,6 +15,7 @@ import torch
 
 from ..hostmem import exact_host_allocator
 from ..settings import device_memory
+from .reclaim import reclaim_above
 
 _BANDWIDTH: dict[str, tuple[float, float]] = {}  # device -> (d2h, h2d) bytes per second
 
@@ -79,6 +80,11 @@ class Probe:
         if self.cuda:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
+
+    def reclaim_above(self, budget: int) -> str:
+        """Have the allocator give idle cached blocks back before it grows past ``budget``
+        (:mod:`~.reclaim`); what was done, in words."""
+        return reclaim_above(self.device, budget) if self.cuda else "not a CUDA device"
 
     def reset_peak(self) -> None:
         if self.cuda:

@@ -48,6 +48,10 @@ grown), and once its own cache is over as well, emptying it at every step would 
 its allocations and change nothing. Each workload's controller shares one reserve: they
 share one allocator.
 
+From the first step on, the allocator also gives idle blocks back itself before it grows past
+the budget (:mod:`~.reclaim`): a soft bound under the reserve's choices, for the steps whose
+cache it misjudges.
+
 The reserve judges plans not yet run on the cache as it stands. A plan that ran on it (no trim
 since: :attr:`trims` unchanged) is judged by what it reserved there, or what the cache holds now
 if more, where that is less (the controller's ``_served_now``): a cache only grows until it is
@@ -108,6 +112,7 @@ class AllocatorReserve:
         self._uncounted = False  # the latest step's share is not counted (step_begins)
         self._shared = False  # the latest step began on a cache steps of more tokens grew
         self._bound: weakref.WeakSet[Any] = weakref.WeakSet()  # workloads bound to the cache (bind)
+        self.reclaim: str | None = None  # how the allocator was told the budget (:mod:`~.reclaim`), at the first step
 
     def bind(self, workload: Any, bound: bool) -> None:
         """Whether ``workload`` (its controller) is bound to the cache: its plan stays within the
@@ -141,6 +146,8 @@ class AllocatorReserve:
         that does not profile), one that steps of other lengths grew; and note what is reserved now."""
         if not probe.cuda:
             return
+        if self.reclaim is None:
+            self.reclaim = probe.reclaim_above(budget)
         now = probe.reserved()
         if self.trims == 0:
             why: str | None = "first"

@@ -1,0 +1,62 @@
+"""The caching allocator told where the budget is, so that it gives idle blocks back before
+it grows past it.
+
+What goes over a budget is most often the cache, not the step: a plan's first steps on blocks
+that other plans or other lengths left, too large or too small for it, which the allocator keeps
+while it asks the device for more (docs/budgets.md, "The reserve on a GPU"). PyTorch's
+allocator can give back idle blocks itself, without the device-wide synchronization of
+``torch.cuda.empty_cache``: with ``garbage_collection_threshold`` set, whenever it is about
+to ask the device for a new block while it holds more than that share of the memory it may
+use, it frees cached blocks no tensor uses (the least recently used whole ones) until it is
+back under. With the threshold at the budget, a step on a cache built for something else
+takes that cache's idle blocks back before it takes new memory past the budget. It is a soft
+bound: the block asked for is still granted, and blocks of which a part is in use stay; the
+hard limit (``set_per_process_memory_fraction``) stays as it was, so a step that needs more
+than its budget runs as it would have, not out of memory.
+
+The threshold is a setting of the process's allocator, shared by every device: the latest
+budget sets it, as a share of the memory its device allows. A threshold the user set
+(``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``) is left as it is, as is an allocator
+other than PyTorch's native one (``backend:cudaMallocAsync``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_SETTING = "garbage_collection_threshold"
+_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def reclaim_above(device: torch.device, budget: int) -> str:
+    """Have the caching allocator of ``device`` give back idle cached blocks before what it
+    holds grows past ``budget`` bytes; what was done, in words (``stats()["plan"]``).
+
+    Example::
+
+        reclaim_above(torch.device("cuda"), 20 << 30)   # 'threshold 0.143 of 140.0 GiB'
+    """
+    if device.type != "cuda":
+        return "not a CUDA device"
+    conf = ",".join(v for v in (os.environ.get(name, "") for name in _CONF_VARS) if v)
+    if _SETTING in conf:
+        return f"the user's {_SETTING}"
+    if "cudaMallocAsync" in conf:
+        return "not PyTorch's native allocator"
+    fraction_of = getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
+    configure = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if fraction_of is None or configure is None:
+        return f"this torch ({torch.__version__}) cannot set it"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = float(fraction_of(index))
+    allowed = fraction * torch.cuda.mem_get_info(index)[1]
+    threshold = budget / allowed
+    if threshold >= 1.0:
+        return "the budget is all the memory the allocator may use"
+    # the allocator collects only once a memory fraction was set: the one in force, set again
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    # its settings are read whole each time: the user's, then the threshold
+    configure(",".join(v for v in (conf, f"{_SETTING}:{threshold:.6f}") if v))
+    return f"threshold {threshold:.3f} of {allowed / 2**30:.1f} GiB"
