@@ -375,6 +375,7 @@ def _plan_reading(off: ao.Offloader, trace: PlanTrace) -> dict[str, Any]:
             "measured_reserved_peak_bytes": plan.get("measured_reserved_peak_bytes"),
             "allocator_reserve_bytes": plan.get("allocator_reserve_bytes"), "cache_trims": plan.get("cache_trims"),
             "cache_trims_by": plan.get("cache_trims_by"), "cache_bound": plan.get("cache_bound"),
+            "allocator_reclaim": plan.get("allocator_reclaim"),
             "planning_s_all": workload.get("planning_s_all"), "planning_by_all": workload.get("planning_by_all"),
             "background_planning_s_all": workload.get("background_planning_s_all"),
             "host_allocations": stats.get("host_allocations")}
