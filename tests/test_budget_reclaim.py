@@ -25,6 +25,7 @@ class Allocator:
         self.total, self.fraction, self.settings, self.fractions_set = total, fraction, [], []
         monkeypatch.setattr(torch.cuda.memory, "get_per_process_memory_fraction", lambda index: self.fraction)
         monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", self.settings.append)
+        monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings", raising=False)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                             lambda fraction, index: self.fractions_set.append(fraction))
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (self.total // 2, self.total))
@@ -46,7 +47,16 @@ def test_reclaim_keeps_the_users_allocator_settings(monkeypatch):
     allocator = Allocator(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     reclaim.reclaim_above(DEVICE, 20 * GiB)
-    assert allocator.settings == ["expandable_segments:True,garbage_collection_threshold:0.250000"]
+    assert allocator.settings == ["expandable_segments:True,garbage_collection_threshold:0.250006"]
+    # a fraction of 1 (the default) leaves the allocator collecting nothing: 2 MiB under it
+    assert allocator.fractions_set == [1 - (2 << 20) / (80 * GiB)]
+
+
+def test_reclaim_sets_the_threshold_through_the_accelerator_settings_where_torch_has_them(monkeypatch):
+    allocator, told = Allocator(monkeypatch, fraction=0.5), []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
+    reclaim.reclaim_above(DEVICE, 10 * GiB)
+    assert told == ["garbage_collection_threshold:0.250000"] and allocator.settings == []
 
 
 @pytest.mark.parametrize("conf, said", [("garbage_collection_threshold:0.6", "the user's"),

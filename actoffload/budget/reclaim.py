@@ -11,8 +11,9 @@ use, it frees cached blocks no tensor uses (the least recently used whole ones) 
 back under. With the threshold at the budget, a step on a cache built for something else
 takes that cache's idle blocks back before it takes new memory past the budget. It is a soft
 bound: the block asked for is still granted, and blocks of which a part is in use stay; the
-hard limit (``set_per_process_memory_fraction``) stays as it was, so a step that needs more
-than its budget runs as it would have, not out of memory.
+hard limit (``set_per_process_memory_fraction``) stays as it was (but for 2 MiB under the
+whole device, where it was the whole device: the allocator collects only under a limit), so a
+step that needs more than its budget runs as it would have, not out of memory.
 
 The threshold is a setting of the process's allocator, shared by every device: the latest
 budget sets it, as a share of the memory its device allows. A threshold the user set
@@ -28,6 +29,7 @@ import torch
 
 _SETTING = "garbage_collection_threshold"
 _CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_ROUNDING = 2 << 20  # the allocator's rounding of large blocks
 
 
 def reclaim_above(device: torch.device, budget: int) -> str:
@@ -46,16 +48,21 @@ def reclaim_above(device: torch.device, budget: int) -> str:
     if "cudaMallocAsync" in conf:
         return "not PyTorch's native allocator"
     fraction_of = getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
-    configure = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # (torch 2.11 warns the second is deprecated, in favour of the first)
+    configure = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     if fraction_of is None or configure is None:
         return f"this torch ({torch.__version__}) cannot set it"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fraction = float(fraction_of(index))
-    allowed = fraction * torch.cuda.mem_get_info(index)[1]
+    total = torch.cuda.mem_get_info(index)[1]
+    # The allocator collects only under a memory fraction below 1 (at 1.0, PyTorch's default,
+    # it never did on an H200 with torch 2.11): the one in force, or one block of the
+    # allocator's rounding (2 MiB) under the whole device.
+    fraction = min(float(fraction_of(index)), 1.0 - _ROUNDING / total)
+    allowed = fraction * total
     threshold = budget / allowed
     if threshold >= 1.0:
         return "the budget is all the memory the allocator may use"
-    # the allocator collects only once a memory fraction was set: the one in force, set again
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     # its settings are read whole each time: the user's, then the threshold
     configure(",".join(v for v in (conf, f"{_SETTING}:{threshold:.6f}") if v))
