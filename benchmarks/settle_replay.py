@@ -80,7 +80,7 @@ class ReplayProbe:
     def trim(self) -> None:
         self.cache = self.base
 
-    def reclaim_above(self, budget: int) -> str:
+    def reclaim_above(self, budget: int, owner: object) -> str:
         return "a replayed device"
 
     def reset_peak(self) -> None:

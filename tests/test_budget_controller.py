@@ -80,7 +80,7 @@ class FakeProbe:
         self.trims += 1
         self.reserved_bytes = self.allocated_bytes
 
-    def reclaim_above(self, budget: int) -> str:
+    def reclaim_above(self, budget: int, owner: object) -> str:
         return "a fake device"
 
     def reset_peak(self) -> None:
@@ -1155,7 +1155,7 @@ def test_reserve_counts_what_a_step_of_several_backward_passes_grew_once():
         def trim(self) -> None:
             self.reserved_bytes = 0
 
-        def reclaim_above(self, budget: int) -> str:
+        def reclaim_above(self, budget: int, owner: object) -> str:
             return "a fake device"
 
     reserve, cache, budget = AllocatorReserve(), Cache(), 1 << 40

@@ -91,7 +91,7 @@ def test_the_reserve_tells_the_allocator_the_budget_once_at_the_first_step():
         def trim(self) -> None:
             pass
 
-        def reclaim_above(self, budget: int) -> str:
+        def reclaim_above(self, budget: int, owner: object) -> str:
             self.told.append(budget)
             return "told"
 
@@ -125,3 +125,20 @@ def test_cuda_a_cache_of_idle_blocks_of_other_sizes_is_given_back_before_the_all
              for how in ("told", "untold")}
     assert grown["untold"] >= 612  # every idle block kept, and the new one beside them
     assert grown["told"] <= 256 + 100 + 2  # back to the budget first (2 MiB: the allocator's rounding)
+
+
+def test_the_users_settings_are_back_once_the_latest_budget_is_let_go(monkeypatch):
+    allocator = Allocator(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+
+    class Budget:
+        pass
+
+    first, second = Budget(), Budget()
+    reclaim.reclaim_above(DEVICE, 20 * GiB, first)
+    reclaim.reclaim_above(DEVICE, 40 * GiB, second)
+    del first  # an earlier budget's: the later one's threshold stands
+    assert allocator.settings[-1] == "max_split_size_mb:512,garbage_collection_threshold:0.500012"
+    del second
+    assert allocator.settings[-1] == "max_split_size_mb:512"
+    assert allocator.fractions_set[-1] == 1.0

@@ -81,10 +81,10 @@ class Probe:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
 
-    def reclaim_above(self, budget: int) -> str:
-        """Have the allocator give idle cached blocks back before it grows past ``budget``
-        (:mod:`~.reclaim`); what was done, in words."""
-        return reclaim_above(self.device, budget) if self.cuda else "not a CUDA device"
+    def reclaim_above(self, budget: int, owner: object) -> str:
+        """Have the allocator give idle cached blocks back before it grows past ``budget``,
+        while ``owner`` lives (:mod:`~.reclaim`); what was done, in words."""
+        return reclaim_above(self.device, budget, owner) if self.cuda else "not a CUDA device"
 
     def reset_peak(self) -> None:
         if self.cuda:

@@ -16,7 +16,8 @@ whole device, where it was the whole device: the allocator collects only under a
 step that needs more than its budget runs as it would have, not out of memory.
 
 The threshold is a setting of the process's allocator, shared by every device: the latest
-budget sets it, as a share of the memory its device allows. A threshold the user set
+budget sets it, as a share of the memory its device allows, and once that budget's offloader
+is let go the user's settings are back. A threshold the user set
 (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``) is left as it is, as is an allocator
 other than PyTorch's native one (``backend:cudaMallocAsync``).
 """
@@ -24,21 +25,25 @@ other than PyTorch's native one (``backend:cudaMallocAsync``).
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Callable
 
 import torch
 
 _SETTING = "garbage_collection_threshold"
 _CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _ROUNDING = 2 << 20  # the allocator's rounding of large blocks
+_latest = 0  # the setting made last (each reclaim_above makes one)
 
 
-def reclaim_above(device: torch.device, budget: int) -> str:
+def reclaim_above(device: torch.device, budget: int, owner: object = None) -> str:
     """Have the caching allocator of ``device`` give back idle cached blocks before what it
-    holds grows past ``budget`` bytes; what was done, in words (``stats()["plan"]``).
+    holds grows past ``budget`` bytes, until ``owner`` (the budget's) is let go, where it is
+    the latest to have set it; what was done, in words (``stats()["plan"]``).
 
     Example::
 
-        reclaim_above(torch.device("cuda"), 20 << 30)   # 'threshold 0.143 of 140.0 GiB'
+        reclaim_above(torch.device("cuda"), 20 << 30, owner)   # 'threshold 0.143 of 140.0 GiB'
     """
     if device.type != "cuda":
         return "not a CUDA device"
@@ -63,7 +68,20 @@ def reclaim_above(device: torch.device, budget: int) -> str:
     threshold = budget / allowed
     if threshold >= 1.0:
         return "the budget is all the memory the allocator may use"
+    before = float(fraction_of(index))
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     # its settings are read whole each time: the user's, then the threshold
     configure(",".join(v for v in (conf, f"{_SETTING}:{threshold:.6f}") if v))
+    global _latest
+    _latest += 1
+    if owner is not None:
+        weakref.finalize(owner, _restore, _latest, configure, conf, index, before).atexit = False
     return f"threshold {threshold:.3f} of {allowed / 2**30:.1f} GiB"
+
+
+def _restore(setting: int, configure: Callable[[str], None], conf: str, index: int, fraction: float) -> None:
+    """The budget that made ``setting`` was let go: the user's settings again, unless a later
+    budget's stand."""
+    if setting == _latest:
+        configure(conf)  # (read whole: without a threshold, none)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)

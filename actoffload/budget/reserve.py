@@ -147,7 +147,7 @@ class AllocatorReserve:
         if not probe.cuda:
             return
         if self.reclaim is None:
-            self.reclaim = probe.reclaim_above(budget)
+            self.reclaim = probe.reclaim_above(budget, self)
         now = probe.reserved()
         if self.trims == 0:
             why: str | None = "first"
