@@ -349,8 +349,13 @@ class Engine(Generic[GroupT, MovedT]):
         if self._failures > holder.failures:
             return True
         given, number = self._opened.get(name, (name, 0))
-        return any(other_given == given and other_number > number and self._outlives(other, holder.died)
-                   for other, (other_given, other_number) in list(self._opened.items()))
+        # the window names of its name's later groups: itself given again, or "#k" (_open)
+        later = (given, *(f"{given}#{k}" for k in range(2, self._repeats.get(given, 1) + 1)))
+        for other in later:
+            opened = self._opened.get(other)
+            if opened is not None and opened[0] == given and opened[1] > number and self._outlives(other, holder.died):
+                return True
+        return False
 
     def _outlives(self, name: str, died: int) -> bool:
         """Whether group ``name`` is open, alive, or was let go after the death numbered ``died``."""
