@@ -36,10 +36,15 @@ class Allocator:
 DEVICE = torch.device("cuda", 0)
 
 
+def share(budget: int, total: int = 80 * GiB) -> str:
+    """The threshold of ``budget`` on a device of ``total`` bytes at a fraction of 1."""
+    return f"{budget / ((1 - (2 << 20) / total) * total):.12f}"
+
+
 def test_reclaim_sets_the_threshold_at_the_budget_as_a_share_of_what_the_allocator_may_use(monkeypatch):
     allocator = Allocator(monkeypatch, fraction=0.5)
     assert reclaim.reclaim_above(DEVICE, 10 * GiB) == "threshold 0.250 of 40.0 GiB"
-    assert allocator.settings == ["garbage_collection_threshold:0.250000"]
+    assert allocator.settings == ["garbage_collection_threshold:0.250000000000"]
     assert allocator.fractions_set == [0.5]  # the hard limit stays the user's
 
 
@@ -47,7 +52,7 @@ def test_reclaim_keeps_the_users_allocator_settings(monkeypatch):
     allocator = Allocator(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     reclaim.reclaim_above(DEVICE, 20 * GiB)
-    assert allocator.settings == ["expandable_segments:True,garbage_collection_threshold:0.250006"]
+    assert allocator.settings == [f"expandable_segments:True,garbage_collection_threshold:{share(20 * GiB)}"]
     # a fraction of 1 (the default) leaves the allocator collecting nothing: 2 MiB under it
     assert allocator.fractions_set == [1 - (2 << 20) / (80 * GiB)]
 
@@ -56,7 +61,7 @@ def test_reclaim_sets_the_threshold_through_the_accelerator_settings_where_torch
     allocator, told = Allocator(monkeypatch, fraction=0.5), []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
     reclaim.reclaim_above(DEVICE, 10 * GiB)
-    assert told == ["garbage_collection_threshold:0.250000"] and allocator.settings == []
+    assert told == ["garbage_collection_threshold:0.250000000000"] and allocator.settings == []
 
 
 @pytest.mark.parametrize("conf, said", [("garbage_collection_threshold:0.6", "the user's"),
@@ -138,7 +143,20 @@ def test_the_users_settings_are_back_once_the_latest_budget_is_let_go(monkeypatc
     reclaim.reclaim_above(DEVICE, 20 * GiB, first)
     reclaim.reclaim_above(DEVICE, 40 * GiB, second)
     del first  # an earlier budget's: the later one's threshold stands
-    assert allocator.settings[-1] == "max_split_size_mb:512,garbage_collection_threshold:0.500012"
+    assert allocator.settings[-1] == f"max_split_size_mb:512,garbage_collection_threshold:{share(40 * GiB)}"
     del second
     assert allocator.settings[-1] == "max_split_size_mb:512"
     assert allocator.fractions_set[-1] == 1.0
+
+
+def test_reclaim_sets_a_small_budgets_share_in_digits_torch_parses_and_a_refusal_changes_nothing(monkeypatch):
+    allocator = Allocator(monkeypatch, fraction=0.5)
+    reclaim.reclaim_above(DEVICE, 64 << 10)  # 64 KiB of 40 GiB: no exponent, not 0
+    assert allocator.settings == ["garbage_collection_threshold:0.000001525879"]
+
+    def refuse(conf: str) -> None:
+        raise RuntimeError("that setting cannot be changed once CUDA has started")
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    assert "torch refused the settings: that setting" in reclaim.reclaim_above(DEVICE, GiB)
+    assert allocator.fractions_set[-1] == 0.5  # the user's again

@@ -7,8 +7,8 @@ while it asks the device for more (docs/budgets.md, "The reserve on a GPU"). PyT
 allocator can give back idle blocks itself, without the device-wide synchronization of
 ``torch.cuda.empty_cache``: with ``garbage_collection_threshold`` set, whenever it is about
 to ask the device for a new block while it holds more than that share of the memory it may
-use, it frees cached blocks no tensor uses (the least recently used whole ones) until it is
-back under. With the threshold at the budget, a step on a cache built for something else
+use, it frees cached blocks no tensor uses (whole ones, the least recently used first) until it
+is back under. With the threshold at the budget, a step on a cache built for something else
 takes that cache's idle blocks back before it takes new memory past the budget. It is a soft
 bound: the block asked for is still granted, and blocks of which a part is in use stay; the
 hard limit (``set_per_process_memory_fraction``) stays as it was (but for 2 MiB under the
@@ -53,9 +53,8 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
     if "cudaMallocAsync" in conf:
         return "not PyTorch's native allocator"
     fraction_of = getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
-    # (torch 2.11 warns the second is deprecated, in favour of the first)
     configure = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))  # (deprecated in torch 2.11)
     if fraction_of is None or configure is None:
         return f"this torch ({torch.__version__}) cannot set it"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -65,18 +64,21 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
     # allocator's rounding (2 MiB) under the whole device.
     fraction = min(float(fraction_of(index)), 1.0 - _ROUNDING / total)
     allowed = fraction * total
-    threshold = budget / allowed
-    if threshold >= 1.0:
+    threshold = f"{budget / allowed:.12f}"  # (torch's parser takes no exponent; a byte of a TB is not 0)
+    if budget >= allowed:
         return "the budget is all the memory the allocator may use"
     before = float(fraction_of(index))
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    # its settings are read whole each time: the user's, then the threshold
-    configure(",".join(v for v in (conf, f"{_SETTING}:{threshold:.6f}") if v))
+    try:  # its settings are read whole each time: the user's, then the threshold
+        configure(",".join(v for v in (conf, f"{_SETTING}:{threshold}") if v))
+    except RuntimeError as e:  # (a setting of the user's that only holds before CUDA starts, say)
+        torch.cuda.set_per_process_memory_fraction(before, index)
+        return f"torch refused the settings: {e}"
     global _latest
     _latest += 1
     if owner is not None:
         weakref.finalize(owner, _restore, _latest, configure, conf, index, before).atexit = False
-    return f"threshold {threshold:.3f} of {allowed / 2**30:.1f} GiB"
+    return f"threshold {float(threshold):.3f} of {allowed / 2**30:.1f} GiB"
 
 
 def _restore(setting: int, configure: Callable[[str], None], conf: str, index: int, fraction: float) -> None:
