@@ -326,43 +326,38 @@ class Engine(Generic[GroupT, MovedT]):
         self._unlist(name)
         return False
 
-    def _let_go_before_backward(self, name: str) -> bool:
-        """Whether group ``name`` was let go with its graph, its saves freed (R8), and so is not
-        reported: after an exception closed a later group (its forward cut short), or before any
-        backward pass began once a group of the name it was given opened after it (a forward
+    def _let_go_names(self) -> set[str]:
+        """The groups of the window let go with their graph, their saves freed (R8), and so not
+        reported: after an exception closed a later group (its forward cut short), or, before any
+        backward pass began, once a later group of the name it was given outlived it (a forward
         discarded and run again: ``out = model(x); out = model(x)``). A forward discarded and
         not run again stays reported as it ran until the next one.
 
-        Run again means outlived by a later group of the name it was given: a forward's graph is
-        let go at once, its groups with it (the later of them first), so one let go with the same
-        forward's later groups of that name (a module at several positions, its graph let go by
-        a backward pass that raised before reaching it) is not. Whether that forward's graph was
-        let go before stats() is read, or only after (autograd's device thread may let it go a
-        little after ``backward()`` raised), then reads the same."""
-        if name in self._gone:
-            return True
+        Outlived, not merely opened after it: a forward's graph is let go from its output back,
+        so a module applied twice in a row whose graph goes without a backward pass (dropped, or
+        a backward that raised before reaching it) stays two groups, whether the graph went
+        before stats() was read or after (autograd's device thread may let it go a little after
+        ``backward()`` raised). (Applied in parallel branches, the order autograd lets the
+        branches go decides.) One pass over the window, each name's groups by opening."""
         if self._backward_began:
-            return False  # (decided as it began: the groups backward frees are not let go)
-        holder = self._holders.get(name)
-        if holder is None or holder.died is None:
-            return False
-        if self._failures > holder.failures:
-            return True
-        given, number = self._opened.get(name, (name, 0))
-        # the window names of its name's later groups: itself given again, or "#k" (_open)
-        later = (given, *(f"{given}#{k}" for k in range(2, self._repeats.get(given, 1) + 1)))
-        for other in later:
-            opened = self._opened.get(other)
-            if opened is not None and opened[0] == given and opened[1] > number and self._outlives(other, holder.died):
-                return True
-        return False
-
-    def _outlives(self, name: str, died: int) -> bool:
-        """Whether group ``name`` is open, alive, or was let go after the death numbered ``died``."""
-        holder = self._holders.get(name)
-        if holder is None:
-            return self._window.get(name) is _OPEN
-        return holder.died is None or holder.died > died
+            return set(self._gone)  # (decided as it began: the groups backward frees are not let go)
+        by_name: dict[str, list[tuple[int, float, str]]] = {}
+        for name in list(self._window):
+            opened = self._opened.get(name)
+            if opened is not None:
+                holder = self._holders.get(name)  # (none: still open)
+                died = float("inf") if holder is None or holder.died is None else holder.died
+                by_name.setdefault(opened[0], []).append((opened[1], died, name))
+        gone = set(self._gone)
+        for groups in by_name.values():
+            outlasting = 0.0  # the latest any later group of the name was let go (inf: one lives)
+            for _, died, name in sorted(groups, reverse=True):
+                holder = self._holders.get(name)
+                if holder is not None and holder.died is not None and (
+                        self._failures > holder.failures or outlasting > holder.died):
+                    gone.add(name)
+                outlasting = max(outlasting, died)
+        return gone
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:
         """Whether reloading ahead may reach ``prev`` from the group opening after it."""
@@ -728,7 +723,7 @@ class Engine(Generic[GroupT, MovedT]):
         forward again): the next group opened outside backward begins a step."""
         if not self._backward_began:
             with self._lock:  # (what was let go before it began, run again since, stays unreported)
-                self._gone = {name for name in list(self._window) if self._let_go_before_backward(name)}
+                self._gone = self._let_go_names()
                 self._backward_began = True
             if "backward_begins" in self._asks:
                 self.plan.backward_begins()
@@ -845,8 +840,9 @@ class Engine(Generic[GroupT, MovedT]):
                 g = ref()
                 if g is not None and g.state is GroupState.PENDING and not g.kept_whole:
                     self._plan(g, committed=False)
+            let_go = self._let_go_names()
             groups = {name: {k: dict(v) if isinstance(v, dict) else v for k, v in s.items()}
-                      for name, s in list(self._window.items()) if s and not self._let_go_before_backward(name)}
+                      for name, s in list(self._window.items()) if s and name not in let_go}
         in_use, pooled = self._host_bytes()
         return {
             "impl": self.impl,
