@@ -26,11 +26,16 @@ class Allocator:
         monkeypatch.setattr(torch.cuda.memory, "get_per_process_memory_fraction", lambda index: self.fraction)
         monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", self.settings.append)
         monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings", raising=False)
-        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                            lambda fraction, index: self.fractions_set.append(fraction))
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
+        monkeypatch.setattr(reclaim, "_live", {})  # (no budget alive from another test)
+        monkeypatch.setattr(reclaim, "_users_fraction", {})
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (self.total // 2, self.total))
-        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
             monkeypatch.delenv(name, raising=False)
+
+    def set_fraction(self, fraction: float, index: int) -> None:
+        self.fraction = fraction
+        self.fractions_set.append(fraction)
 
 
 DEVICE = torch.device("cuda", 0)
@@ -132,31 +137,61 @@ def test_cuda_a_cache_of_idle_blocks_of_other_sizes_is_given_back_before_the_all
     assert grown["told"] <= 256 + 100 + 2  # back to the budget first (2 MiB: the allocator's rounding)
 
 
-def test_the_users_settings_are_back_once_the_latest_budget_is_let_go(monkeypatch):
+class Budget:
+    """Stands in for a budget's reserve: what a setting lives as long as."""
+
+
+@pytest.mark.parametrize("first_let_go", ["earlier", "later"])
+def test_the_users_settings_are_back_once_no_budget_is_alive_whichever_goes_first(monkeypatch, first_let_go):
     allocator = Allocator(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-
-    class Budget:
-        pass
-
-    first, second = Budget(), Budget()
-    reclaim.reclaim_above(DEVICE, 20 * GiB, first)
-    reclaim.reclaim_above(DEVICE, 40 * GiB, second)
-    del first  # an earlier budget's: the later one's threshold stands
-    assert allocator.settings[-1] == f"max_split_size_mb:512,garbage_collection_threshold:{share(40 * GiB)}"
-    del second
+    budgets = {"earlier": Budget(), "later": Budget()}
+    reclaim.reclaim_above(DEVICE, 20 * GiB, budgets["earlier"])
+    reclaim.reclaim_above(DEVICE, 40 * GiB, budgets["later"])
+    alive = "later" if first_let_go == "earlier" else "earlier"
+    del budgets[first_let_go]  # the one alive sets the threshold
+    assert allocator.settings[-1] == f"max_split_size_mb:512,garbage_collection_threshold:{share(20 * GiB if alive == 'earlier' else 40 * GiB)}"
+    assert allocator.fraction < 1.0
+    budgets.clear()
     assert allocator.settings[-1] == "max_split_size_mb:512"
-    assert allocator.fractions_set[-1] == 1.0
+    assert allocator.fraction == 1.0  # the user's, though a budget had lowered it when the other was made
 
 
-def test_reclaim_sets_a_small_budgets_share_in_digits_torch_parses_and_a_refusal_changes_nothing(monkeypatch):
+def test_each_devices_fraction_is_back_once_its_budgets_are_gone(monkeypatch):
+    allocator, fractions = Allocator(monkeypatch), {0: 1.0, 1: 0.8}
+    monkeypatch.setattr(torch.cuda.memory, "get_per_process_memory_fraction", lambda index: fractions[index])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, index: fractions.__setitem__(index, fraction))
+    on0, on1 = Budget(), Budget()
+    reclaim.reclaim_above(torch.device("cuda", 0), 20 * GiB, on0)
+    reclaim.reclaim_above(torch.device("cuda", 1), 20 * GiB, on1)
+    assert fractions[0] < 1.0 and fractions[1] == 0.8
+    del on0, on1
+    assert fractions == {0: 1.0, 1: 0.8} and allocator.settings[-1] == ""
+
+
+def test_reclaim_reads_the_variable_torch_reads(monkeypatch):
+    allocator = Allocator(monkeypatch)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")  # torch ignores it
+    reclaim.reclaim_above(DEVICE, 20 * GiB)
+    assert allocator.settings == [f"expandable_segments:True,garbage_collection_threshold:{share(20 * GiB)}"]
+
+
+def test_reclaim_sets_a_small_budgets_share_in_digits_torch_parses(monkeypatch):
     allocator = Allocator(monkeypatch, fraction=0.5)
     reclaim.reclaim_above(DEVICE, 64 << 10)  # 64 KiB of 40 GiB: no exponent, not 0
     assert allocator.settings == ["garbage_collection_threshold:0.000001525879"]
 
+
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_settings_torch_refuses_leave_everything_as_it_was(monkeypatch, error):
+    allocator = Allocator(monkeypatch, fraction=0.5)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "typo_key:1")
+
     def refuse(conf: str) -> None:
-        raise RuntimeError("that setting cannot be changed once CUDA has started")
+        raise error(f"Unrecognized key in {conf}")
 
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
-    assert "torch refused the settings: that setting" in reclaim.reclaim_above(DEVICE, GiB)
-    assert allocator.fractions_set[-1] == 0.5  # the user's again
+    assert "torch refused the settings: Unrecognized key" in reclaim.reclaim_above(DEVICE, GiB, Budget())
+    assert allocator.fraction == 0.5 and reclaim._live == {}  # the user's, and nothing to restore

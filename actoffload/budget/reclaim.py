@@ -16,30 +16,41 @@ whole device, where it was the whole device: the allocator collects only under a
 step that needs more than its budget runs as it would have, not out of memory.
 
 The threshold is a setting of the process's allocator, shared by every device: the latest
-budget sets it, as a share of the memory its device allows, and once that budget's offloader
-is let go the user's settings are back. A threshold the user set
-(``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``) is left as it is, as is an allocator
-other than PyTorch's native one (``backend:cudaMallocAsync``).
+budget alive sets it, as a share of the memory its device allows, and once no budget's offloader
+is alive the user's settings and fractions are back. A threshold the user set (in the variable
+torch reads: ``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``, else
+``PYTORCH_HIP_ALLOC_CONF``) is left as it is, as is an allocator other than PyTorch's native one
+(``backend:cudaMallocAsync``); settings torch refuses at runtime leave everything as it was.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 _SETTING = "garbage_collection_threshold"
-_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")  # torch reads the first set
 _ROUNDING = 2 << 20  # the allocator's rounding of large blocks
-_latest = 0  # the setting made last (each reclaim_above makes one)
+
+
+class _Setting(NamedTuple):
+    device: int  # its index
+    fraction: float  # the memory fraction it needs there
+    threshold: str
+
+
+_live: dict[int, _Setting] = {}  # the settings of the budgets alive, by the order they were made
+_users_fraction: dict[int, float] = {}  # each device's fraction before a budget changed it
+_made = 0
 
 
 def reclaim_above(device: torch.device, budget: int, owner: object = None) -> str:
     """Have the caching allocator of ``device`` give back idle cached blocks before what it
-    holds grows past ``budget`` bytes, until ``owner`` (the budget's) is let go, where it is
-    the latest to have set it; what was done, in words (``stats()["plan"]``).
+    holds grows past ``budget`` bytes, while ``owner`` (the budget's) lives; what was done, in
+    words (``stats()["plan"]``).
 
     Example::
 
@@ -47,43 +58,68 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
     """
     if device.type != "cuda":
         return "not a CUDA device"
-    conf = ",".join(v for v in (os.environ.get(name, "") for name in _CONF_VARS) if v)
+    conf = _users_conf()
     if _SETTING in conf:
         return f"the user's {_SETTING}"
     if "cudaMallocAsync" in conf:
         return "not PyTorch's native allocator"
     fraction_of = getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
-    configure = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))  # (deprecated in torch 2.11)
-    if fraction_of is None or configure is None:
+    if fraction_of is None or _configure() is None:
         return f"this torch ({torch.__version__}) cannot set it"
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.mem_get_info(index)[1]
+    users = _users_fraction.get(index, float(fraction_of(index)))
     # The allocator collects only under a memory fraction below 1 (at 1.0, PyTorch's default,
-    # it never did on an H200 with torch 2.11): the one in force, or one block of the
-    # allocator's rounding (2 MiB) under the whole device.
-    fraction = min(float(fraction_of(index)), 1.0 - _ROUNDING / total)
+    # it never did on an H200 with torch 2.11): the user's, or one block of the allocator's
+    # rounding (2 MiB) under the whole device.
+    fraction = min(users, 1.0 - _ROUNDING / total)
     allowed = fraction * total
-    threshold = f"{budget / allowed:.12f}"  # (torch's parser takes no exponent; a byte of a TB is not 0)
     if budget >= allowed:
         return "the budget is all the memory the allocator may use"
-    before = float(fraction_of(index))
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-    try:  # its settings are read whole each time: the user's, then the threshold
-        configure(",".join(v for v in (conf, f"{_SETTING}:{threshold}") if v))
-    except RuntimeError as e:  # (a setting of the user's that only holds before CUDA starts, say)
-        torch.cuda.set_per_process_memory_fraction(before, index)
+    global _made
+    _made += 1
+    made = _made
+    _users_fraction.setdefault(index, users)
+    # (torch's parser takes no exponent; a byte of a terabyte is not 0)
+    _live[made] = _Setting(index, fraction, f"{budget / allowed:.12f}")
+    try:
+        _apply()
+    except (RuntimeError, ValueError) as e:  # a setting of the user's that holds only before CUDA starts, say
+        _forget(made)
         return f"torch refused the settings: {e}"
-    global _latest
-    _latest += 1
     if owner is not None:
-        weakref.finalize(owner, _restore, _latest, configure, conf, index, before).atexit = False
-    return f"threshold {float(threshold):.3f} of {allowed / 2**30:.1f} GiB"
+        weakref.finalize(owner, _forget, made).atexit = False
+    return f"threshold {float(_live[made].threshold):.3f} of {allowed / 2**30:.1f} GiB"
 
 
-def _restore(setting: int, configure: Callable[[str], None], conf: str, index: int, fraction: float) -> None:
-    """The budget that made ``setting`` was let go: the user's settings again, unless a later
-    budget's stand."""
-    if setting == _latest:
-        configure(conf)  # (read whole: without a threshold, none)
-        torch.cuda.set_per_process_memory_fraction(fraction, index)
+def _users_conf() -> str:
+    return next((os.environ[name] for name in _CONF_VARS if os.environ.get(name)), "")
+
+
+def _configure() -> Callable[[str], None] | None:
+    return (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            or getattr(torch.cuda.memory, "_set_allocator_settings", None))  # (deprecated in torch 2.11)
+
+
+def _apply() -> None:
+    """The latest live budget's threshold over the user's settings (read whole each time: what a
+    call leaves out goes back to torch's default), or the user's alone; on each device, the
+    fraction a live budget there needs, or the user's."""
+    conf, latest = _users_conf(), _live[max(_live)] if _live else None
+    configure = _configure()
+    assert configure is not None
+    configure(",".join(v for v in (conf, f"{_SETTING}:{latest.threshold}" if latest else "") if v))
+    for index, users in list(_users_fraction.items()):
+        needs = [s.fraction for s in _live.values() if s.device == index]
+        torch.cuda.set_per_process_memory_fraction(min(needs) if needs else users, index)
+        if not needs:
+            del _users_fraction[index]
+
+
+def _forget(made: int) -> None:
+    """The budget whose setting was ``made`` was let go (or its setting refused)."""
+    if _live.pop(made, None) is not None:
+        try:
+            _apply()
+        except (RuntimeError, ValueError):
+            pass  # (what the user's own settings are refused at runtime stays as torch left it)
