@@ -102,6 +102,7 @@ class Engine(Generic[GroupT, MovedT]):
         self._step_first: str | None = None  # the name the step's first group with gradients on was opened with
         self._gone: set[str] = set()  # groups let go before this window's backward began, run again since
         self._opened: dict[str, tuple[str, int]] = {}  # window name -> (the name given, its opening's number)
+        self._namesakes: dict[str, dict[str, None]] = {}  # a name given again -> its window names ("name#k")
         self._opening_number = 0
         self._in_step = False  # a step began (the first one ever, or after a backward pass began)
         self._last_group: weakref.ref[GroupT] | None = None
@@ -260,11 +261,13 @@ class Engine(Generic[GroupT, MovedT]):
                 return None  # autograd holds what it saves, as without an offloader
         unique = name
         if self._taken(name):  # "name#k": counted on from the last k given, not from 2
+            self._let_namesakes_go(name)
             k = self._repeats.get(name, 1)
             while self._taken(unique):
                 k += 1
                 unique = f"{name}#{k}"
             self._repeats[name] = k
+            self._namesakes.setdefault(name, {name: None})[unique] = None
         position = len(self._window)
         self._window[unique] = _OPEN  # (not in stats() until it exits)
         self._opening_number += 1
@@ -309,10 +312,22 @@ class Engine(Generic[GroupT, MovedT]):
         last "name#k" given."""
         self._window.pop(name, None)
         self._holders.pop(name, None)
-        self._opened.pop(name, None)
+        opened = self._opened.pop(name, None)
+        if opened is not None and opened[0] in self._namesakes:
+            self._namesakes[opened[0]].pop(name, None)
         base, _, k = name.rpartition("#")
         if k.isdigit() and self._repeats.get(base) == int(k):
             self._repeats[base] = int(k) - 1
+
+    def _let_namesakes_go(self, name: str) -> None:
+        """A group of ``name`` opens again: the window's groups of that name already let go leave
+        it, outlived by this one (so not reported: :meth:`_let_go_names`). Else, in a loop of
+        forwards with gradients and no backward pass, every other one's "name#k" stayed until
+        the next backward."""
+        for other in list(self._namesakes.get(name, ())):
+            holder = self._holders.get(other)
+            if holder is not None and holder.died is not None:
+                self._unlist(other)
 
     def _taken(self, name: str) -> bool:
         """Whether ``name`` is a group's in the window. One whose group was let go before any
@@ -401,6 +416,7 @@ class Engine(Generic[GroupT, MovedT]):
                 self._window.clear()
                 self._holders.clear()
                 self._opened.clear()
+                self._namesakes.clear()
                 self._gone = set()
                 self._repeats.clear()
                 self._backward_began = False

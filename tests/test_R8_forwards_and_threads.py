@@ -72,6 +72,20 @@ def test_R8_a_module_called_twice_in_one_forward_let_go_without_backward_stays_t
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_R8_forwards_with_gradients_and_no_backward_keep_a_bounded_window(impl):
+    """``y = model(x)`` again and again, no backward (an evaluation with gradients on): each
+    forward's groups are let go once the next has run, and leave the window then, not at the
+    next backward pass (every other forward's "name#k" stayed: 3,000 after 2,000 forwards)."""
+    model = mlp_stack(3, 8, "cpu")
+    off = off_for(impl, "cpu", keep_last=1)
+    for _ in range(200):
+        y = run_groups(model, torch.randn(4, 8, requires_grad=True), off)
+    assert len(off._window) <= 6
+    assert len(off.stats()["groups"]) == 3  # the latest forward's
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_R8_stats_cover_the_forwards_since_backward_last_began(impl):
     model = mlp_stack(2, 32, "cpu")
     off = off_for(impl, "cpu", keep_last=0)
