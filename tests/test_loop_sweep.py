@@ -45,6 +45,9 @@ def test_results_have_env_every_method_and_budget_and_the_verdicts(run):
                                                         "checkpoint_all_peak_x1.25", "smallest_reachable"]
         assert [b["level"] for b in acc["budgets"]] == ["checkpoint_all_peak", "halfway", "none_peak"]
         assert all("error" not in b and "skipped" not in b for b in var["budgets"] + acc["budgets"])
+        # the device memory each method's run took and gave back: on CUDA only
+        runs = [*var["methods"].values(), *acc["methods"].values(), *var["budgets"], *acc["budgets"]]
+        assert all((r["device_segments"] is None) != cuda for r in runs)
         if cuda:
             assert var["smallest_reachable"]["bytes"] <= var["budgets"][4]["budget_bytes"]
         else:

@@ -290,6 +290,9 @@ class _Loop:
         self.fingerprint = Fingerprint(w.device)
         self.peaks = Peaks(w.device)
         self.gc_passes: dict[str, Any] = {}  # the garbage collector in the latest timed call (see timed)
+        # the device memory the allocator took and gave back over the latest method's run (CUDA):
+        # a budget's allocator collecting idle blocks (budget/reclaim.py) shows in "freed"
+        self.segments: dict[str, int] | None = None
         # the embedding's calls, by torch.is_grad_enabled() (training forwards, evaluations)
         self.forwards: collections.Counter[bool] = collections.Counter()
         w.embed.register_forward_hook(lambda module, args, out: self.forwards.update([torch.is_grad_enabled()]))
@@ -307,6 +310,7 @@ class _Loop:
         compat.empty_host_cache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        before = _segment_counts(self.device)
         off: ao.Offloader | None = None
         if m.budget is not None:
             off = ao.Offloader(impl="fast", device=self.device, memory_budget=m.budget)
@@ -319,6 +323,9 @@ class _Loop:
                 handle.remove()
             for p in self.params:
                 p.grad = None
+            after = _segment_counts(self.device)
+            self.segments = None if before is None or after is None else {
+                "allocated": after[0] - before[0], "freed": after[1] - before[1]}
 
     def timed(self, fn: Callable[[], Any]) -> tuple[Any, float, int | None, int | None]:
         """``fn()``, its seconds (the device synchronized before and after) and its peaks; the
@@ -431,6 +438,15 @@ def steps_to_settle(readings: list[dict[str, Any]]) -> dict[str, int | None]:
     return out
 
 
+def _segment_counts(device: torch.device) -> tuple[int, int] | None:
+    """How many blocks the caching allocator has taken from the device and given back so far
+    (``cudaMalloc`` and ``cudaFree`` calls); ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_device_free", 0))
+
+
 # ---------------------------------------------------------------- the two loops
 def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
     """One method over ``lengths``: per step its length, seconds (forward, backward, the SGD
@@ -467,6 +483,7 @@ def run_variable(loop: _Loop, m: Method, lengths: list[int]) -> dict[str, Any]:
         if off is not None:
             rec["plan"] = _plan_summary(off)
             rec["workloads"] = workload_records(off)
+    rec["device_segments"] = loop.segments
     rec["total_s"] = sum(rec["steps_s"])
     rec["max_reserved_bytes"] = _max(rec["reserved_bytes"])
     rec["max_allocated_bytes"] = _max(rec["allocated_bytes"])
@@ -539,6 +556,7 @@ def run_accumulation(loop: _Loop, m: Method, opt_steps: int) -> dict[str, Any]:
         if off is not None:
             rec["plan"] = _plan_summary(off)
             rec["workloads"] = workload_records(off)
+    rec["device_segments"] = loop.segments
     rec["total_s"] = sum(r["s"] for r in rec["records"])
     rec["max_reserved_bytes"] = _max([r["reserved_bytes"] for r in rec["records"]])
     rec["max_allocated_bytes"] = _max([r["allocated_bytes"] for r in rec["records"]])
