@@ -356,22 +356,20 @@ class Engine(Generic[GroupT, MovedT]):
         branches go decides.) One pass over the window, each name's groups by opening."""
         if self._backward_began:
             return set(self._gone)  # (decided as it began: the groups backward frees are not let go)
-        by_name: dict[str, list[tuple[int, float, str]]] = {}
+        by_name: dict[str, list[tuple[int, str, _Holder | None]]] = {}
         for name in list(self._window):
             opened = self._opened.get(name)
-            if opened is not None:
-                holder = self._holders.get(name)  # (none: still open)
-                died = float("inf") if holder is None or holder.died is None else holder.died
-                by_name.setdefault(opened[0], []).append((opened[1], died, name))
-        gone = set(self._gone)
+            if opened is not None:  # (no holder: still open)
+                by_name.setdefault(opened[0], []).append((opened[1], name, self._holders.get(name)))
+        gone: set[str] = set()  # (none decided yet: backward has not begun)
         for groups in by_name.values():
             outlasting = 0.0  # the latest any later group of the name was let go (inf: one lives)
-            for _, died, name in sorted(groups, reverse=True):
-                holder = self._holders.get(name)
-                if holder is not None and holder.died is not None and (
-                        self._failures > holder.failures or outlasting > holder.died):
+            for _, name, holder in sorted(groups, key=lambda g: g[0], reverse=True):
+                died = None if holder is None else holder.died
+                if holder is not None and died is not None and (
+                        self._failures > holder.failures or outlasting > died):
                     gone.add(name)
-                outlasting = max(outlasting, died)
+                outlasting = max(outlasting, float("inf") if died is None else died)
         return gone
 
     def _may_reload_ahead_to(self, prev: GroupT) -> bool:

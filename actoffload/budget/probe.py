@@ -84,7 +84,7 @@ class Probe:
     def reclaim_above(self, budget: int, owner: object) -> str:
         """Have the allocator give idle cached blocks back before it grows past ``budget``,
         while ``owner`` lives (:mod:`~.reclaim`); what was done, in words."""
-        return reclaim_above(self.device, budget, owner) if self.cuda else "not a CUDA device"
+        return reclaim_above(self.device, budget, owner)
 
     def reset_peak(self) -> None:
         if self.cuda:

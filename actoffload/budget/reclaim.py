@@ -68,7 +68,7 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
         return f"this torch ({torch.__version__}) cannot set it"
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.mem_get_info(index)[1]
-    users = _users_fraction.get(index, float(fraction_of(index)))
+    users = _users_fraction[index] if index in _users_fraction else float(fraction_of(index))
     # The allocator collects only under a memory fraction below 1 (at 1.0, PyTorch's default,
     # it never did on an H200 with torch 2.11): the user's, or one block of the allocator's
     # rounding (2 MiB) under the whole device.
