@@ -55,9 +55,10 @@ def test_reclaim_sets_the_threshold_at_the_budget_as_a_share_of_what_the_allocat
 
 def test_reclaim_keeps_the_users_allocator_settings(monkeypatch):
     allocator = Allocator(monkeypatch)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:False")
     reclaim.reclaim_above(DEVICE, 20 * GiB)
-    assert allocator.settings == [f"expandable_segments:True,garbage_collection_threshold:{share(20 * GiB)}"]
+    assert allocator.settings == [
+        f"max_split_size_mb:512,expandable_segments:False,garbage_collection_threshold:{share(20 * GiB)}"]
     # a fraction of 1 (the default) leaves the allocator collecting nothing: 2 MiB under it
     assert allocator.fractions_set == [1 - (2 << 20) / (80 * GiB)]
 
@@ -70,8 +71,9 @@ def test_reclaim_sets_the_threshold_through_the_accelerator_settings_where_torch
 
 
 @pytest.mark.parametrize("conf, said", [("garbage_collection_threshold:0.6", "the user's"),
-                                        ("backend:cudaMallocAsync", "not PyTorch's native allocator")])
-def test_reclaim_leaves_a_users_threshold_or_another_allocator_alone(monkeypatch, conf, said):
+                                        ("backend:cudaMallocAsync", "not PyTorch's native allocator"),
+                                        ("max_split_size_mb:256, expandable_segments:True", "expandable segments")])
+def test_reclaim_leaves_a_users_threshold_another_allocator_or_expandable_segments_alone(monkeypatch, conf, said):
     allocator = Allocator(monkeypatch)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
     assert said in reclaim.reclaim_above(DEVICE, 20 * GiB)
@@ -172,10 +174,10 @@ def test_each_devices_fraction_is_back_once_its_budgets_are_gone(monkeypatch):
 
 def test_reclaim_reads_the_variable_torch_reads(monkeypatch):
     allocator = Allocator(monkeypatch)
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")  # torch ignores it
     reclaim.reclaim_above(DEVICE, 20 * GiB)
-    assert allocator.settings == [f"expandable_segments:True,garbage_collection_threshold:{share(20 * GiB)}"]
+    assert allocator.settings == [f"max_split_size_mb:512,garbage_collection_threshold:{share(20 * GiB)}"]
 
 
 def test_reclaim_sets_a_small_budgets_share_in_digits_torch_parses(monkeypatch):
