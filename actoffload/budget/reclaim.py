@@ -17,11 +17,12 @@ step that needs more than its budget runs as it would have, not out of memory.
 
 The threshold is a setting of the process's allocator, shared by every device: the latest
 budget alive sets it, as a share of the memory its device allows, and once no budget's offloader
-is alive the user's settings and fractions are back. A threshold the user set (in the variable
-torch reads: ``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``, else
-``PYTORCH_HIP_ALLOC_CONF``) is left as it is, as is an allocator other than PyTorch's native one
-(``backend:cudaMallocAsync``), and expandable segments (``expandable_segments:True``), which
-PyTorch never collects; settings torch refuses at runtime leave everything as it was.
+is alive the user's settings and fractions are back. The user's settings are those torch holds
+as the first budget sets its own (from ``PYTORCH_CUDA_ALLOC_CONF`` or its alternatives, or set at
+runtime), or, on a torch that cannot say, the variable it reads. A threshold the user set is left
+as it is, as is an allocator other than PyTorch's native one (``backend:cudaMallocAsync``), and
+expandable segments (``expandable_segments:True``), which PyTorch never collects; settings torch
+refuses at runtime leave everything as it was.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from typing import Callable, NamedTuple
 import torch
 
 _SETTING = "garbage_collection_threshold"
-_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")  # torch reads the first set
+# where a torch that cannot say what it holds read its settings: the first of these set (if empty)
+_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+_ASYNC = ("cudaMallocAsync", "hipMallocAsync")  # the device's own allocators, which take no threshold
 _ROUNDING = 2 << 20  # the allocator's rounding of large blocks
 
 
@@ -45,6 +48,7 @@ class _Setting(NamedTuple):
 
 _live: dict[int, _Setting] = {}  # the settings of the budgets alive, by the order they were made
 _users_fraction: dict[int, float] = {}  # each device's fraction before a budget changed it
+_users_settings: str | None = None  # the allocator's settings before a budget alive changed them
 _made = 0
 
 
@@ -63,7 +67,7 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
     options = _options(conf)
     if _SETTING in options:
         return f"the user's {_SETTING}"
-    if options.get("backend") == "cudaMallocAsync":
+    if options.get("backend") in _ASYNC:
         return "not PyTorch's native allocator"
     if options.get("expandable_segments") == "True":
         # PyTorch collects no expandable segment; and told to collect, the decoder's steps ran
@@ -82,10 +86,12 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
     allowed = fraction * total
     if budget >= allowed:
         return "the budget is all the memory the allocator may use"
-    global _made
+    global _made, _users_settings
     _made += 1
     made = _made
     _users_fraction.setdefault(index, users)
+    if not _live:
+        _users_settings = conf  # (read from torch: what the budgets' settings will replace)
     # (torch's parser takes no exponent; a byte of a terabyte is not 0)
     _live[made] = _Setting(index, fraction, f"{budget / allowed:.12f}")
     try:
@@ -99,7 +105,14 @@ def reclaim_above(device: torch.device, budget: int, owner: object = None) -> st
 
 
 def _users_conf() -> str:
-    return next((os.environ[name] for name in _CONF_VARS if os.environ.get(name)), "")
+    """The allocator settings the user gave torch: as they were before the budgets alive set
+    theirs; else what torch holds now; else, on a torch that cannot say, the variable it read."""
+    if _users_settings is not None:
+        return _users_settings
+    holds = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if holds is not None:
+        return str(holds())
+    return next((os.environ[name] for name in _CONF_VARS if name in os.environ), "")
 
 
 def _options(conf: str) -> dict[str, str]:
@@ -117,15 +130,20 @@ def _apply() -> None:
     """The latest live budget's threshold over the user's settings (read whole each time: what a
     call leaves out goes back to torch's default), or the user's alone; on each device, the
     fraction a live budget there needs, or the user's."""
+    global _users_settings
     conf, latest = _users_conf(), _live[max(_live)] if _live else None
+    if latest is None:
+        _users_settings = None  # (the user's are set back below, or left as torch refused them)
     configure = _configure()
     assert configure is not None
-    configure(",".join(v for v in (conf, f"{_SETTING}:{latest.threshold}" if latest else "") if v))
+    # (no empty item: torch would read a lone comma as a key, and the threshold as its value)
+    items = [item for item in conf.split(",") if item.strip()]
+    configure(",".join(items + ([f"{_SETTING}:{latest.threshold}"] if latest else [])))
     for index, users in list(_users_fraction.items()):
         needs = [s.fraction for s in _live.values() if s.device == index]
         torch.cuda.set_per_process_memory_fraction(min(needs) if needs else users, index)
         if not needs:
-            del _users_fraction[index]
+            _users_fraction.pop(index, None)  # (a budget let go while this ran may have set it back)
 
 
 def _forget(made: int) -> None:
