@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 _SETTING = "garbage_collection_threshold"
-# where a torch that cannot say what it holds read its settings: the first of these set (if empty)
+# where a torch that cannot say what it holds (2.11) read its settings: the first of these set (if empty)
 _CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _ASYNC = ("cudaMallocAsync", "hipMallocAsync")  # the device's own allocators, which take no threshold
 _ROUNDING = 2 << 20  # the allocator's rounding of large blocks
