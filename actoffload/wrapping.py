@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import copyreg
 import functools
 import itertools
@@ -334,15 +335,28 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
         "forward": forward, "__reduce_ex__": __reduce_ex__, _BASE: base,
         "__module__": __name__, "__qualname__": f"Offload{base.__name__}",
     }
-    deepcopy = getattr(base, "__deepcopy__", None)
-    if deepcopy is not None:  # the class copies itself: let it copy the module as it was
-        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
-            proxy: Any = object.__new__(_plain_class(type(self)))
-            vars(proxy).update(_plain_state(vars(self)))
-            new = deepcopy(proxy, memo)
+    def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> Any:
+        # A copy is of the module as it was. Defined whatever the base: a class swapped in over
+        # ours later (torch's parametrizations) then copies through it, not through a default
+        # that copies the wrap's bookkeeping, offloader and all.
+        plain = _plain_class(type(self))
+        state = _plain_state(vars(self))
+        own = getattr(plain, "__deepcopy__", None)
+        if own is not None:  # the class copies itself: let it copy the module as it was
+            proxy: Any = object.__new__(plain)
+            vars(proxy).update(state)
+            new = own(proxy, memo)
+        else:  # as copy.deepcopy copies a plain module, but not through __getstate__, which a
+            # parametrized module's class refuses (pickling it is refused, copying it is not)
+            new = plain.__new__(plain)
             memo[id(self)] = new
-            return new
-        namespace["__deepcopy__"] = __deepcopy__
+            new.__setstate__(copy.deepcopy(state, memo))
+            for slot in copyreg._slotnames(plain):  # type: ignore[attr-defined]
+                if hasattr(self, slot):
+                    setattr(new, slot, copy.deepcopy(getattr(self, slot), memo))
+        memo[id(self)] = new
+        return new
+    namespace["__deepcopy__"] = __deepcopy__
     cls: type[torch.nn.Module] = type(base)(f"Offload{base.__name__}", (base,), namespace)  # type: ignore[misc]
     _CLASSES[base] = cls
     return cls
