@@ -9,7 +9,7 @@ import functools
 import itertools
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, cast
 
 import torch
 import torch.utils.checkpoint
@@ -348,7 +348,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             new = own(proxy, memo)
         else:  # as copy.deepcopy copies a plain module, but not through __getstate__, which a
             # parametrized module's class refuses (pickling it is refused, copying it is not)
-            new = plain.__new__(plain)
+            new = cast(Any, plain).__new__(plain)
             memo[id(self)] = new
             new.__setstate__(copy.deepcopy(state, memo))
             for slot in copyreg._slotnames(plain):  # type: ignore[attr-defined]
