@@ -21,6 +21,7 @@ from .offloader import GroupContext, Offloader
 
 _WRAP = "_actoffload_wrap"  # the instance attribute holding a wrapped module's bookkeeping
 _BASE = "_actoffload_base"  # on a generated class: the class it wraps
+_SET_ASIDE = "_actoffload_deepcopy"  # on a class made again over ours: its own __deepcopy__, for the class without ours
 _NEWOBJ, _NEWOBJ_EX = getattr(copyreg, "__newobj__"), getattr(copyreg, "__newobj_ex__")
 
 
@@ -237,11 +238,19 @@ _BUFFER_WRITES: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, frozenset[
 
 def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0) -> Callable[[], None]:
     before = type(module)
-    cls = _wrapped_class(before)
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        # torch's parametrizations keep a class of their own per module, over the module's, and
+        # change it as they are added and removed (their properties set on and deleted from
+        # it, the class taken away with the last): ours goes under it, and it over ours
+        cls = _wrapped_class(before.__bases__[0])
+        installed = _over(cls, before)
+    else:
+        cls = installed = _wrapped_class(before)
+    made = dict(vars(installed))
     own = vars(module).get("forward")
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
     state = _Wrap(off, name, parts, norms, own)
-    module.__class__ = cls
+    module.__class__ = installed
     vars(module)[_WRAP] = state
     _WRAPPED.add(module)
     if own is not None:
@@ -255,12 +264,23 @@ def _wrap_one(module: torch.nn.Module, off: Offloader, name: str, parts: int = 0
         if own is not None and "forward" not in vars(module):
             vars(module)["forward"] = own
         now = type(module)
-        if now is cls:
+        if now is installed and dict(vars(now)) == made:
             module.__class__ = before
-        elif cls in now.__mro__:  # a class swap after wrapping (FSDP2): keep it, without ours
+        elif now is cls:  # (the parametrizations' class taken away with the last of them)
+            module.__class__ = vars(cls)[_BASE]
+        elif cls in now.__mro__:  # a class swap after wrapping (FSDP2), or parametrizations changed: kept, without ours
             module.__class__ = _plain_class(now)
 
     return restore
+
+
+def _over(cls: type[torch.nn.Module], parametrized: type) -> type[torch.nn.Module]:
+    """The class of torch's parametrizations ``parametrized``, made again over ``cls``: its
+    properties, and ``cls``'s copy (torch gives its class one only where the class below has none)."""
+    namespace = {k: v for k, v in vars(parametrized).items() if k not in ("__dict__", "__weakref__", "__deepcopy__")}
+    if "__deepcopy__" in vars(parametrized):  # its own again once ours is gone (_plain_class)
+        namespace[_SET_ASIDE] = vars(parametrized)["__deepcopy__"]
+    return type(parametrized)(parametrized.__name__, (cls,), namespace)
 
 
 _CLASSES: dict[type, type[torch.nn.Module]] = {}  # class -> its generated subclass
@@ -372,6 +392,8 @@ def _plain_class(cls: type) -> type:
     plain = _PLAIN.get(cls)
     if plain is None:
         namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        if _SET_ASIDE in namespace:
+            namespace["__deepcopy__"] = namespace.pop(_SET_ASIDE)
         plain = type(cls)(cls.__name__, tuple(_plain_class(b) for b in cls.__bases__), namespace)
         _PLAIN[cls] = plain
     return plain

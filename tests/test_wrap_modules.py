@@ -95,23 +95,22 @@ def _weight_normed_pair():
     return weight_norm(lin), weight_norm(twin)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="known: torch deletes the property from the wrapper's class, which does not hold it "
-                          "(docs/semantics.md: remove() the wrap before changing parametrizations)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parametrizations_removed_from_a_wrapped_module(impl):
     from torch.nn.utils import parametrize
     lin, twin = _weight_normed_pair()
-    ao.wrap(lin, _off(impl))
+    off = _off(impl)
+    handle = ao.wrap(lin, off)
     parametrize.remove_parametrizations(twin, "weight")
-    parametrize.remove_parametrizations(lin, "weight")
-    x = torch.randn(4, D)
-    assert torch.equal(lin(x), twin(x))
+    parametrize.remove_parametrizations(lin, "weight")  # (raised AttributeError from torch)
+    assert isinstance(lin, torch.nn.Linear) and not parametrize.is_parametrized(lin)
+    assert_bitwise(_run(lin), _run(twin))
+    assert off.stats()["groups"]  # still wrapped
+    handle.remove()
+    assert type(lin) is torch.nn.Linear and _is_plain(lin)
+    assert_bitwise(_run(lin), _run(twin))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="known: torch puts the new property on the wrapper's class, which remove() takes away "
-                          "(docs/semantics.md: remove() the wrap before changing parametrizations)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_parametrization_added_to_a_wrapped_parametrized_module_survives_remove(impl):
     from torch.nn.utils import parametrize
@@ -124,10 +123,25 @@ def test_a_parametrization_added_to_a_wrapped_parametrized_module_survives_remov
     handle = ao.wrap(lin, _off(impl))
     for m in (lin, twin):
         parametrize.register_parametrization(m, "bias", Double())
-    x = torch.randn(4, D)
-    assert torch.equal(lin(x), twin(x))  # while wrapped
+    assert_bitwise(_run(lin), _run(twin))  # while wrapped
+    handle.remove()  # (took the new property away with the wrapper's class)
+    assert wrapping._WRAP not in vars(lin) and not any(wrapping._BASE in vars(k) for k in type(lin).__mro__)
+    assert parametrize.is_parametrized(lin, "bias")
+    assert_bitwise(_run(lin), _run(twin))
+    assert_bitwise(_run(copy.deepcopy(lin)), _run(twin))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_parametrized_module_wrapped_then_unwrapped_is_given_its_class_back_and_copies_plainly(impl):
+    lin, twin = _weight_normed_pair()
+    parametrized = type(lin)
+    handle = ao.wrap(lin, _off(impl))
+    ema = copy.deepcopy(lin)
+    assert _is_plain(ema) and isinstance(ema, torch.nn.Linear)
+    assert_bitwise(_run(ema), _run(twin))
+    assert_bitwise(_run(lin), _run(twin))
     handle.remove()
-    assert torch.equal(lin(x), twin(x))
+    assert type(lin) is parametrized
 
 
 @pytest.mark.parametrize("impl", IMPLS)
