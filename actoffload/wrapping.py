@@ -284,7 +284,9 @@ def _over(cls: type[torch.nn.Module], parametrized: type) -> type[torch.nn.Modul
 
 
 _CLASSES: dict[type, type[torch.nn.Module]] = {}  # class -> its generated subclass
-_PLAIN: dict[type, type] = {}  # a class with a generated class among its bases -> the same without
+# a class with a generated class among its bases -> the same without (weakly: the classes made
+# again over ours are one a module, and go with it)
+_PLAIN: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
 def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:

@@ -404,3 +404,19 @@ def test_wrap_of_no_modules_is_refused():
     for empty in ([], torch.nn.ModuleList()):
         with pytest.raises(ValueError, match="no modules"):
             ao.wrap(empty, off)
+
+
+def test_wrapping_a_parametrized_module_again_and_again_leaves_no_class_behind():
+    # (the integrations wrap anew at every step; the class made again over ours is one a wrap)
+    import gc
+    lin, _ = _weight_normed_pair()
+    off = _off("ref")
+    gc.collect()
+    before = len(wrapping._PLAIN)
+    for _ in range(20):
+        handle = ao.wrap(lin, off)
+        copy.deepcopy(lin)
+        _run(lin)
+        handle.remove()
+    gc.collect()
+    assert len(wrapping._PLAIN) <= before
