@@ -115,9 +115,14 @@ def _users_conf() -> str:
     return next((os.environ[name] for name in _CONF_VARS if name in os.environ), "")
 
 
+def _items(conf: str) -> list[str]:
+    """``conf``'s settings as given, none empty (torch reads a lone comma as a key)."""
+    return [item for item in conf.split(",") if item.strip()]
+
+
 def _options(conf: str) -> dict[str, str]:
     """``conf``'s settings by name (``"expandable_segments:True,backend:native"``)."""
-    pairs = (item.split(":", 1) for item in conf.split(",") if item.strip())
+    pairs = (item.split(":", 1) for item in _items(conf))
     return {pair[0].strip(): pair[-1].strip() for pair in pairs}
 
 
@@ -137,8 +142,7 @@ def _apply() -> None:
     configure = _configure()
     assert configure is not None
     # (no empty item: torch would read a lone comma as a key, and the threshold as its value)
-    items = [item for item in conf.split(",") if item.strip()]
-    configure(",".join(items + ([f"{_SETTING}:{latest.threshold}"] if latest else [])))
+    configure(",".join(_items(conf) + ([f"{_SETTING}:{latest.threshold}"] if latest else [])))
     for index, users in list(_users_fraction.items()):
         needs = [s.fraction for s in _live.values() if s.device == index]
         torch.cuda.set_per_process_memory_fraction(min(needs) if needs else users, index)
