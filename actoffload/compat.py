@@ -11,19 +11,35 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
+import sys
 import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+# Dynamo's Python side (torch._dynamo) takes seconds to import, about half of importing this
+# package: not_traced reaches Dynamo through its C side alone, and imports the rest only once
+# Dynamo is running (and so imported).
 try:  # (not_traced: where torch lacks any of these, every call goes through disable's wrapper)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
-    from torch._dynamo.eval_frame import skip_code as _skip_code
 
     _SEES_DYNAMO = hasattr(torch.compiler, "_is_compiling_flag")
 except ImportError:  # pragma: no cover - an older torch
     _SEES_DYNAMO = False
+
+
+def _skip_code(code: Any) -> None:
+    """Dynamo's ``skip_code``: it never compiles a frame of ``code``, though it still compiles
+    what that frame calls. Through Dynamo's C side where it has the calls for it."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - a torch whose C side names them otherwise
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(code)
+        return
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -180,14 +196,16 @@ def not_traced(fn: F) -> F:
     skipped, and it calls no Python function of ours before choosing), and one tracing a caller
     breaks the graph at it, as at any disabled function. Positional arguments only: taking
     keywords would cost a dict a call."""
-    untraced = torch.compiler.disable(fn, recursive=True)
     if not _SEES_DYNAMO:  # pragma: no cover - an older torch
-        return untraced
+        return torch.compiler.disable(fn, recursive=True)  # type: ignore[no-any-return]
+    untraced: list[Callable[..., Any]] = []  # disable's wrapper, made the first time Dynamo runs
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
         if _dynamo_callback() is not None or torch.compiler._is_compiling_flag:  # (is_compiling(), set by export too)
-            return untraced(*args)
+            if not untraced:
+                untraced.append(torch.compiler.disable(fn, recursive=True))
+            return untraced[0](*args)
         return fn(*args)
 
     _skip_code(call.__code__)  # type: ignore[attr-defined]  # (one code object for every function this wraps)
@@ -253,7 +271,10 @@ def _torch_class(module: str, name: str) -> type | tuple[()]:
 
 
 def compiled_module_class() -> type | tuple[()]:
-    """The class ``torch.compile(module)`` returns (Dynamo's ``OptimizedModule``)."""
+    """The class ``torch.compile(module)`` returns (Dynamo's ``OptimizedModule``); ``()`` while
+    Dynamo is not imported, as no module can be compiled then (importing it costs seconds)."""
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        return ()
     return _torch_class("torch._dynamo.eval_frame", "OptimizedModule")
 
 

@@ -2,7 +2,12 @@
 release that changes one fails here, by name."""
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +213,29 @@ def test_without_dispatch_modes_hides_ops_from_an_active_mode_and_keeps_it():
         assert seen == []
         t.add_(1)
     assert seen == [torch.ops.aten.add_.Tensor] and guard._version == t._version
+
+
+def test_a_step_imports_no_dynamo_and_not_traced_made_before_dynamo_still_keeps_compile_out():
+    """Dynamo's Python side takes seconds to import: a step without ``torch.compile`` leaves it
+    unimported; a function made ``not_traced`` before it was imported is still skipped once it is."""
+    script = textwrap.dedent("""
+        import sys, torch, actoffload as ao
+        from actoffload import compat
+        calls = []
+
+        @compat.not_traced
+        def side_effect(x):
+            calls.append(1)
+            return x
+
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        ao.wrap(m, ao.Offloader())
+        m(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert not [k for k in sys.modules if k.startswith("torch._dynamo")], "dynamo imported"
+        out = torch.compile(lambda x: side_effect(x) * 2, backend="eager")(torch.ones(2))
+        assert calls == [1] and out.tolist() == [2.0, 2.0]
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
