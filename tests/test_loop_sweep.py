@@ -16,11 +16,12 @@ from actoffload.tools.provenance import read_results, write_results
 
 STEPS, OPT_STEPS = 12, 5
 
-# one small sweep (the module's fixture) for all of them: under pytest-xdist, one worker
+# one small sweep for all of them: under pytest-xdist, one worker; kept for the session, as a
+# worker may run other modules' tests between this module's (a module's fixture ran twice)
 pytestmark = pytest.mark.xdist_group("loop_sweep")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("loops") / "loops.json.gz"  # compressed, as the committed results are
     out = io.StringIO()

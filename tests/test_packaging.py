@@ -14,11 +14,12 @@ PROBE = ("import actoffload as ao, torch; from actoffload.ref import RefOffloade
          "off = ao.Offloader(impl='fast', device='cpu'); print(type(off).__module__, ao.__file__)")
 
 
-# one install for both tests: under pytest-xdist (scripts/test), both on one worker
+# one install for both tests: under pytest-xdist (scripts/test), both on one worker, and kept for
+# the session there (a worker may run other modules' tests between them)
 pytestmark = pytest.mark.xdist_group("packaging")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> Path:
     # built from a copy of what pyproject.toml packages: a build in the checkout walks all of it,
     # virtual environments included, and fails where one is being written meanwhile
