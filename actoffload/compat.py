@@ -197,7 +197,7 @@ def not_traced(fn: F) -> F:
     breaks the graph at it, as at any disabled function. Positional arguments only: taking
     keywords would cost a dict a call."""
     if not _SEES_DYNAMO:  # pragma: no cover - an older torch
-        return torch.compiler.disable(fn, recursive=True)  # type: ignore[no-any-return]
+        return torch.compiler.disable(fn, recursive=True)
     untraced: list[Callable[..., Any]] = []  # disable's wrapper, made the first time Dynamo runs
 
     @functools.wraps(fn)

@@ -63,9 +63,20 @@ class _Holder(weakref.ref):
 _open_on: dict[int, tuple[str, bool]] = {}
 
 
+# The saves so far of the group open on each thread, where it may move them (a module's selection
+# narrows what it saved among them: ops.selecting)
+_open_saves: dict[int, list[SavedBuffer]] = {}
+
+
 def group_open() -> bool:
     """Whether an offload group is open on this thread (ops skip offload work otherwise)."""
     return threading.get_ident() in _open_on
+
+
+def open_group_saves() -> list[SavedBuffer] | None:
+    """The saves so far of the group open on this thread (the group's own list, which grows as
+    it saves), or ``None`` where none is open or it keeps everything it saves."""
+    return _open_saves.get(threading.get_ident())
 
 
 class Engine(Generic[GroupT, MovedT]):
@@ -305,6 +316,8 @@ class Engine(Generic[GroupT, MovedT]):
         self._open_group = group
         compat.push_saved_tensors_hooks(pack, unpack)
         _open_on[me] = (name, bool(parts))
+        if not group.kept_whole:
+            _open_saves[me] = group.saved  # type: ignore[assignment]  # (a list while it is open)
         return group
 
     def _unlist(self, name: str) -> None:
@@ -477,7 +490,9 @@ class Engine(Generic[GroupT, MovedT]):
             if failed:  # a group the plan ran without hooks (it keeps everything) cut short all the same
                 self._forward_failed()
             return
-        _open_on.pop(threading.get_ident(), None)
+        me = threading.get_ident()
+        _open_on.pop(me, None)
+        _open_saves.pop(me, None)
         compat.pop_saved_tensors_hooks()
         self._open_group = None
         if self._prefetches:
@@ -681,19 +696,23 @@ class Engine(Generic[GroupT, MovedT]):
             return self._pack_multi(group, t)
         return Handle(group, self._add(group, t))
 
-    def _pack_multi(self, group: GroupT, t: torch.Tensor, derived: bool = False) -> MultiHandle:
-        # its buffers have no autograd history of their own: the tensor's says whether autograd made them
+    def _pack_multi(self, group: GroupT, t: torch.Tensor, derived: bool = False,
+                    parameter: bool = False) -> MultiHandle:
+        # its buffers have no autograd history of their own: the tensor's says whether autograd
+        # made them, and whether they are a parameter's (a leaf that requires grad, R3)
         derived = derived or not t.is_leaf
+        parameter = parameter or policy.is_parameter(t)
         parts = multibuffer.split(t)
         saved: list[SavedBuffer | MultiHandle | None] = []
         for b in parts.buffers:
             if b is None:
                 saved.append(None)
             elif multibuffer.is_multibuffer(b):
-                saved.append(self._pack_multi(group, b, derived))
+                saved.append(self._pack_multi(group, b, derived, parameter))
             else:
                 buffer = self._add(group, b)
                 buffer.derived |= derived
+                buffer.is_parameter |= parameter
                 saved.append(buffer)
         try:
             guard: torch.Tensor | None = compat.version_guard(t)

@@ -40,8 +40,10 @@ def speaks_r7(t: torch.Tensor) -> bool:
 
 
 def is_multibuffer(t: torch.Tensor) -> bool:
-    """Whether ``t`` is made of several buffers that :func:`split` can take apart."""
-    return type(t) is not torch.Tensor and (speaks_r7(t) or is_traceable_wrapper_subclass(t))
+    """Whether ``t`` is made of several buffers that :func:`split` can take apart. Not a nested
+    tensor (R3: it stays resident): the jagged layout is a wrapper subclass, but one rebuilt from
+    moved buffers has a ragged size of its own, which no longer matches its gradient's."""
+    return type(t) is not torch.Tensor and not t.is_nested and (speaks_r7(t) or is_traceable_wrapper_subclass(t))
 
 
 def split(t: torch.Tensor) -> Split:

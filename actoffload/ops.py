@@ -18,17 +18,18 @@ this layout exists to avoid.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import compat
+from . import compat, policy
 from .engine import group_open
 from .grouped import GroupedTensor
-from .marks import mark_not_offload, opt_in_as
+from .marks import mark_parameters
 from .quantized import QuantizedTensor, quantize
+from .roles import mark_selection, selects
 
 ROLES = ("attn_norm", "qkv", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act", "expert_fc2")
 ACTIVATIONS = ("swiglu", "gelu", "srelu")
@@ -49,25 +50,6 @@ def activation(kind: str, a: torch.Tensor) -> torch.Tensor:
 def _per_expert(x: torch.Tensor, sizes: list[int], weights: torch.Tensor) -> torch.Tensor:
     """Row block e of ``x`` times ``weights[e]``, for every expert, concatenated."""
     return torch.cat([chunk @ w for chunk, w in zip(torch.split(x, sizes), weights)])
-
-
-def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[str, object]) -> None:
-    """Opt in the tensors of selected roles (labelled with their role, for ``stats()``) and
-    veto the others. A role maps to a tensor or to a tuple of them (an op that saves several).
-    """
-    for role, ts in saved_by_role.items():
-        ts = ts if isinstance(ts, tuple) else (ts,)
-        if role in selected:
-            opt_in_as(role, *ts)
-        else:
-            mark_not_offload(*ts)
-
-
-def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> None:
-    """For modules built from plain ops: apply ``module``'s selection to what it saves."""
-    selected = getattr(module, "offload_selected", None)
-    if selected and group_open():
-        mark_selection(selected, saved_by_role)
 
 
 def _values(saved: torch.Tensor) -> torch.Tensor:
@@ -97,6 +79,10 @@ class _GroupedMLPFunction(torch.autograd.Function):
         }
         if selected and group_open():  # only then: no marking work outside offload groups
             mark_selection(selected, saved)
+        if group_open() and policy.is_parameter(tokens):
+            # the tokens are a leaf that requires grad (or a view of one), which autograd holds
+            # anyway: saved as themselves by a plain op, they would stay (R3); so do these bytes
+            mark_parameters(tokens)
         ctx.save_for_backward(saved["expert_fc1"], saved["moe_act"], saved["expert_fc2"], w1, w2)
         ctx.sizes, ctx.kind = sizes, kind
         # The saved GroupedTensor is a wrapper over the tokens' bytes with a version counter of
@@ -159,6 +145,7 @@ class GroupedMLP(nn.Module):
         self.fp8 = fp8
         self.offload_selected: set[str] = set()  # set by select_modules
 
+    @selects  # its saves are its own: a module calling it (an MoE layer) leaves them to its selection
     def forward(self, tokens: torch.Tensor, split_sizes: Sequence[int] | torch.Tensor) -> torch.Tensor:
         sizes = [int(n) for n in (split_sizes.tolist() if isinstance(split_sizes, torch.Tensor) else split_sizes)]
         if len(sizes) != self.w1.shape[0] or any(n < 0 for n in sizes) or sum(sizes) != tokens.shape[0]:

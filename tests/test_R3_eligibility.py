@@ -113,3 +113,58 @@ def test_R3_leaves_that_require_grad_stay_the_graph_holds_them(impl, device, whi
     assert off.stats()["groups"]["g"]["kept"] == {"parameter": 1}
     y.sum().backward()
     assert torch.equal(x.grad[2:], x.detach()[2:].cos())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R3_a_jagged_nested_tensor_stays_resident_and_backward_matches(impl):
+    """A jagged nested tensor is a wrapper subclass, but not one to take apart (R7): rebuilt from
+    moved buffers it got a ragged size of its own, and backward raised on the mismatch."""
+    def grads(off):
+        torch.manual_seed(0)
+        nt = torch.nested.nested_tensor([torch.randn(30, 64), torch.randn(50, 64), torch.randn(20, 64)],
+                                        layout=torch.jagged, requires_grad=True)
+        if off is None:
+            z = torch.sin(F.gelu(nt))
+        else:
+            with off.group("g"):
+                z = torch.sin(F.gelu(nt))
+        z.values().sum().backward()
+        return nt.grad.values()
+
+    off = ao.Offloader(impl=impl, device="cpu", keep_last=0, min_offload_bytes=0)
+    assert torch.equal(grads(off), grads(None))
+    g = off.stats()["groups"]["g"]
+    assert g["offloaded"] == 0 and set(g["kept"]) == {"device"}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R3_a_multi_buffer_leaf_that_requires_grad_stays_as_a_parameter(impl):
+    """Its buffers are leaves that do not require grad, but the tensor they make up is one that
+    does: autograd holds it, so moving its buffers would free nothing (as for a plain leaf)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    off = ao.Offloader(impl=impl, device="cpu", keep_last=0, min_offload_bytes=0)
+    x = TwoTensor(torch.randn(64, 64), torch.randn(64, 64)).requires_grad_(True)
+    with off.group("g"):
+        y = x * x
+    g = off.stats()["groups"]["g"]
+    assert g["offloaded"] == 0 and set(g["kept"]) == {"parameter"}, g
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R3_grouped_mlp_on_tokens_that_require_grad_keeps_their_bytes_as_a_parameter(impl):
+    """The fused op saves its tokens inside a GroupedTensor of its own; tokens that are a leaf
+    requiring grad stay, as a plain op's save of them would."""
+    from actoffload.ops import GroupedMLP
+
+    torch.manual_seed(0)
+    m = GroupedMLP(2, 32, 16, activation="gelu")
+    ao.select_modules(m, {"expert_fc1"})
+    off = ao.Offloader(impl=impl, device="cpu", keep_last=0, min_offload_bytes=64)  # (the 24-byte offsets stay)
+    tokens = torch.randn(64, 32, requires_grad=True)
+    with off.group("moe"):
+        y = m(tokens, [40, 24])
+    g = off.stats()["groups"]["moe"]
+    assert g["offloaded_bytes"] == 0 and g["kept"]["parameter"] == 3, g  # the tokens, w1, w2
+    y.sum().backward()

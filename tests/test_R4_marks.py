@@ -113,6 +113,17 @@ def test_R4_marking_none_is_a_no_op_and_non_tensors_raise():
         ao.mark_activation_offload(3)
 
 
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 4).to_sparse(), lambda: torch.randn(4, 4).to_sparse_csr()],
+                         ids=["sparse_coo", "sparse_csr"])
+def test_R4_marking_a_tensor_without_a_storage_of_its_own_does_nothing(make):
+    """Such a tensor stays resident anyway (R3): a mark has nothing to apply to, and is no error."""
+    t = make()
+    before = marks.live_mark_count()
+    ao.mark_not_offload(t)
+    ao.mark_activation_offload(t)
+    assert marks.live_mark_count() == before
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_R4_marking_a_multibuffer_tensor_marks_its_buffers(impl):
     q = ao.quantize(torch.randn(64, 64))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import actoffload as ao
-from actoffload.tools.models import GPT, GPTConfig
+from actoffload.tools.models import GPT, GPTConfig, block_parts
 from helpers import DEVICES, IMPLS, assert_bitwise, deterministic, grads_of, off_for, zero_grads
 
 B, T, D = 2, 8, 16
@@ -12,7 +12,7 @@ B, T, D = 2, 8, 16
 
 def _model(device="cpu", **kw):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=40, seq_len=T, d_model=D, n_heads=2, n_layers=2, embedding=False, **kw)
+    cfg = GPTConfig(**{"vocab_size": 40, "seq_len": T, "d_model": D, "n_heads": 2, "n_layers": 2, "embedding": False, **kw})
     return GPT(cfg).to(device)
 
 
@@ -77,7 +77,8 @@ def test_attention_roles_select_what_those_ops_save(device, impl, attention):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_under_policy_all_a_selection_narrows_only_the_module_that_has_the_role(device, impl):
     """The Q/K/V projection and the attention are two modules: selecting ``qkv`` vetoes the
-    projection's other save (the norm's input) and leaves the attention's all candidates."""
+    projection's other saves (the norm's input, named, and its statistics, which no role names)
+    and leaves the attention's all candidates."""
     model = _model(device, attention="eager")
     ao.select_modules(model, {"qkv"})
     off = off_for(impl, device, keep_last=0, min_offload_bytes=64)
@@ -85,7 +86,7 @@ def test_under_policy_all_a_selection_narrows_only_the_module_that_has_the_role(
         y = model(torch.randn(B, T, D, device=device) * 1)
     heads = 2
     for g in off.stats()["groups"].values():
-        assert g["kept"].get("vetoed", 0) == 1  # the norm's input
+        assert g["kept"].get("vetoed", 0) == 3  # the norm's input, mean and reciprocal deviation
         assert g["offloaded_bytes_by_role"] == {"qkv": B * T * D * 4}
         assert g["offloaded_bytes"] >= B * T * D * 4 + B * heads * T * T * 4  # and the attention's saves
     y.sum().backward()
@@ -103,3 +104,58 @@ def test_stats_report_offloaded_bytes_by_role(device, impl):
     for g in off.stats()["groups"].values():
         assert g["offloaded_bytes_by_role"] == {"moe_act": slots * 2 * ffn * 4, "expert_fc1": slots * D * 4}
     y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_selecting_the_projection_input_under_sdpa_offloads_it_though_the_attention_output_is_its_storage(impl):
+    """SDPA's output laid out [B, T, H, D] makes the projection's input a view of it: the storage
+    named by the selected role (``attn_proj``) is opted in though the unselected ``core_attn``
+    names it too. It was vetoed, and the selection moved nothing."""
+    model = _model(attention="sdpa", n_layers=1)
+    ao.select_modules(model, {"attn_proj"})
+    off = off_for(impl, "cpu", keep_last=0, policy="marked", min_offload_bytes=0)
+    with ao.wrap(model.blocks, off, parts=block_parts):
+        y = model(torch.randn(B, T, D) * 1)
+    g = off.stats()["groups"]["0.1"]  # the attention's part
+    assert g["offloaded_bytes_by_role"] == {"attn_proj": B * T * D * 4} == {"attn_proj": g["offloaded_bytes"]}
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_selecting_the_eager_attention_offloads_queries_keys_values_and_probabilities_as_the_matmuls_save_them(impl):
+    model = _model(attention="eager", n_layers=1)
+    ao.select_modules(model, {"core_attn"})
+    off = off_for(impl, "cpu", keep_last=0, policy="marked", min_offload_bytes=0)
+    with ao.wrap(model.blocks, off, parts=block_parts):
+        y = model(torch.randn(B, T, D) * 1)
+    g = off.stats()["groups"]["0.1"]
+    heads = 2
+    assert g["offloaded_bytes_by_role"] == {"core_attn": 3 * B * T * D * 4 + B * heads * T * T * 4}
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("moe", [False, True])
+def test_under_policy_all_selecting_the_mlp_norm_vetoes_every_other_save_of_the_mlp(impl, moe):
+    """The MLP names only what its norm saves: its other saves (the norm's statistics, fc1's and
+    the activation's inputs, the router's) are vetoed all the same. An MoE's experts are a module
+    with roles of their own, none selected: their saves stay candidates."""
+    model = _model(n_layers=1, **({"n_experts": 4, "top_k": 2} if moe else {}))
+    ao.select_modules(model, {"mlp_norm"})
+    off = off_for(impl, "cpu", keep_last=0, min_offload_bytes=0)
+    x = torch.randn(B, T, D, requires_grad=True)
+    with ao.wrap(model.blocks, off, parts=block_parts):
+        y = model(x * 1)
+    g = off.stats()["groups"]["0.2"]  # the MLP's part
+    assert g["offloaded_bytes_by_role"] == {"mlp_norm": B * T * D * 4}
+    experts = 0
+    if moe:  # the tokens sorted by expert, the activation's and fc2's inputs, each with its offsets
+        w1, w2 = model.blocks[0].mlp.experts.w1, model.blocks[0].mlp.experts.w2
+        experts = B * T * 2 * (D + w1.shape[-1] + w2.shape[-2]) * 4 + 3 * (w1.shape[0] + 1) * 8
+    assert g["offloaded_bytes"] == B * T * D * 4 + experts
+    y.sum().backward()
+    ao.select_modules(model, set())
+    off_all = off_for(impl, "cpu", keep_last=0, min_offload_bytes=0)
+    with ao.wrap(model.blocks, off_all, parts=block_parts):
+        model(x * 1).sum().backward()
+    assert off_all.stats()["groups"]["0.2"]["offloaded_bytes"] > g["offloaded_bytes"]  # a selection narrows

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import GroupedMLP, select_in_forward
+from ..ops import GroupedMLP
+from ..roles import select_in_forward, selects
 
 
 @dataclass
@@ -54,6 +55,7 @@ class QKV(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
 
+    @selects
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         normed = self.norm(x)
@@ -83,12 +85,14 @@ class CoreAttention(nn.Module):
         self.attention = cfg.attention
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
+    @selects
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, D = q.shape
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             core = (q, k, v, y)
-        else:
+        else:  # (contiguous: matmul would save copies of its own, which no role could name)
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             y, probs = causal_softmax_attention(q, k, v)
             core = (q, k, v, probs)
         y = y.transpose(1, 2).reshape(B, T, H * D)
@@ -120,6 +124,7 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
+    @selects
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         select_in_forward(self, {"mlp_norm": x})  # what the norm saves
         return self.fc2(F.gelu(self.fc1(self.norm(x))))
@@ -139,6 +144,7 @@ class MoE(nn.Module):
         self.experts = GroupedMLP(cfg.n_experts, cfg.d_model, cfg.mlp_ratio * cfg.d_model,
                                   activation=cfg.expert_activation, fp8=cfg.expert_fp8)
 
+    @selects
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         select_in_forward(self, {"mlp_norm": x})  # what the norm saves
