@@ -2,7 +2,9 @@
 models): a probe the library outgrew (a helper renamed, a module moved) fails here, not on the
 GPU machine in the middle of a session. Whether their figures mean anything is the GPU's to say."""
 
+import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +28,62 @@ PROBES = [
     ["whole_vs_checkpoint_probe.py", "--device", "cpu", "--steps", "2", "--cprofile", "0"],
 ]
 
+# Each probe runs as its own program, in a process of its own (probes patch the library), but
+# forked from one that imported what they import once: a fresh interpreter per probe spent about
+# half of each probe's time importing torch and transformers again. It forks before running any
+# op, so no thread of torch's is there to be lost.
+_SERVER = r"""
+import json, os, runpy, sys, traceback
+import torch, transformers, actoffload, actoffload.tools.loop_sweep, actoffload.tools.budget_sweep
+for line in sys.stdin:
+    argv, log = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.argv = argv
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+"""
 
-@pytest.mark.parametrize("argv", PROBES, ids=[a[0] for a in PROBES])
-def test_probe_runs_on_the_cpu(argv):
+pytestmark = pytest.mark.xdist_group("probes")  # one worker, one server
+
+
+@pytest.fixture(scope="session")
+def probe_server():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    yield server
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the probes are forked from one process")
+@pytest.mark.parametrize("argv", PROBES, ids=[a[0] for a in PROBES])
+def test_probe_runs_on_the_cpu(argv, probe_server, tmp_path):
+    log = tmp_path / "probe.log"
+    probe_server.stdin.write(json.dumps([[str(ROOT / "benchmarks" / argv[0]), *argv[1:]], str(log)]) + "\n")
+    probe_server.stdin.flush()
+    if not select.select([probe_server.stdout], [], [], 300)[0]:  # (one answer a line: nothing is buffered)
+        probe_server.kill()
+        pytest.fail(f"{argv[0]} ran past 300 s: " + log.read_text()[-4000:])
+    answer = probe_server.stdout.readline()
+    assert answer, "the probes' process ended"
+    assert json.loads(answer) == 0, log.read_text()[-4000:]
 
 
 def test_the_copy_overlap_probe_reads_a_gap_as_waited_or_launched_late():
