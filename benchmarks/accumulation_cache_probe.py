@@ -6,7 +6,7 @@ segment's size, what is allocated in it, its largest free block).
 Checkpointing every block runs first, with the caching allocator's cache given back
 (``torch.cuda.empty_cache``) before no micro-batch, then before one chosen micro-batch: is a
 cache given back while gradients are held rebuilt larger than one given back as an optimizer
-step's first micro-batch begins? Then a budget at checkpointing's peak, several times over,
+step's first micro-batch begins? Then a budget at checkpointing's peak (``--halfway``: halfway from it to no offloading's), several times over,
 with the controllers' choices that changed a plan (``--explain``: which workload, which plan,
 the reserve, what fits); ``--unbound`` runs them as before workloads were bound to the cache
 (docs/budgets.md, "What the budget counts"): no workload keeps its plan for another's sake.
@@ -130,6 +130,8 @@ def main() -> int:
     p.add_argument("--explain", action="store_true", help="record the controllers' choices")
     p.add_argument("--only-budget", action="store_true", help="checkpointing once, then the budget runs")
     p.add_argument("--unbound", action="store_true", help="the budget runs with no workload bound to the cache")
+    p.add_argument("--halfway", action="store_true",
+                   help="no offloading runs too, and the budget is halfway from checkpointing's peak to its")
     a = p.parse_args()
     if a.explain:
         explain()
@@ -160,13 +162,17 @@ def main() -> int:
         for at in (() if a.only_budget else ((3, 0), (3, 1), (3, 3))):
             results["runs"].append(run(loop, ck, a.opt_steps, at, log))
             save()
-        budget = base["max_reserved"]
+        budget, level = base["max_reserved"], "checkpoint_all_peak"
+        if a.halfway:
+            none = run(loop, ls.Method("none"), a.opt_steps, None, log)
+            results["runs"].append(none)
+            budget, level = (budget + none["max_reserved"]) // 2, "halfway"
         for _ in range(a.budget_runs):
-            m = ls.Method("fast_budget", budget=budget, level="checkpoint_all_peak")
+            m = ls.Method("fast_budget", budget=budget, level=level)
             results["runs"].append(run(loop, m, 20, None, log))
             save()
         for at in (() if a.only_budget else ((6, 0), (6, 1))):
-            m = ls.Method("fast_budget", budget=budget, level="checkpoint_all_peak")
+            m = ls.Method("fast_budget", budget=budget, level=level)
             results["runs"].append(run(loop, m, 12, at, log))
             save()
     return 0
