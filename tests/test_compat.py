@@ -229,11 +229,9 @@ def test_a_step_imports_no_dynamo_and_not_traced_made_before_dynamo_still_keeps_
             return x
 
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-        ao.wrap(m, ao.Offloader())
+        ao.wrap(m, ao.Offloader(device="cpu"))  # (on CUDA a first step recomputes: torch's checkpoint imports Dynamo)
         m(torch.randn(2, 4, requires_grad=True)).sum().backward()
-        import torch._C._dynamo.eval_frame as c
-        if hasattr(c, "_FrameExecStrategy"):  # (an older torch skips code through Dynamo's Python side)
-            assert not [k for k in sys.modules if k.startswith("torch._dynamo")], "dynamo imported"
+        assert not [k for k in sys.modules if k.startswith("torch._dynamo")], "dynamo imported"
         out = torch.compile(lambda x: side_effect(x) * 2, backend="eager")(torch.ones(2))
         assert calls == [1] and out.tolist() == [2.0, 2.0]
         print("ok")
