@@ -64,7 +64,7 @@ _open_on: dict[int, tuple[str, bool]] = {}
 
 
 # The saves so far of the group open on each thread, where it may move them (a module's selection
-# narrows what it saved among them: ops.selecting)
+# narrows what it saved among them: roles.selects)
 _open_saves: dict[int, list[SavedBuffer]] = {}
 
 

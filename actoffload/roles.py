@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.nn as nn
 
-from . import compat, marks
+from . import compat, marks, multibuffer
 from .engine import group_open, open_group_saves
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,6 +57,16 @@ def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {compat.storage_id(s) for t in tensors if t is not None for s in marks._storages(t)}
 
 
+def _buffers(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``'s plain buffers (R7): a veto for some of them must not reach the others."""
+    if multibuffer.is_multibuffer(t):
+        for b in multibuffer.split(t).buffers:
+            if b is not None:
+                yield from _buffers(b)
+    else:
+        yield t
+
+
 def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[str, object],
                    others: Iterable[torch.Tensor] = ()) -> None:
     """Opt in the tensors of selected roles (labelled with their role, for ``stats()``) and veto
@@ -73,7 +83,7 @@ def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[s
         marks.opt_in_as(role, *ts)
     rest = [t for role, ts in saved_by_role.items() if role not in selected for t in _tensors(ts)]
     rest += others
-    marks.mark_not_offload(*(t for t in rest if t is not None and not _keys((t,)) <= keep))
+    marks.mark_not_offload(*(b for t in rest if t is not None for b in _buffers(t) if not _keys((b,)) <= keep))
 
 
 def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> None:
@@ -100,14 +110,6 @@ def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> No
         stack[-1].named = saved_by_role
     else:
         mark_selection(selected, saved_by_role)
-
-
-def claim(*tensors: torch.Tensor) -> None:
-    """Say that these saves are an op's own, which applies its selection itself (a fused op):
-    the module calling it leaves them as they are."""
-    stack = _stack()
-    if stack:
-        stack[-1].claimed |= _keys(tensors)
 
 
 def selects(forward: F) -> F:

@@ -159,3 +159,16 @@ def test_under_policy_all_selecting_the_mlp_norm_vetoes_every_other_save_of_the_
     with ao.wrap(model.blocks, off_all, parts=block_parts):
         model(x * 1).sum().backward()
     assert off_all.stats()["groups"]["0.2"]["offloaded_bytes"] > g["offloaded_bytes"]  # a selection narrows
+
+
+def test_a_selected_storage_inside_an_unselected_multi_buffer_tensor_stays_opted_in():
+    """A veto reaches an unselected tensor's buffers one by one: where one of them is a storage a
+    selected role names, that storage stays opted in (a veto would win over the opt-in, R4)."""
+    from actoffload import marks
+    from actoffload.roles import mark_selection
+
+    x = torch.randn(6, 4)
+    grouped = ao.GroupedTensor(x.detach(), [2, 4])  # its data: x's storage; its offsets: a storage of its own
+    mark_selection({"qkv"}, {"qkv": x, "attn_norm": grouped})
+    assert marks.flags_of(x.untyped_storage()._cdata) == marks.OPT_IN
+    assert marks.flags_of(grouped._offsets.untyped_storage()._cdata) & marks.VETO
