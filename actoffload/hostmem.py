@@ -174,6 +174,9 @@ class HostMemory:
             self.allocated += nbytes
         try:
             host = self._allocator(nbytes, self.pinned)
+            if not self._trusted and not isinstance(host, torch.Tensor):
+                raise TypeError(f"the host allocator returned a {type(host).__name__}; it must return a 1-D uint8 "
+                                f"CPU tensor of exactly {nbytes} bytes")
             if not self._trusted and (host.dtype != torch.uint8 or host.dim() != 1 or host.numel() != nbytes
                                       or host.device.type != "cpu"):
                 raise TypeError(

@@ -186,7 +186,7 @@ def select_modules(model: nn.Module, roles: Iterable[str]) -> list[tuple[str, st
     roles = set(roles)
     unknown = roles - set(ROLES)
     if unknown:
-        raise ValueError(f"unknown role(s) {sorted(unknown)}; valid roles are: {', '.join(ROLES)}")
+        raise ValueError(f"unknown role(s) {sorted(unknown, key=repr)}; valid roles are: {', '.join(ROLES)}")
     selected = []
     for path, module in model.named_modules():
         own = getattr(module, "offload_roles", None)

@@ -40,17 +40,27 @@ def resolve_device(device: Any) -> torch.device:
     """The compute device: CUDA (current device) when available and ``None`` given, else as named."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def check_device(device: Any) -> torch.device:
+    """``device`` as a torch device, checked as :func:`resolve_device` checks it, without making
+    a CUDA context (an integration checks its settings as it is built, before training begins).
+
+    >>> check_device("cpu")
+    device(type='cpu')
+    """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device (try 'cuda', 'cuda:0' or 'cpu')") from e
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device {dev} is not supported: actoffload offloads from 'cuda' (or 'cpu' for testing)")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {dev} asked for, but CUDA is not available here; use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} asked for, but CUDA is not available here; use device='cpu'")
     return dev
 
 

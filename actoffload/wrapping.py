@@ -304,7 +304,10 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     # trace are two clean graph breaks, and the module's own forward between them compiles.
     @functools.wraps(base.forward)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        w: _Wrap = getattr(self, _WRAP)
+        w: _Wrap | None = getattr(self, _WRAP, None)
+        if w is None:  # unwrapped after torch bound this forward (remove() from a forward pre-hook)
+            restored = self.__dict__.get("forward")
+            return restored(*args, **kwargs) if restored is not None else base.forward(self, *args, **kwargs)
         if torch.jit.is_tracing() or (not torch.is_grad_enabled() and w.off._serves_another_thread()):
             # torch.jit.trace records the module as without an offloader; a forward that saves
             # nothing on a thread the offloader does not serve runs as without one (R8), its

@@ -293,11 +293,14 @@ def test_R10_host_budget_exceeded_raises_and_keeps_data(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_R10_host_allocator_returning_the_wrong_thing_is_named(impl):
-    off = off_for(impl, "cpu", keep_last=0, host_allocator=lambda n, pinned: torch.empty(n))  # float32
+@pytest.mark.parametrize("wrong", [lambda n: torch.empty(n), lambda n: None, lambda n: bytearray(n)],
+                         ids=["float32", "None", "bytearray"])
+def test_R10_host_allocator_returning_the_wrong_thing_is_named(impl, wrong):
+    off = off_for(impl, "cpu", keep_last=0, host_allocator=lambda n, pinned: wrong(n))
     with pytest.raises(TypeError, match="must return a 1-D uint8 CPU tensor of exactly"):
         with off.group("0"):
             (torch.randn(64, 64, requires_grad=True) * 2).exp()
+    assert off.stats()["host_bytes_in_use"] == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; CI has none")

@@ -336,7 +336,8 @@ def test_a_model_attached_and_let_go_without_remove_is_freed():
 
 # ---------------------------------------------------------------- bad input, said at once (R10)
 @pytest.mark.parametrize("settings", [dict(memory_budget="lots"), dict(keep_last=-1), dict(foo=1),
-                                      dict(offloader="an offloader")])
+                                      dict(offloader="an offloader"), dict(impl="fast", packer="bogus"),
+                                      dict(impl="fast", packer=None), dict(device="bogus"), dict(device="meta")])
 def test_a_callbacks_bad_setting_is_refused_when_it_is_built_not_in_training(settings):
     """The callbacks check every setting as they are built: before the trainer makes its
     dataloaders and optimizer, not from inside ``train()``."""

@@ -142,6 +142,8 @@ def test_select_modules_replaces_the_selection_and_names_bad_roles():
     assert ao.select_modules(model, set()) == [] and model["b"].offload_selected == set()
     with pytest.raises(ValueError, match=r"unknown role\(s\) \['moe'\]; valid roles are: attn_norm, qkv"):
         ao.select_modules(model, {"moe"})
+    with pytest.raises(ValueError, match=r"unknown role\(s\) \['nope', 1\]; valid roles"):
+        ao.select_modules(model, {"nope", 1})  # (sorting them by value raised TypeError)
     with pytest.raises(TypeError, match="a collection of roles, got the str 'moe_act': write {'moe_act'}"):
         ao.select_modules(model, "moe_act")  # was the roles 'm', 'o', 'e', ...: unknown
     with pytest.raises(TypeError, match=r"the model \(an nn.Module\) first, got int"):

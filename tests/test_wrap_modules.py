@@ -420,3 +420,29 @@ def test_wrapping_a_parametrized_module_again_and_again_leaves_no_class_behind()
         handle.remove()
     gc.collect()
     assert len(wrapping._PLAIN) <= before
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("own_forward", [False, True])
+def test_remove_from_a_forward_pre_hook_runs_that_call_unwrapped(impl, own_forward):
+    """Torch binds ``forward`` before it runs the pre-hooks: a hook that removes the wrap leaves
+    the wrapper's forward to run on an unwrapped module (it raised AttributeError). It runs the
+    module's own forward, the instance's where it has one, and the step is plain PyTorch's."""
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        if own_forward:
+            inner = m[0].forward
+            m[0].forward = lambda x: inner(x) * 2
+        return m
+
+    x = torch.randn(4, 16)
+    plain = model()
+    plain(x).square().sum().backward()
+    m = model()
+    handle = ao.wrap([m[0], m[2]], ao.Offloader(impl=impl, device="cpu", min_offload_bytes=0))
+    hook = m[2].register_forward_pre_hook(lambda mod, args: handle.remove())
+    m(x).square().sum().backward()
+    hook.remove()
+    assert_bitwise([p.grad for p in m.parameters()], [p.grad for p in plain.parameters()])
+    assert type(m[0]) is torch.nn.Linear and type(m[2]) is torch.nn.Linear

@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 
+from ..fast.packing import PACKERS
 from ..offloader import Offloader
+from ..settings import check_choice, check_device
 from ..wrapping import WrapHandle, wrap
 
 # Where the common architectures keep their decoder layers (transformers' names); tried in this
@@ -401,9 +403,14 @@ class ModelHandle:
         if offloader is not None and not isinstance(offloader, Offloader):
             raise TypeError(f"{owner}: offloader= must be an actoffload.Offloader, got {type(offloader).__name__}")
         if settings:  # each setting checked now (R10), not once training has begun: on the CPU, cheaply
-            # (with no CUDA context made here; the packer's choice depends on the device: checked then)
-            make_offloader(None, {**{k: v for k, v in settings.items() if k not in ("device", "packer")},
-                                  "device": "cpu"}, [])
+            # (with no CUDA context made here; whether the packer named suits the device is checked then)
+            cheap = {k: v for k, v in settings.items() if k not in ("device", "packer")}
+            if settings.get("device") is not None:
+                check_device(settings["device"])
+            if "packer" in settings:
+                check_choice("packer", settings["packer"], PACKERS)
+                cheap["packer"] = "auto"  # (whether this implementation takes a packer at all)
+            make_offloader(None, {**cheap, "device": "cpu"}, [])
         self._given = offloader
         self.layers = layers
         self._settings = settings
