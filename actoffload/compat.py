@@ -213,6 +213,12 @@ def not_traced(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def in_function_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``, ...) runs its
+    function on this thread now."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def stream_is_capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on ``device``'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

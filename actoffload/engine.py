@@ -226,6 +226,11 @@ class Engine(Generic[GroupT, MovedT]):
             return None
         if torch.jit.is_tracing():
             return None  # torch.jit.trace records the forward: a group's hooks and copies would enter its graph
+        if compat.in_function_transform():
+            # torch.func's grad and vjp take no saved-tensor hooks, jvp no .data write to a version
+            # guard, and a module recomputed in a backward outside vmap meets its batched tensors
+            # escaped: what a transformed function saves is left to autograd (R2)
+            return None
         me = threading.get_ident()
         opened = _open_on.get(me)
         if opened is not None:

@@ -88,3 +88,48 @@ def test_R2_a_repeated_name_that_saved_nothing_leaves_no_gap_in_the_numbers(impl
             h = h.sin() if saves else h * 2.0  # a product with a number saves nothing
     assert list(off.stats()["groups"]) == ["g", "g#2"]
     h.sum().backward()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap_then_backward"])
+@pytest.mark.parametrize("offloader", ["ref", "fast", "budget"])
+def test_R2_under_a_torch_func_transform_no_group_opens(transform, offloader):
+    """torch.func's grad raised on the groups' saved-tensor hooks, jvp on a version guard's .data
+    write, and a budget's recomputation of a module called under vmap, run in a backward outside
+    it, met its batched tensors escaped. What a transformed function saves is autograd's."""
+    from torch.func import functional_call, grad, jvp, vmap
+
+    def run(off):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[_Block() for _ in range(3)])
+        if off is not None:
+            ao.wrap(m, off)
+        out = []
+        for step in range(3):
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+            params = {k: v.detach() for k, v in m.named_parameters()}
+            if transform == "grad":
+                out += grad(lambda p: functional_call(m, p, (x,)).square().mean())(params).values()
+            elif transform == "jvp":
+                out += jvp(lambda p: functional_call(m, p, (x,)), (params,),
+                           ({k: torch.ones_like(v) for k, v in params.items()},))
+            else:
+                m.zero_grad(set_to_none=True)
+                y = vmap(m)(x.view(4, 8, 16))
+                y.square().mean().backward()
+                out += [y.detach()] + [p.grad.clone() for p in m.parameters()]
+        return out
+
+    made = {"ref": lambda: ao.Offloader(impl="ref", device="cpu", min_offload_bytes=0),
+            "fast": lambda: ao.Offloader(impl="fast", device="cpu", min_offload_bytes=0),
+            "budget": lambda: ao.Offloader(impl="fast", device="cpu", memory_budget=64 << 10)}[offloader]()
+    expected, got = run(None), run(made)
+    assert len(expected) == len(got) and all(torch.equal(a, b) for a, b in zip(expected, got))

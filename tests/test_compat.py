@@ -239,3 +239,16 @@ def test_a_step_imports_no_dynamo_and_not_traced_made_before_dynamo_still_keeps_
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_in_function_transform_is_true_only_inside_a_torch_func_transform():
+    seen = []
+
+    def f(x):
+        seen.append(compat.in_function_transform())
+        return x.sin().sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    torch.func.vmap(f)(torch.ones(2, 3))
+    f(torch.ones(3))
+    assert seen == [True, True, False]
