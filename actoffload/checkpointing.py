@@ -58,10 +58,14 @@ def contexts(group: Group, see: Callable[[torch.Tensor], None] | None,
     # the guard's own ops (a detach, a storage swap) are none of the forward's: not shown to its modes
     guarded = _outside_modes(_guarded) if modes else _guarded
 
+    # (not traced: a compiled submodule's saves reach these hooks with Dynamo's callback set, and
+    # it compiled them, guarding on storage keys, until it gave up recompiling)
     if see is None:
+        @compat.not_traced
         def saw(t: torch.Tensor) -> None:
             seen.append(guarded(group, t))
     else:
+        @compat.not_traced
         def saw(t: torch.Tensor) -> None:
             see(t)
             seen.append(guarded(group, t))
@@ -165,6 +169,7 @@ class _SeeingSaves:
         outer_pack, outer_unpack = outer
         see = self._see  # not self: the hooks would hold themselves (below)
 
+        @compat.not_traced  # (as saw above)
         def pack(t: torch.Tensor) -> Any:
             see(t)
             return outer_pack(t)

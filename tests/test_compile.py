@@ -174,6 +174,31 @@ def test_compile_blocks_compiled_before_wrapping_stay_compiled_under_a_budget_an
     assert later_counter.frame_count >= 1  # a model compiled alike afterwards still compiles
 
 
+def test_compiled_submodules_of_recomputed_groups_never_make_dynamo_compile_the_offloaders_hooks():
+    """A submodule compiled inside a group a budget recomputes saves with Dynamo's callback set:
+    the hooks that see those saves for the recomputation (the profiling's, the guard's) were
+    compiled, guarded on storage keys, until Dynamo reached its recompile limit. Dynamo captures
+    no more calls than without an offloader."""
+    def steps(off):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                                           torch.nn.Linear(64, 32)) for _ in range(3)])
+        for b in blocks:
+            b[0].compile(backend="eager")
+        if off is not None:
+            ao.wrap(list(blocks), off)
+        for step in range(3):
+            blocks(torch.randn(64, 32, requires_grad=True)).square().mean().backward()
+        return dict(counters["stats"])
+
+    plain = steps(None)
+    off = ao.Offloader(impl="fast", device="cpu", memory_budget=64 << 10)
+    assert steps(off) == plain
+    assert "recompute" in {g["action"] for g in off.stats()["plan"]["groups"]}
+
+
 @pytest.mark.parametrize("budget", [None, "1GB"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_jit_trace_of_a_wrapped_model_records_it_as_without_an_offloader(impl, budget):
