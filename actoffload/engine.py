@@ -57,15 +57,12 @@ class _Holder(weakref.ref):
         holder.died = next(_deaths)
 
 
-# The group open on each thread (groups do not nest), by thread id: its name, and whether it is a
-# module run whole in place of its parts, which open no groups of their own. (A dict, not a
-# threading.local: reading a thread-local's attribute cost as much as the rest of the check.)
-_open_on: dict[int, tuple[str, bool]] = {}
-
-
-# The saves so far of the group open on each thread, where it may move them (a module's selection
-# narrows what it saved among them: roles.selects)
-_open_saves: dict[int, list[SavedBuffer]] = {}
+# The group open on each thread (groups do not nest), by thread id: its name, whether it is a
+# module run whole in place of its parts, which open no groups of their own, and its saves so far
+# where it may move them (a module's selection narrows what it saved among them: roles.selects).
+# (A dict, not a threading.local: reading a thread-local's attribute cost as much as the rest of
+# the check.)
+_open_on: dict[int, tuple[str, bool, list[SavedBuffer] | None]] = {}
 
 
 def group_open() -> bool:
@@ -76,7 +73,8 @@ def group_open() -> bool:
 def open_group_saves() -> list[SavedBuffer] | None:
     """The saves so far of the group open on this thread (the group's own list, which grows as
     it saves), or ``None`` where none is open or it keeps everything it saves."""
-    return _open_saves.get(threading.get_ident())
+    opened = _open_on.get(threading.get_ident())
+    return opened[2] if opened is not None else None
 
 
 class Engine(Generic[GroupT, MovedT]):
@@ -234,7 +232,7 @@ class Engine(Generic[GroupT, MovedT]):
         me = threading.get_ident()
         opened = _open_on.get(me)
         if opened is not None:
-            open_name, whole = opened
+            open_name, whole, _ = opened
             if whole:
                 return None  # a part of a module run whole: that module's group holds its saves
             raise RuntimeError(
@@ -320,9 +318,7 @@ class Engine(Generic[GroupT, MovedT]):
                 pack, unpack = self._pack_open, self._unpack_open
         self._open_group = group
         compat.push_saved_tensors_hooks(pack, unpack)
-        _open_on[me] = (name, bool(parts))
-        if not group.kept_whole:
-            _open_saves[me] = group.saved  # type: ignore[assignment]  # (a list while it is open)
+        _open_on[me] = (name, bool(parts), None if group.kept_whole else group.saved)  # type: ignore[assignment]  # (a list while it is open)
         return group
 
     def _unlist(self, name: str) -> None:
@@ -495,9 +491,7 @@ class Engine(Generic[GroupT, MovedT]):
             if failed:  # a group the plan ran without hooks (it keeps everything) cut short all the same
                 self._forward_failed()
             return
-        me = threading.get_ident()
-        _open_on.pop(me, None)
-        _open_saves.pop(me, None)
+        _open_on.pop(threading.get_ident(), None)
         compat.pop_saved_tensors_hooks()
         self._open_group = None
         if self._prefetches:

@@ -131,14 +131,14 @@ def selects(forward: F) -> F:
             stack.pop()
         if open_group_saves() is not saves:  # (groups do not nest: the group it began in is gone)
             return out
-        mine = [s.tensor for s in saves[frame.start:] if s.tensor is not None]
+        mine = [(s.tensor, _keys((s.tensor,))) for s in saves[frame.start:] if s.tensor is not None]
         if stack:  # a module around this one leaves this one's saves to it
-            stack[-1].claimed |= _keys(mine)
+            stack[-1].claimed.update(*(keys for _, keys in mine))
         selected = getattr(module, "offload_selected", None)
         if selected and frame.named is not None:
             named = _keys(t for ts in frame.named.values() for t in _tensors(ts))
             mark_selection(selected, frame.named,
-                           [t for t in mine if not (_keys((t,)) <= named or _keys((t,)) <= frame.claimed)])
+                           [t for t, keys in mine if not (keys <= named or keys <= frame.claimed)])
         return out
 
     return run  # type: ignore[return-value]

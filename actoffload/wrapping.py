@@ -371,6 +371,7 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             proxy: Any = object.__new__(plain)
             vars(proxy).update(state)
             new = own(proxy, memo)
+            memo[id(self)] = new
         else:  # as copy.deepcopy copies a plain module, but not through __getstate__, which a
             # parametrized module's class refuses (pickling it is refused, copying it is not)
             new = cast(Any, plain).__new__(plain)
@@ -379,7 +380,6 @@ def _wrapped_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
             for slot in copyreg._slotnames(plain):  # type: ignore[attr-defined]
                 if hasattr(self, slot):
                     setattr(new, slot, copy.deepcopy(getattr(self, slot), memo))
-        memo[id(self)] = new
         return new
     namespace["__deepcopy__"] = __deepcopy__
     cls: type[torch.nn.Module] = type(base)(f"Offload{base.__name__}", (base,), namespace)  # type: ignore[misc]
