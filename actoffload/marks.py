@@ -30,15 +30,6 @@ _sweep_at = 1024  # sweep dead entries when the table grows past this
 _made = 0  # marks made or changed so far (not those set again as they were)
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    if multibuffer.is_multibuffer(t):
-        return [s for b in multibuffer.split(t).buffers if b is not None for s in _storages(b)]
-    try:
-        return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError):  # sparse, nested: resident anyway (R3), nothing to mark
-        return []
-
-
 def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
     global _sweep_at, _made
     for t in tensors:
@@ -46,7 +37,7 @@ def _mark(tensors, flag: int, fn: str, role: str | None = None) -> None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn} takes tensors (or None), got {type(t).__name__}")
-        for storage in _storages(t):
+        for storage in multibuffer.storages(t):
             key = compat.storage_id(storage)
             with _lock:
                 entry = _marks.get(key)
@@ -150,7 +141,7 @@ def is_parameter_storage(t: torch.Tensor) -> bool:
         keys = {}
         for p in list(_parameters):
             try:
-                keys.update((compat.storage_id(s), StorageWeakRef(s)) for s in _storages(p))
+                keys.update((compat.storage_id(s), StorageWeakRef(s)) for s in multibuffer.storages(p))
             except TypeError:
                 pass
         _parameter_keys = keys

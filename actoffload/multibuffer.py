@@ -19,7 +19,7 @@ and always rebuild, also when no buffer moved.
 from __future__ import annotations
 
 import copy
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -60,6 +60,38 @@ def split(t: torch.Tensor) -> Split:
     if is_traceable_wrapper_subclass(t):
         return _split_flattened(t)
     raise TypeError(f"{type(t).__name__} is not made of buffers actoffload can take apart")
+
+
+def plain_buffers(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``'s plain buffers (R7): ``t`` itself where it is one tensor, else the buffers it is
+    made of, taken apart as far as they go (a mark or a veto reaches each of them alone).
+
+    >>> from actoffload import GroupedTensor
+    >>> len(list(plain_buffers(GroupedTensor.from_tensors([torch.ones(2), torch.ones(3)]))))
+    2
+    """
+    if is_multibuffer(t):
+        for b in split(t).buffers:
+            if b is not None:
+                yield from plain_buffers(b)
+    else:
+        yield t
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The device storages ``t`` is made of, one per plain buffer; none for a sparse or nested
+    tensor (R3: resident anyway, nothing to mark).
+
+    >>> len(storages(torch.ones(2)[1:]))
+    1
+    """
+    out = []
+    for b in plain_buffers(t):
+        try:
+            out.append(b.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            pass
+    return out
 
 
 def _split_r7(t: torch.Tensor) -> Split:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 import torch.nn as nn
@@ -54,17 +54,7 @@ def _tensors(ts: object) -> tuple[torch.Tensor, ...]:
 
 
 def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {compat.storage_id(s) for t in tensors if t is not None for s in marks._storages(t)}
-
-
-def _buffers(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t``'s plain buffers (R7): a veto for some of them must not reach the others."""
-    if multibuffer.is_multibuffer(t):
-        for b in multibuffer.split(t).buffers:
-            if b is not None:
-                yield from _buffers(b)
-    else:
-        yield t
+    return {compat.storage_id(s) for t in tensors if t is not None for s in multibuffer.storages(t)}
 
 
 def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[str, object],
@@ -83,7 +73,8 @@ def mark_selection(selected: set[str] | frozenset[str], saved_by_role: Mapping[s
         marks.opt_in_as(role, *ts)
     rest = [t for role, ts in saved_by_role.items() if role not in selected for t in _tensors(ts)]
     rest += others
-    marks.mark_not_offload(*(b for t in rest if t is not None for b in _buffers(t) if not _keys((b,)) <= keep))
+    vetoed = (b for t in rest if t is not None for b in multibuffer.plain_buffers(t))
+    marks.mark_not_offload(*(b for b in vetoed if not _keys((b,)) <= keep))
 
 
 def select_in_forward(module: nn.Module, saved_by_role: dict[str, object]) -> None:
