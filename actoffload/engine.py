@@ -26,7 +26,7 @@ import torch
 from . import checkpointing, compat, graph, marks, multibuffer, policy
 from .checkpointing import modified_error
 from .hostmem import HostMemory, HostMemoryError
-from .observe import Observer
+from .observe import Observer, listening
 from .plans import OFFLOAD, Plan
 from .records import DelegatedHandle, Group, GroupState, Handle, Moved, MovedView, MultiHandle, SavedBuffer
 from .sharing import SharedStorages
@@ -502,7 +502,7 @@ class Engine(Generic[GroupT, MovedT]):
         if failed:
             # Never committed; it stays with its graph and is freed with it (R8).
             group.state = GroupState.ABORTED
-            self._window.pop(group.name, None)
+            self._unlist(group.name)  # its name too: the forward run again takes it
             self._forward_failed()
             return
         if group.saved or group.summary["saved"]:
@@ -603,11 +603,13 @@ class Engine(Generic[GroupT, MovedT]):
         try:
             if moved:  # nothing to move (a plan keeps its inputs): no copy to order or await
                 self._move_out(group, moved)
-        except HostMemoryError:
-            if not self.plan.stays_when_host_short:
+        except BaseException as e:  # host memory short, or an allocator's own error: nothing moved
+            if not (isinstance(e, HostMemoryError) and self.plan.stays_when_host_short):
                 group.state = GroupState.RESIDENT
                 self._plan(group, committed=False)
                 group.decided()
+                if self._observers:
+                    self._report_commit(group)
                 self._forward_failed()  # raised into the forward, which it cuts short as an exception in a group does
                 raise
             plan, moved = self._plan(group, committed=True, nothing_moves=True), []  # it stays, moving nothing
@@ -641,7 +643,7 @@ class Engine(Generic[GroupT, MovedT]):
             self._report_commit(group)
 
     def _report_commit(self, group: GroupT) -> None:
-        for obs in self._observers:
+        for obs in listening(self._observers):
             obs.on_commit(group.name, dict(group.summary))
 
     def _let_go(self, group: GroupT, span: policy.Span, m: Moved) -> None:
@@ -663,12 +665,13 @@ class Engine(Generic[GroupT, MovedT]):
             if group.state is not GroupState.PENDING:
                 return
             group.state = GroupState.RESIDENT
-        if group.kept_whole:
-            return
-        self._plan(group, committed=False)
-        # Decided: each kept buffer is freed as soon as autograd releases its handle, node
-        # by node, as without an offloader (not when the whole group's backward is over).
-        group.decided()
+        if not group.kept_whole:
+            self._plan(group, committed=False)
+            # Decided: each kept buffer is freed as soon as autograd releases its handle, node
+            # by node, as without an offloader (not when the whole group's backward is over).
+            group.decided()
+        if self._observers:
+            self._report_commit(group)
 
     # ------------------------------------------------------------------ hooks
     # The hooks autograd calls: kept out of torch.compile here, at their entry points.
@@ -728,7 +731,7 @@ class Engine(Generic[GroupT, MovedT]):
             s = SavedBuffer(t, t._base is not None and policy.is_parameter(t), derived=True)
         group.saved.append(s)  # type: ignore[union-attr]  # (a list while it is open, which is when it saves)
         if self._observers:
-            for obs in self._observers:
+            for obs in listening(self._observers):
                 obs.on_save(group.name, t)
         return s
 

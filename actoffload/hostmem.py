@@ -183,7 +183,7 @@ class HostMemory:
                     f"the host allocator returned a {tuple(host.shape)} {host.dtype} tensor on {host.device}; "
                     f"it must return a 1-D uint8 CPU tensor of exactly {nbytes} bytes"
                 )
-        except (RuntimeError, MemoryError) as e:
+        except (RuntimeError, MemoryError, OSError) as e:  # (OSError: a mapping refused)
             self._count(-nbytes)
             raise HostMemoryError(
                 f"could not allocate {nbytes:,} bytes of host memory to offload into ({e}); the group "
@@ -200,9 +200,10 @@ T = TypeVar("T")
 
 
 def allocate_all(sizes: Iterable[int], get: Callable[[int], T], give_back: Callable[[T], None] | None = None) -> list[T]:
-    """One host buffer per size from ``get``, or none: where one cannot be had (``MemoryError``,
-    :class:`HostMemoryError` among them), those already had go back through ``give_back`` and the
-    error is raised. A commit moves all of a group or nothing (R10).
+    """One host buffer per size from ``get``, or none: where one cannot be had (any error,
+    :class:`HostMemoryError` among them), those already had go back through ``give_back`` (without
+    it, they are let go: the error's traceback holds none of them) and the error is raised. A
+    commit moves all of a group or nothing (R10).
 
     >>> allocate_all([4, 8], lambda n: bytearray(n))
     [bytearray(b'\\x00\\x00\\x00\\x00'), bytearray(b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00')]
@@ -211,9 +212,10 @@ def allocate_all(sizes: Iterable[int], get: Callable[[int], T], give_back: Calla
     try:
         for n in sizes:
             had.append(get(n))
-    except MemoryError:
+    except BaseException:
         if give_back is not None:
             for b in had:
                 give_back(b)
+        had.clear()
         raise
     return had

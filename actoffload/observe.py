@@ -7,7 +7,7 @@ the timing of every batch of copies on the copy streams.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -32,7 +32,9 @@ class Observer:
         """A tensor saved for backward inside ``group`` (each buffer of a multi-buffer tensor)."""
 
     def on_commit(self, group: str, summary: dict[str, Any]) -> None:
-        """``group`` was decided; ``summary`` is what ``stats()`` reports for it."""
+        """``group`` was decided (R8): committed, or kept for ``keep_last`` (backward reached it
+        first, or its commit found host memory short and raised); ``summary`` is what ``stats()``
+        reports for it."""
 
     def on_copy(self, direction: str, nbytes: int, start: Any, end: Any) -> None:
         """A batch of copies of ``nbytes`` (``"d2h"`` or ``"h2d"``) ran between two CUDA events
@@ -43,3 +45,19 @@ class Observer:
 def wants_copies(observer: Observer) -> bool:
     """Whether ``observer`` overrides :meth:`Observer.on_copy` (timing events cost a little)."""
     return type(observer).on_copy is not Observer.on_copy
+
+
+def listening(observers: list[Observer]) -> Iterator[Observer]:
+    """Each of ``observers`` in turn that is still among them when its turn comes: one may
+    remove itself or another as it hears an event, and the others still hear it.
+
+    >>> heard, observers = [], [Observer(), Observer()]
+    >>> for obs in listening(observers):
+    ...     heard.append(obs)
+    ...     observers.remove(observers[-1])  # the first to hear removes the last
+    >>> len(heard)
+    1
+    """
+    for obs in tuple(observers):
+        if obs in observers:
+            yield obs

@@ -531,6 +531,8 @@ class ActivationAudit(ao.Observer):
 
     def on_commit(self, group: str, summary: dict[str, Any]) -> None:
         saves = self._open.pop(group, _Saves(set()))
+        if summary.get("kept", {}).get("keep_last") and not summary["offloaded"]:
+            return  # decided without a commit: backward reached it first (keep_last)
         expected = sum(hi - lo for lo, hi in saves.spans.values() if hi - lo >= self._min)
         kept_parameter = summary.get("kept", {}).get("parameter", 0)
         self._groups.append({

@@ -97,6 +97,8 @@ class ScheduleTrace(ao.Observer):
 
     def on_commit(self, group: str, summary: dict[str, Any]) -> None:
         key = self.group_of.pop(group, None)
+        if summary.get("kept", {}).get("keep_last") and not summary["offloaded"]:
+            return  # decided without a commit: backward reached it first (keep_last)
         if key is not None:
             self.committed[key] += 1
             self.offloaded[key] += summary["offloaded_bytes"]

@@ -42,7 +42,7 @@ from actoffload import plans
 from actoffload.graph import upcoming
 from actoffload.hostmem import Finalizers, allocate_all
 from actoffload.locks import OwnedLock
-from actoffload.observe import wants_copies
+from actoffload.observe import listening, wants_copies
 from actoffload.offloader import Offloader
 from actoffload.plans import WARMUPS, Plan
 from actoffload.policy import Span
@@ -292,7 +292,7 @@ class FastOffloader(Offloader[FastGroup, FastMoved]):
             told, self._unreported = self._unreported, []
         error: BaseException | None = None
         for direction, nbytes, start, end in told:
-            for obs in self._observers:
+            for obs in listening(self._observers):
                 if wants_copies(obs):
                     try:
                         obs.on_copy(direction, nbytes, start, end)

@@ -1,5 +1,6 @@
 """R10: misuse gets a clear error naming the problem; faults never corrupt or drop data."""
 
+import gc
 import re
 
 import pytest
@@ -290,6 +291,55 @@ def test_R10_host_budget_exceeded_raises_and_keeps_data(impl):
     assert off.stats()["offloaded_bytes"] == 0 and off.stats()["host_bytes_in_use"] == 0
     y.sum().backward()
     assert_bitwise(grads_of(model, x), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R10_a_failed_commit_holds_no_host_memory_while_its_error_is_kept(impl):
+    """The second of a group's two buffers does not fit the host budget: the first, already had,
+    is given back at once, though the caller keeps the error (its traceback holds the frames
+    that allocated): a later commit that fits the budget moves."""
+    off = off_for(impl, "cpu", keep_last=0, host_budget=6000, **({"pack_below": 0} if impl == "fast" else {}))
+    a = torch.randn(1000, requires_grad=True)
+    errors = []
+    try:
+        with off.group("g"):  # two saves of 4,000 bytes
+            y, z = (a * 2).exp(), (a * 3).sin()
+    except HostMemoryError as e:
+        errors.append(e)
+    assert errors and off.stats()["host_bytes_in_use"] == 0
+    with off.group("h"):
+        w = (a * 4).exp()
+    assert off.stats()["groups"]["h"]["offloaded_bytes"] == 4000
+    (y.sum() + z.sum() + w.sum()).backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("error", [OSError(12, "Cannot allocate memory"), MemoryError()], ids=["OSError", "MemoryError"])
+def test_R10_an_allocator_failing_with_an_os_error_is_host_memory_short(impl, error):
+    """A host allocator that fails as ``mmap`` does (``OSError``; the offloader's own allocator
+    maps large blocks) on a group's second buffer: ``HostMemoryError``, nothing reported moved,
+    the first buffer given back, and gradients as without an offloader."""
+    calls = []
+
+    def allocator(nbytes, pinned):
+        calls.append(nbytes)
+        if len(calls) == 2:
+            raise error
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    off = off_for(impl, "cpu", keep_last=0, host_allocator=allocator, **({"pack_below": 0} if impl == "fast" else {}))
+    a = torch.randn(1000, requires_grad=True)
+    with pytest.raises(HostMemoryError, match="could not allocate"):
+        with off.group("g"):
+            y, z = (a * 2).exp(), (a * 3).sin()
+    assert off.stats()["groups"]["g"] == {"saved": 2, "offloaded": 0, "offloaded_bytes": 0, "kept": {"keep_last": 2}}
+    (y.sum() + z.sum()).backward()
+    del y, z
+    gc.collect()
+    assert off.stats()["host_bytes_in_use"] == 0
+    b = a.detach().requires_grad_()
+    ((b * 2).exp().sum() + (b * 3).sin().sum()).backward()
+    assert torch.equal(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

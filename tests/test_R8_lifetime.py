@@ -111,6 +111,35 @@ def test_R8_exception_inside_a_group_leaves_the_offloader_usable(impl, device, u
     assert_bitwise(grads_of(model, x), expected)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_R8_a_group_an_exception_cut_short_gives_its_number_up(impl):
+    """A micro-batch's forward that raises inside its second group, retried while the first
+    micro-batch waits for its backward: the retry's groups take the numbers the failed ones had
+    ("g1#2", not "g1#3"), as the stats window promises for a group let go before backward."""
+    weights = [torch.randn(16, 16, requires_grad=True) for _ in range(3)]
+    off = off_for(impl, "cpu")
+
+    def forward(x, fail_in=None):
+        h = x
+        for i, w in enumerate(weights):
+            with off.group(f"g{i}"):
+                h = torch.tanh(h @ w)
+                if i == fail_in:
+                    raise ValueError("bad batch")
+        return h.sum()
+
+    x = torch.randn(4, 16)
+    first = forward(x)
+    try:
+        forward(2 * x, fail_in=1)
+    except ValueError:
+        pass
+    gc.collect()
+    second = forward(2 * x)
+    assert list(off.stats()["groups"]) == ["g0", "g1", "g2", "g0#2", "g1#2", "g2#2"]
+    (first + second).backward()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("keep_last", [0, 1, 3])

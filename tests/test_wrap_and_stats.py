@@ -54,3 +54,58 @@ def test_stats_have_the_documented_keys_and_add_up(impl):
 def test_offloader_repr_names_its_settings():
     off = ao.Offloader(impl="ref", device="cpu", keep_last=2)
     assert "keep_last=2" in repr(off) and "RefOffloader" in repr(off)
+
+
+class _Heard(ao.Observer):
+    def __init__(self):
+        self.events = []
+
+    def on_save(self, group, tensor):
+        self.events.append(("save", group))
+
+    def on_commit(self, group, summary):
+        self.events.append(("commit", group, summary["offloaded"]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_observer_removed_as_it_hears_leaves_the_others_hearing(impl):
+    """One observer stops listening on its first event: the next one still hears that event,
+    and every later one; the removed one hears nothing more."""
+    off = off_for(impl, "cpu", keep_last=0)
+
+    class OneShot(_Heard):
+        handle = None
+
+        def on_save(self, group, tensor):
+            super().on_save(group, tensor)
+            self.handle.remove()
+
+    first, second = OneShot(), _Heard()
+    first.handle = off.add_observer(first)
+    off.add_observer(second)
+    x = torch.randn(100, requires_grad=True)
+    with off.group("g0"):
+        y = (x * 2).exp()
+    with off.group("g1"):
+        z = (y * 3).sin()
+    z.sum().backward()
+    assert first.events == [("save", "g0")]
+    assert second.events == [("save", "g0"), ("commit", "g0", 1), ("save", "g1"), ("commit", "g1", 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_observers_hear_of_every_group_decided_also_those_kept_for_keep_last(impl):
+    """``on_commit`` for each group ``stats()`` lists: the last group of a forward, which backward
+    reaches before any commit (``keep_last=1``), is heard of too, with what ``stats()`` says of it."""
+    off = off_for(impl, "cpu", keep_last=1)
+    heard = _Heard()
+    off.add_observer(heard)
+    x = torch.randn(100, requires_grad=True)
+    with off.group("g0"):
+        y = (x * 2).exp()
+    with off.group("g1"):
+        z = (y * 3).sin()
+    z.sum().backward()
+    assert [e for e in heard.events if e[0] == "commit"] == [("commit", "g0", 1), ("commit", "g1", 0)]
+    assert off.stats()["groups"]["g1"]["kept"] == {"keep_last": 1}
+
