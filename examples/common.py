@@ -40,6 +40,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +160,10 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--steps: at least 2 (the first is not timed), got {args.steps}")
     if args.d_model % args.heads:
         raise SystemExit(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.keep_last < 0:
+        raise SystemExit(f"--keep-last: at least 0, got {args.keep_last}")
+    if args.min_offload_bytes is not None and args.min_offload_bytes < 0:
+        raise SystemExit(f"--min-offload-bytes: at least 0, got {args.min_offload_bytes}")
     if args.out:
         existing = Path(args.out).parent
         while not existing.exists() and existing != existing.parent:
@@ -167,6 +172,9 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
             raise SystemExit(f"--out {args.out}: is a folder; give a file name in it")
         if not existing.is_dir():
             raise SystemExit(f"--out {args.out}: cannot make its folder: {str(existing)!r} is a file")
+        if not os.access(existing, os.W_OK | os.X_OK) or not _takes_files(existing):
+            raise SystemExit(f"--out {args.out}: cannot write in {str(existing)!r} (no permission, or a file "
+                             "system that takes no files)")
     cuda = args.device == "cuda"
     default = ["none", "offload", "checkpoint"] if cuda else ["none", "offload"]
     args.modes = args.modes.split(",") if args.modes else default + (["budget"] if args.memory_budget else [])
@@ -186,6 +194,20 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.min_offload_bytes is None:
         args.min_offload_bytes = 1 << 20 if cuda else 0
     return args
+
+
+def _takes_files(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (``/proc`` lets no one, whatever its mode says)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """The ranks the run will have: torchrun's, else ``--nproc``."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc
 
 
 def gpt_config(args: argparse.Namespace) -> GPTConfig:
@@ -228,10 +250,14 @@ def language_model(args: argparse.Namespace, ctx: Context, model: torch.nn.Modul
 
 
 # ---------------------------------------------------------------- launching
-def main(name: str, build: BuildFn, p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+def main(name: str, build: BuildFn, p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+         check: Callable[[argparse.Namespace], None] | None = None) -> int:
     """Parse the command line (``argv``, default ``sys.argv``) with ``p`` and run ``build``'s
-    model in every mode on every rank; returns the exit code."""
+    model in every mode on every rank; returns the exit code. ``check``: the script's own
+    arguments, checked (``SystemExit`` naming the problem) before any process starts."""
     args = finish_args(p.parse_args(argv))
+    if check is not None:
+        check(args)
     return launch(functools.partial(_rank_main, name, build, args), args.nproc)
 
 

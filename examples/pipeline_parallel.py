@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import actoffload as ao
-from common import Context, Trainee, batch, gpt_config, main, parser
+from common import Context, Trainee, batch, gpt_config, main, parser, world_size
 
 from actoffload.tools.models import GPT
 
@@ -179,12 +179,20 @@ class Stage(nn.Module):
         return out
 
 
-def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
-    per_rank = 2 if args.schedule == "interleaved" else 1
-    n_stages = per_rank * ctx.world
+def check(args: argparse.Namespace) -> None:
+    """Layers split evenly among the stages, the batch among the micro-batches (before any
+    process starts)."""
+    if args.microbatches < 1:
+        raise SystemExit(f"--microbatches: at least 1, got {args.microbatches}")
+    n_stages = (2 if args.schedule == "interleaved" else 1) * world_size(args)
     if args.layers % n_stages or args.batch % args.microbatches:
         raise SystemExit(f"--layers ({args.layers}) must be a multiple of {n_stages} stages and --batch "
                          f"({args.batch}) of --microbatches ({args.microbatches})")
+
+
+def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
+    per_rank = 2 if args.schedule == "interleaved" else 1
+    n_stages = per_rank * ctx.world
     torch.manual_seed(args.seed)  # every rank builds the same whole model and keeps its stages
     dtype = getattr(torch, args.dtype)
     gpt = GPT(gpt_config(args)).to(device=ctx.device, dtype=dtype)
@@ -242,7 +250,7 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="interleaved: 2 stages per rank")
     p.add_argument("--microbatches", type=int, default=4, help="per step")
     p.set_defaults(batch=8)
-    return main("pipeline_parallel", build, p, argv)
+    return main("pipeline_parallel", build, p, argv, check)
 
 
 if __name__ == "__main__":

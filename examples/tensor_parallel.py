@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common import Context, Trainee, language_model, main, parser
+from common import Context, Trainee, language_model, main, parser, world_size
 
 
 # ---------------------------------------------------------------- the model (no parallelism in it)
@@ -128,9 +128,14 @@ def describe_tensor(t: Any) -> str:
     return f"{type(t).__name__} {list(t.shape)}"
 
 
+def check(args: argparse.Namespace) -> None:
+    """Heads and tokens split evenly among the ranks (before any process starts)."""
+    world = world_size(args)
+    if args.heads % world or args.seq_len % world:
+        raise SystemExit(f"--heads ({args.heads}) and --seq-len ({args.seq_len}) must be multiples of {world} ranks")
+
+
 def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
-    if args.heads % ctx.world or args.seq_len % ctx.world:
-        raise SystemExit(f"--heads ({args.heads}) and --seq-len ({args.seq_len}) must be multiples of {ctx.world} ranks")
     torch.manual_seed(args.seed)
     model = Decoder(args.vocab, args.d_model, args.heads, args.layers).to(device=ctx.device, dtype=getattr(torch, args.dtype))
     parallelize(model, init_device_mesh(ctx.device.type, (ctx.world,)))
@@ -152,7 +157,7 @@ def build(ctx: Context, args: argparse.Namespace, mode: str) -> Trainee:
 
 def run(argv: list[str] | None = None) -> int:
     """The command line (``argv``, default ``sys.argv``); returns the exit code."""
-    return main("tensor_parallel", build, parser(__doc__), argv)
+    return main("tensor_parallel", build, parser(__doc__), argv, check)
 
 
 if __name__ == "__main__":

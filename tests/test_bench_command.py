@@ -50,6 +50,30 @@ def test_bench_writes_results_and_compares_with_a_previous_run(tmp_path, capsys)
     assert "hook_overhead.fast_kept_us_per_tensor" in capsys.readouterr().out
 
 
+def test_bench_never_overwrites_results_and_prints_strict_json(tmp_path, capsys):
+    """A second run the same day on the same commit, comparing with the first, writes beside it
+    (it overwrote the very file it compared with); the summary is JSON any reader takes (a bare
+    NaN, for a bandwidth not measured on a CPU, is not)."""
+    args = ["bench", "--quick", "--only", "hooks", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    (first,) = tmp_path.glob("*.json")
+    before = first.read_text()
+    json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the summary"))
+    assert cli.main(args + ["--compare", str(first)]) == 0
+    assert first.read_text() == before and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_quick_bench_moves_bytes_and_compares_gradients_of_offloading(tmp_path):
+    """The quick stack's tensors are all under the default min_offload_bytes: its steps and its
+    bitwise check ran offloaders that moved nothing."""
+    assert cli.main(["bench", "--quick", "--only", "steps,bitwise", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    step = json.loads(path.read_text())["step_small"]
+    assert all(step[mode]["offloaded_bytes"] > 0 for mode in ("fast", "ref"))
+    assert step["grads_bitwise_equal"] == {"none_vs_none": True, "fast": True, "ref": True}
+    assert step["none"]["resident_bytes_after_forward"] is None  # not measured on a CPU
+
+
 def test_bench_budgets_section_runs_the_budget_sweep(tmp_path, monkeypatch):
     # each cell's alternating steps: 3 rounds, no more. The sweep's own rounds fill seconds
     # (up to PAIRED_MAX_S, 24 s a workload, where noisy CPU steps never reach a 1% interval);

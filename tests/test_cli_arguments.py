@@ -57,6 +57,8 @@ def _usage_error(argv, capsys) -> str:
     (["--impl", "ref,ref"], "--impl: ref given more than once"),
     (["--offload-modules", "moe_act,bogus"], "--offload-modules: unknown role(s) ['bogus']; valid roles are: attn_"),
     (["--policy", "marked"], "--policy marked: offloads only the roles given with --offload-modules"),
+    (["--experts", "0", "--policy", "marked", "--offload-modules", "moe_act,qkv"],
+     "--offload-modules: ['moe_act'] are roles of the experts, and --experts 0 builds the dense GPT"),
     (["--plot", "/nonexistent/dir/p.png"], "--plot /nonexistent/dir/p.png: folder '/nonexistent/dir' does not exist"),
 ])
 def test_demo_refuses_a_bad_argument_before_training(extra, message, capsys):
@@ -127,6 +129,7 @@ def test_bench_refuses_a_bad_section(extra, message, capsys):
     ('{"a": 1}', "is not a results file of 'actoffload bench'"),
     ('[1, 2]', "is not a results file of 'actoffload bench'"),
     ('{"env": {"date": "2026-11-30"}, "workloads": []}', "another tool's"),  # a sweep's results
+    ('{"env": {"date": null}, "quick": true}', "is not a results file of 'actoffload bench'"),
 ])
 def test_bench_refuses_a_bad_compare_file(tmp_path, content, message, capsys):
     path = tmp_path / "old.json"
@@ -145,6 +148,13 @@ def test_bench_refuses_an_out_folder_it_cannot_make(tmp_path, monkeypatch, capsy
     assert "cannot make this folder" in _usage_error(["bench", "--out", str(tmp_path / "file" / "sub")], capsys)
     monkeypatch.setattr(arguments, "_can_write_in", lambda folder: False)
     assert "no permission" in _usage_error(["bench", "--out", str(tmp_path / "new")], capsys)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="a file system that takes no files: Linux's /proc")
+def test_bench_without_out_checks_the_default_folder_before_the_work(monkeypatch, capsys):
+    """(The whole bench ran, then its results could not be written.)"""
+    monkeypatch.chdir("/proc")
+    assert "the default folder" in _usage_error(["bench", "--only", "hooks"], capsys)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="a file system that takes no files: Linux's /proc")

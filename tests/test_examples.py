@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -95,6 +96,10 @@ def test_the_budget_mode_needs_a_budget_and_a_bad_one_fails_before_any_process_s
     (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
     (["--out", "{tmp}"], "is a folder"),
     (["--out", "{tmp}/a-file/x.json"], "cannot make its folder"),
+    (["--keep-last", "-1"], "--keep-last: at least 0, got -1"),
+    (["--min-offload-bytes", "-5"], "--min-offload-bytes: at least 0, got -5"),
+    pytest.param(["--out", "/proc/results.json"], "cannot write in '/proc'",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux's /proc takes no files")),
 ])
 def test_bad_arguments_fail_before_any_process_starts(tmp_path, flags, message):
     """(They crashed inside the ranks, or after training: no median of no steps, a shape error,
@@ -105,6 +110,19 @@ def test_bad_arguments_fail_before_any_process_starts(tmp_path, flags, message):
     args = common.parser("x").parse_args(["--device", "cpu"] + [f.replace("{tmp}", str(tmp_path)) for f in flags])
     with pytest.raises(SystemExit, match=re.escape(message)):
         common.finish_args(args)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("pipeline_parallel", ["--microbatches", "0"], "--microbatches: at least 1, got 0"),
+    ("pipeline_parallel", ["--layers", "3"], "--layers (3) must be a multiple of 2 stages"),
+    ("tensor_parallel", ["--heads", "3", "--d-model", "63"], "--heads (3) and --seq-len (32) must be multiples of 2"),
+])
+def test_a_scripts_own_arguments_fail_before_any_process_starts(script, flags, message, monkeypatch):
+    """(They failed in every rank, after the processes started: a division by zero, a message
+    printed once per rank.)"""
+    monkeypatch.setattr(importlib.import_module("common"), "launch", lambda *a: pytest.fail("processes started"))
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        importlib.import_module(script).run(["--device", "cpu"] + flags)
 
 
 def test_ddp_offloads_activations_only_and_gradients_are_bitwise_equal_also_with_checkpointing(run_example):

@@ -43,7 +43,8 @@ Measure fast against the bus, against no offload and against its peers.
   actoffload bench --compare OLD.json   then print the change of every figure
   actoffload bench --only budgets       the memory-budget sweep (about 10 min on an H100)
 
-Writes <gpu>-<date>-<commit>.json into --out and prints a summary. Every ratio is of
+Writes <gpu>-<date>-<commit>.json into --out (-2, -3, ... where that file is there: no
+run's results are overwritten) and prints a summary. Every ratio is of
 figures measured side by side in this one run on this one card; the pinned-copy
 bandwidth is measured first and everything is compared with it.
 """
@@ -312,6 +313,12 @@ def check_demo(args: argparse.Namespace) -> DemoOptions:
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise UsageError(f"--offload-modules: unknown role(s) {unknown}; valid roles are: {', '.join(ROLES)}")
+    from ..ops import GroupedMLP
+
+    absent = [r for r in roles if r in GroupedMLP.offload_roles] if not experts else []
+    if absent:
+        raise UsageError(f"--offload-modules: {absent} are roles of the experts, and --experts 0 builds the dense "
+                         "GPT, which has none; give --experts N or other roles")
     if args.policy == "marked" and not roles:
         raise UsageError("--policy marked: offloads only the roles given with --offload-modules, and none were "
                          "given, so nothing would move; add --offload-modules ROLE[,ROLE] (e.g. moe_act,expert_fc1) "
@@ -329,7 +336,11 @@ def _out_folder(out: str | None) -> Path:
     exists is (the folder is made only when the results are written)."""
     if out is None:
         checkout = Path("benchmarks/results")
-        return checkout if checkout.is_dir() else Path(".")
+        default = checkout if checkout.is_dir() else Path(".")
+        if not _can_write_in(default):
+            raise UsageError(f"cannot write the results in {str(default.resolve())!r}, the default folder (no "
+                             "permission, or a file system that takes no files); give one with --out DIR")
+        return default
     return out_folder("--out", out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -23,7 +24,7 @@ import torch
 from .arguments import BenchOptions
 from .determinism import set_cublas_workspace, use_deterministic
 from .models import GPTConfig
-from .provenance import describe, results_json
+from .provenance import describe, no_nan, results_json
 from .workloads import (HOOK_MODES, STEP_MODES, CopyTimer, TrainingStep, copy_per_tensor, group_offloader,
                         group_round_trip, hook_offloader, make_stack, random_bytes, sync, tiny_op_stack)
 
@@ -146,9 +147,10 @@ def copy_sweep(device: torch.device, total: int, reps: int) -> list[dict[str, An
 
 # ---------------------------------------------------------------- training steps
 def run_steps(stack: torch.nn.Sequential, cfg: GPTConfig, batch: int, mode: str, device: torch.device,
-              dtype: torch.dtype, steps: int, warmup: int) -> dict[str, Any]:
-    """Median step time, peak memory, what forward leaves resident and bytes moved, in one
-    mode of :data:`STEP_MODES`.
+              dtype: torch.dtype, steps: int, warmup: int, min_offload_bytes: int | None = None) -> dict[str, Any]:
+    """Median step time, peak memory, what forward leaves resident (on CUDA; None elsewhere, where
+    it is not measured) and bytes moved, in one mode of :data:`STEP_MODES` (``min_offload_bytes``:
+    the offloader's, :class:`~.workloads.TrainingStep`).
 
     Example::
 
@@ -164,7 +166,7 @@ def run_steps(stack: torch.nn.Sequential, cfg: GPTConfig, batch: int, mode: str,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    with TrainingStep(stack, x, mode, device) as step:
+    with TrainingStep(stack, x, mode, device, min_offload_bytes=min_offload_bytes) as step:
         for i in range(warmup + steps + 1):
             step.new_input()
             sync()
@@ -184,7 +186,7 @@ def run_steps(stack: torch.nn.Sequential, cfg: GPTConfig, batch: int, mode: str,
                 times.append(time.perf_counter() - t0)
             del out
     res: dict[str, Any] = {"step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
-                           "resident_bytes_after_forward": resident}
+                           "resident_bytes_after_forward": resident if cuda else None}
     if cuda:
         res["peak_bytes"] = torch.cuda.max_memory_allocated() - base
     if step.off is not None:
@@ -198,9 +200,11 @@ def run_steps(stack: torch.nn.Sequential, cfg: GPTConfig, batch: int, mode: str,
 
 
 def grads_bitwise(cfg: GPTConfig, batch: int, device: torch.device, dtype: torch.dtype,
-                  impls: list[str]) -> dict[str, bool]:
+                  impls: list[str], min_offload_bytes: int | None = None) -> dict[str, bool]:
     """Whether each implementation's gradients equal no offload's bit for bit (eager attention,
-    deterministic algorithms); ``none_vs_none`` checks that no offload agrees with itself."""
+    deterministic algorithms); ``none_vs_none`` checks that no offload agrees with itself. An
+    implementation that moved nothing is not compared: ``RuntimeError`` (``min_offload_bytes``:
+    its offloader's, lower it on a small stack)."""
     cfg = GPTConfig(**{**cfg.__dict__, "attention": "eager"})
     use_deterministic(True)
     try:
@@ -209,10 +213,13 @@ def grads_bitwise(cfg: GPTConfig, batch: int, device: torch.device, dtype: torch
         x = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=gen).to(device=device, dtype=dtype)
 
         def grads(mode: str) -> list[torch.Tensor]:
-            with TrainingStep(stack, x, mode, device) as step:
+            with TrainingStep(stack, x, mode, device, min_offload_bytes=min_offload_bytes) as step:
                 step.backward(step.forward())
                 out = step.grads()
                 step.zero_grad()
+                if step.off is not None and not step.off.stats()["offloaded_bytes"]:
+                    raise RuntimeError(f"{mode} moved nothing on this stack: its gradients would say nothing "
+                                       "of offloading; lower min_offload_bytes")
             return out
 
         base = grads("none")
@@ -225,13 +232,14 @@ def grads_bitwise(cfg: GPTConfig, batch: int, device: torch.device, dtype: torch
 
 
 def step_benchmark(name: str, cfg: GPTConfig, batch: int, device: torch.device, dtype: torch.dtype, steps: int,
-                   warmup: int, bw: dict[str, float], modes: tuple[str, ...]) -> dict[str, Any]:
+                   warmup: int, bw: dict[str, float], modes: tuple[str, ...],
+                   min_offload_bytes: int | None = None) -> dict[str, Any]:
     """Every mode on one stack, side by side, and fast's ratios to the others and to the bus bound."""
     stack = make_stack(cfg, device, dtype)
     out: dict[str, Any] = {"config": {**cfg.__dict__, "batch": batch, "dtype": str(dtype)}}
     for mode in modes:
         print(f"  {name}: {mode} ...", flush=True, file=sys.stderr)
-        out[mode] = run_steps(stack, cfg, batch, mode, device, dtype, steps, warmup)
+        out[mode] = run_steps(stack, cfg, batch, mode, device, dtype, steps, warmup, min_offload_bytes)
         gc.collect()
     if device.type == "cuda" and "fast" in out:
         moved = out["fast"]["offloaded_bytes"]
@@ -276,7 +284,7 @@ def run(opts: BenchOptions) -> int:
     """``actoffload bench`` with checked arguments (see :func:`actoffload.tools.arguments.check_bench`)."""
     res = measure(set(opts.sections), opts.quick)
     path = write_results(res, opts.out)
-    print(json.dumps(summary(res), indent=1))
+    print(json.dumps(no_nan(summary(res)), indent=1))  # (JSON has no NaN: a measure not taken is null)
     print(f"wrote {path}", file=sys.stderr)
     if opts.old is not None:
         print(format_comparison(opts.old, res, opts.compare or "old", str(path)))
@@ -309,6 +317,7 @@ def measure(sections: set[str], quick: bool) -> dict[str, Any]:
         print("  sweep ...", file=sys.stderr, flush=True)
         res["per_tensor_sweep"] = copy_sweep(device, 256 * MiB, 5)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    small = 0 if quick else None  # (the small stack's tensors are all under the default min_offload_bytes)
     if quick:
         stacks = {"small": (GPTConfig(d_model=64, n_heads=4, n_layers=3, seq_len=32), 2)}
     else:
@@ -320,12 +329,12 @@ def measure(sections: set[str], quick: bool) -> dict[str, Any]:
         for name, (cfg, batch) in stacks.items():
             res[f"step_{name}"] = step_benchmark(
                 name, cfg, batch, device, dtype, steps=3 if quick else 6, warmup=1 if quick else 2, bw=bw,
-                modes=STEP_MODES,
+                modes=STEP_MODES, min_offload_bytes=small,
             )
     if "bitwise" in sections:
         for name, (cfg, batch) in stacks.items():
             print(f"  bitwise {name} ...", file=sys.stderr, flush=True)
-            res.setdefault(f"step_{name}", {})["grads_bitwise_equal"] = grads_bitwise(cfg, batch, device, dtype, ["fast", "ref"])
+            res.setdefault(f"step_{name}", {})["grads_bitwise_equal"] = grads_bitwise(cfg, batch, device, dtype, ["fast", "ref"], small)
     if "hooks" in sections:
         print("  hooks ...", file=sys.stderr, flush=True)
         res["hook_overhead"] = hook_overhead(device, 400 if quick else 4000, 100, 3 if quick else 10)
@@ -340,15 +349,25 @@ def measure(sections: set[str], quick: bool) -> dict[str, Any]:
 
 
 def write_results(res: dict[str, Any], out_dir: Path) -> Path:
-    """``<gpu>-<date>[-<commit>][-quick].json`` in ``out_dir`` (made if missing)."""
+    """``<gpu>-<date>[-<commit>][-quick].json`` in ``out_dir`` (made if missing); where a file of
+    that name is there already (a run earlier the same day, the one ``--compare`` reads
+    perhaps), ``...-2.json``, ``...-3.json``: no run's results are overwritten."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = res["env"]
     parts = [env["gpu"].replace(" ", "-").replace("/", "-"), env["date"][:10]]
     parts += [env["commit"]] if env.get("commit") else []
     parts += ["quick"] if res.get("quick") else []
-    path = out_dir / ("-".join(parts) + ".json")
-    path.write_text(results_json(res))
-    return path
+    stem = "-".join(parts)
+    text = results_json(res)
+    for n in itertools.count(1):
+        path = out_dir / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+        try:
+            with open(path, "x") as f:  # (made only where no file is: two runs at once take two names)
+                f.write(text)
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- comparing runs
@@ -367,7 +386,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not JSON (not even text)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("env"), dict) or "date" not in data["env"]:
+    if not isinstance(data, dict) or not isinstance(data.get("env"), dict) or not isinstance(data["env"].get("date"), str):
         raise ValueError(f"{path} is not a results file of 'actoffload bench' (no 'env' with a 'date')")
     if "quick" not in data:  # every bench run says whether it was quick; the sweeps' results do not
         raise ValueError(f"{path} is not a results file of 'actoffload bench' (another tool's: it says nothing "

@@ -83,16 +83,20 @@ def results_json(doc: Any) -> str:
 
         Path("sweep.json").write_text(results_json({"env": describe(device), "cells": cells}))
     """
-    return json.dumps(_no_nan(doc), separators=(",", ":"), default=float)
+    return json.dumps(no_nan(doc), separators=(",", ":"), default=float)
 
 
-def _no_nan(value: Any) -> Any:
+def no_nan(value: Any) -> Any:
     """``value`` with every float NaN as ``None``: JSON has no NaN (Python writes a bare ``NaN``,
-    which other readers refuse)."""
+    which other readers refuse).
+
+    >>> no_nan({"gbps": float("nan"), "runs": [1.0, float("nan")]})
+    {'gbps': None, 'runs': [1.0, None]}
+    """
     if isinstance(value, float) and value != value:
         return None
     if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
+        return {k: no_nan(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_no_nan(v) for v in value]
+        return [no_nan(v) for v in value]
     return value

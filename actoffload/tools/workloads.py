@@ -177,9 +177,13 @@ class TrainingStep:
     """
 
     def __init__(self, stack: torch.nn.Sequential, x: torch.Tensor, mode: str, device: torch.device | str,
-                 keep_last: int = 1):
+                 keep_last: int = 1, min_offload_bytes: int | None = None):
+        """``min_offload_bytes``: the offloader's, where the mode sets none (else its default:
+        on a small stack, whose tensors are all under it, nothing would move)."""
         self.stack, self.x, self.mode, self.device = stack, x, mode, torch.device(device)
         impl, settings = parse_mode(mode)
+        if min_offload_bytes is not None and impl not in ("none", "save_on_cpu"):
+            settings.setdefault("min_offload_bytes", min_offload_bytes)
         self.off: ao.Offloader | None = None
         self._handle = None
         if impl not in ("none", "save_on_cpu"):
