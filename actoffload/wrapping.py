@@ -20,6 +20,7 @@ from .marks import mark_parameters
 from .offloader import GroupContext, Offloader
 
 _WRAP = "_actoffload_wrap"  # the instance attribute holding a wrapped module's bookkeeping
+_TRANSIENT = "_actoffload_transient"  # on a hook kept on a module only while it is wrapped (not in copies)
 _BASE = "_actoffload_base"  # on a generated class: the class it wraps
 _SET_ASIDE = "_actoffload_deepcopy"  # on a class made again over ours: its own __deepcopy__, for the class without ours
 _NEWOBJ, _NEWOBJ_EX = getattr(copyreg, "__newobj__"), getattr(copyreg, "__newobj_ex__")
@@ -404,8 +405,22 @@ def _plain_class(cls: type) -> type:
     return plain
 
 
+def transient_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook`` as one that a wrapped module carries only while it is wrapped: a copy or a
+    pickle of the module, made as the plain module, is made without it (and its pickle loads
+    where actoffload is not installed).
+
+    Example::
+
+        module.register_forward_pre_hook(transient_hook(my_hook))   # while ao.wrap holds it
+    """
+    setattr(hook, _TRANSIENT, True)
+    return hook
+
+
 def _plain_state(state: Any) -> Any:
-    """A module's pickled state without the wrap's bookkeeping (and with its own forward back)."""
+    """A module's pickled state without the wrap's bookkeeping (with its own forward back, and
+    without the hooks kept only while it is wrapped: :func:`transient_hook`)."""
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):  # (dict, slots)
         return (_plain_state(state[0]), state[1])
     if not isinstance(state, dict) or _WRAP not in state:
@@ -414,6 +429,13 @@ def _plain_state(state: Any) -> Any:
     w = state.pop(_WRAP)
     if isinstance(w, _Wrap) and w.own_forward is not None:
         state.setdefault("forward", w.own_forward)
+    hooks = state.get("_forward_pre_hooks")
+    if hooks and any(getattr(h, _TRANSIENT, False) for h in hooks.values()):
+        gone = {k for k, h in hooks.items() if getattr(h, _TRANSIENT, False)}
+        state["_forward_pre_hooks"] = type(hooks)((k, h) for k, h in hooks.items() if k not in gone)
+        kwargs = state.get("_forward_pre_hooks_with_kwargs")
+        if kwargs is not None:
+            state["_forward_pre_hooks_with_kwargs"] = type(kwargs)((k, v) for k, v in kwargs.items() if k not in gone)
     return state
 
 

@@ -64,6 +64,29 @@ def test_trainer_with_the_callback_is_bitwise_with_accumulation_evaluation_and_s
     assert (out / "checkpoint-2" / "model.safetensors").is_file()
 
 
+def test_a_step_that_raised_leaves_no_wrap_in_the_way_of_the_next_training(tmp_path):
+    """An exception inside a training step (Ctrl-C) skips the step's end, and transformers tells
+    callbacks nothing of it: the layers stayed wrapped, and a new Trainer's callback or offload()
+    on the same model raised "already wrapped". The next attach removes that step's wrap."""
+    from transformers import TrainerCallback
+
+    class InterruptOnce(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # inside a step, after backward
+            if state.global_step == 1:
+                raise KeyboardInterrupt
+
+    model = tiny.llama()
+    callback = ActivationOffloadCallback(**SETTINGS)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "a", [callback, InterruptOnce()], model=model, eval_strategy="no", save_strategy="no")
+    assert callback.handle.attached  # (transformers said nothing)
+    with pytest.warns(UserWarning, match="a training step that raised left it so"):
+        _train(tmp_path / "b", [ActivationOffloadCallback(**SETTINGS)], model=model, eval_strategy="no",
+               save_strategy="no")
+    assert not callback.handle.attached and type(model.model.layers[0]) is type(tiny.llama().model.layers[0])
+    offload(model, **SETTINGS).remove()  # nothing in the way
+
+
 def test_resuming_from_its_own_checkpoint_is_bitwise_equal_to_the_uninterrupted_run(offload_run, tmp_path):
     uninterrupted, _, out = offload_run
     resumed = _train(out, [ActivationOffloadCallback(**SETTINGS)], resume=str(out / "checkpoint-2"))
@@ -134,6 +157,18 @@ def test_a_copy_of_a_wrapped_model_is_plain_and_equal():
         ref = copy.deepcopy(model)
         assert type(ref.model.layers[0]).__name__ == "LlamaDecoderLayer" and tiny.same_weights(ref, model)
         assert torch.equal(_step(ref), _step(model))
+
+
+def test_a_copy_or_a_pickle_of_an_attached_model_carries_nothing_of_actoffload():
+    """(The copy kept the attachment's forward pre-hook, and a pickle named actoffload: loading
+    it needed actoffload installed.)"""
+    import pickle
+    model = tiny.llama()
+    with offload(model, **SETTINGS):
+        copied, pickled = copy.deepcopy(model), pickle.dumps(model)
+    assert not copied.model.layers[0]._forward_pre_hooks
+    assert b"actoffload" not in pickled
+    assert not pickle.loads(pickled).model.layers[0]._forward_pre_hooks
 
 
 def test_a_copy_of_a_checkpointed_attached_model_gets_transformers_own_checkpoint_and_is_equal():

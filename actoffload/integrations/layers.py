@@ -15,7 +15,7 @@ import torch
 from ..fast.packing import PACKERS
 from ..offloader import Offloader
 from ..settings import check_choice, check_device
-from ..wrapping import WrapHandle, wrap
+from ..wrapping import WrapHandle, transient_hook, wrap
 
 # Where the common architectures keep their decoder layers (transformers' names); tried in this
 # order when the model says nothing through ``_no_split_modules``.
@@ -211,9 +211,11 @@ class _GroupedCheckpoint:
         with self.offloader.group(self.name):
             return self.func(function, *args, **kwargs)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # a copy or a pickle of the layer (TRL's reference model) gets transformers' own function
-        return _same, (self.func,)
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # a copy or a pickle of the layer (TRL's reference model) gets transformers' own function,
+        # as that function itself reduces (a partial of torch's checkpoint: no actoffload in a pickle)
+        own = self.func.__reduce_ex__(protocol)
+        return own if isinstance(own, tuple) else (_same, (self.func,))
 
 
 def _same(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -229,7 +231,7 @@ def checkpointed(module: torch.nn.Module) -> bool:
 
 
 # layers attached by ao.wrap -> their handle, weakly (it holds the layer: a strong value would keep
-# the key alive); a copy of a layer is in none, and its hook does nothing
+# the key alive); a copy of a layer is in none, and is made without its hook (transient_hook)
 _ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[OffloadHandle]] = weakref.WeakKeyDictionary()
 
 
@@ -279,6 +281,7 @@ class OffloadHandle:
         self._attached = False
         self.warned = False  # that checkpointing was enabled after attaching (said once)
         self.warned_unchecked = False  # ... or disabled, where the layers were attached through it
+        self.for_step = False  # attached by a framework's callback for a step whose end it has not heard of yet
 
     @property
     def attached(self) -> bool:
@@ -294,6 +297,7 @@ class OffloadHandle:
     def attach(self) -> OffloadHandle:
         if self._attached:
             return self
+        self._detach_left_by_a_step()
         plain, names = [], []
         try:
             for m, name in zip(self.modules, self.names):
@@ -312,7 +316,7 @@ class OffloadHandle:
                 self._wrap = wrap(plain, self.offloader, names=names)
                 for m in plain:  # checkpointing enabled after attaching: say that nothing moves
                     _ATTACHED[m] = weakref.ref(self)
-                    hook = m.register_forward_pre_hook(_checkpointed_since)
+                    hook = m.register_forward_pre_hook(transient_hook(_checkpointed_since))
                     self._undo.append(functools.partial(_detach_hook, m, hook))
         except BaseException:
             self._attached = True
@@ -321,7 +325,21 @@ class OffloadHandle:
         self._attached = True
         return self
 
+    def _detach_left_by_a_step(self) -> None:
+        """Layers another handle attached for a training step that never ended (an exception in
+        the step: transformers' ``Trainer`` tells its callbacks nothing then, so they left them
+        wrapped): that step is over, and its handle is removed before these layers are attached
+        again (a new ``Trainer``, or ``offload(model)``, on the same model)."""
+        for m in self.modules:
+            ref = _ATTACHED.get(m)
+            other = ref() if ref is not None else None
+            if other is not None and other is not self and other.attached and other.for_step:
+                warnings.warn(f"{other!r} was still attached: a training step that raised left it so; it is "
+                              "removed now, and these layers attached afresh", stacklevel=3)
+                other.remove()
+
     def remove(self) -> None:
+        self.for_step = False
         if not self._attached:
             return
         handle, self._wrap = self._wrap, None
@@ -393,8 +411,8 @@ class ModelHandle:
     Example::
 
         handles = ModelHandle("MyCallback", None, layers=None, settings={"memory_budget": "20GiB"})
-        handles.for_model(model).attach()   # each training step
-        handles.remove()                    # after it
+        handles.attach_for_step(model)   # each training step
+        handles.remove()                 # after it
     """
 
     def __init__(self, owner: str, offloader: Offloader | None, layers: LayersArg, settings: dict[str, Any]):
@@ -432,6 +450,14 @@ class ModelHandle:
         self.handle = handle_for(model, self.layers, offloader, **({} if offloader is not None else self._settings))
         self._model = model
         return self.handle
+
+    def attach_for_step(self, model: torch.nn.Module) -> OffloadHandle:
+        """Attach ``model``'s layers for a training step; :meth:`remove` at its end. A step that
+        raised before its end left them attached: the next attach of these layers, by this
+        callback or another handle, removes that first (:meth:`OffloadHandle.attach`)."""
+        handle = self.for_model(model).attach()
+        handle.for_step = True
+        return handle
 
     def remove(self) -> None:
         """Give the layers their own forwards back (until the next :meth:`OffloadHandle.attach`)."""

@@ -93,13 +93,17 @@ class ActivationOffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                        **kwargs: Any) -> None:
+        # (a step of an earlier train() that raised left the layers attached: the Trainer has no
+        # event for an exception)
+        self._handles.remove()
         self._resolve(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                       **kwargs: Any) -> None:
-        handle = self._resolve(model)
-        if handle is not None:
-            handle.attach()
+        if model is not None:
+            self._handles.attach_for_step(model)
+        elif self.handle is not None:
+            self.handle.attach().for_step = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._handles.remove()
