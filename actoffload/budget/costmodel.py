@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, chain, count, islice
+from operator import add
 from typing import Any, Callable, Iterable, NamedTuple, Sequence, cast
 
 import numpy as np
@@ -503,6 +504,8 @@ def _checkpoints(profile: Profile, rows: list[_Row], max_inflight: int, prefetch
     return _Checkpoints(forward, end + profile.outside_extra, end, backward)
 
 
+_NEVER = 1 << 62  # a group no step reaches
+
 # compute's clock, a copy stream's, and the copies on it: ends of those out not known done
 # (forward), ready times of the reloads started for the groups next reached (backward)
 _State = tuple[float, float, Sequence[float]]
@@ -551,11 +554,14 @@ def _forward(forward_s: Iterable[float], out_s: Iterable[float | None], max_infl
     # compute's clock changes alike in both plans but where compute waits: once it differs,
     # look for the other plan's state again only after a wait (or a copy done)
     look = True
+    if first < 0:
+        first = _NEVER
     for k, f, t in zip(count(k), forward_s, out_s):
-        if look and first >= 0 and k >= first:
+        if look and k >= first:
             other = states[k - offset]
             look = c == other[0]
-            if look and _same_state(c, d, tuple(copying), other):
+            # (:func:`_same_state`, compute's clocks found the same)
+            if look and (d == other[1] or (d <= c and other[1] <= c)) and tuple(copying) == other[2]:
                 return k, (0.0, ())
         if record is not None:
             record.append((c, d, tuple(copying)))
@@ -563,15 +569,14 @@ def _forward(forward_s: Iterable[float], out_s: Iterable[float | None], max_infl
         if t is not None:
             d = (c if c > d else d) + t
             copying.append(d)
-        if copying:
-            while copying and copying[0] <= c:
-                copying.popleft()  # done: sources freed
+        while copying and copying[0] <= c:
+            copying.popleft()  # done: sources freed
+            look = True
+        while len(copying) > max_inflight:
+            end = copying.popleft()
+            if end > c:
+                c = end  # compute waits for the oldest copy
                 look = True
-            while len(copying) > max_inflight:
-                end = copying.popleft()
-                if end > c:
-                    c = end  # compute waits for the oldest copy
-                    look = True
     return -1, (c, tuple(copying))
 
 
@@ -637,6 +642,7 @@ def _backward(backward_s: list[float], xs: np.ndarray, starts: list[float | None
     look = other is not None  # for the other plan's state, below: at first, while compute's clocks agree, after a wait
     e = bisect_right(exact, j) - 1  # exact[e]: the next group passed exactly
     following = exact[e] if e >= 0 else -1
+    passed, close = record if record is not None else (None, None)
     while j >= 0:
         if look and j < below:
             look = c == other.compute[j]  # type: ignore[union-attr]
@@ -648,39 +654,64 @@ def _backward(backward_s: list[float], xs: np.ndarray, starts: list[float | None
         if following < j - _RUN and h <= c and (not prefetch or ready[j] <= c) and (
                 prefetch < 2 or max(ready[max(j - prefetch + 1, 0):j + 1]) <= c):
             # no wait down to the next group passed exactly: compute's clock adds up
-            clock: Sequence[float] | np.ndarray
-            if j - following > _LONG:  # numpy adds one after the other too, and sooner
-                clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0 else xs[j::-1])))
-                if record is not None:
-                    clock = clock.tolist()
-            else:
-                clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
-                                        initial=c))
             lowest, highest = bisect_left(reloaded, following + 1 - prefetch), bisect_right(reloaded, j - prefetch)
-            # each reload started on the way starts when reached (the stream is idle); those
-            # waited for later, and the last (the stream's clock), matter beyond the run
-            for k in reloaded[lowest:highest if record is not None else min(highest, lowest + prefetch + 1)]:
-                ready[k] = float(clock[j - k - prefetch]) + starts[k + prefetch]  # type: ignore[operator]
+            top = j - prefetch  # clock[top - k]: compute's clock where group k's reload starts
+            if passed is None:
+                clock: Sequence[float] | np.ndarray
+                if j - following > _LONG:  # numpy adds one after the other too, and sooner
+                    clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0
+                                                              else xs[j::-1])))
+                    c = float(clock[-1])
+                    # each reload started on the way starts when reached (the stream is idle); those
+                    # waited for later, and the last (the stream's clock), matter beyond the run
+                    for k in reloaded[lowest:min(highest, lowest + prefetch + 1)]:
+                        ready[k] = float(clock[top - k]) + starts[k + prefetch]  # type: ignore[operator]
+                else:
+                    clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
+                                            initial=c))
+                    c = clock[-1]
+                    for k in reloaded[lowest:min(highest, lowest + prefetch + 1)]:
+                        ready[k] = clock[top - k] + starts[k + prefetch]  # type: ignore[operator]
+            else:  # every clock passed recorded, and every reload's ready time
+                if j - following > _LONG:
+                    clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0
+                                                              else xs[j::-1]))).tolist()
+                else:
+                    clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
+                                            initial=c))
+                ks = reloaded[lowest:highest]
+                if ks and ks[-1] - ks[0] == len(ks) - 1:  # consecutive groups: their ready times at once
+                    k, last = ks[0], ks[-1]
+                    ready[k:last + 1] = map(add, reversed(clock[top - last:top - k + 1]),
+                                            starts[k + prefetch:last + prefetch + 1])
+                else:
+                    for k in ks:
+                        ready[k] = clock[top - k] + starts[k + prefetch]  # type: ignore[operator]
+                passed.extend(clock)
+                c = passed.pop()
             if highest > lowest:
                 h = ready[reloaded[lowest]]
-            if record is not None:
-                record[0].extend(clock[:-1])
-            c, j = float(clock[-1]), following
+            j = following
             continue
         if following == j:
             e -= 1
             following = exact[e] if e >= 0 else -1
         t = starts[j]
-        if record is not None:
-            record[0].append(c)
-            if t is not None and h > c - margin:
-                record[1].append(j)  # the reload stream came close to busy
-        if t is not None:
-            h = (c if c > h else h) + t
-            ready[j - prefetch] = h
-        r = ready[j]
-        if record is not None and r > c - margin and (not record[1] or record[1][-1] != j):
-            record[1].append(j)  # a wait happened, or came close
+        if passed is None:
+            if t is not None:
+                h = (c if c > h else h) + t
+                ready[j - prefetch] = h
+            r = ready[j]
+        else:
+            passed.append(c)
+            if t is not None:
+                if h > c - margin:
+                    close.append(j)  # type: ignore[union-attr]  # the reload stream came close to busy
+                h = (c if c > h else h) + t
+                ready[j - prefetch] = h
+            r = ready[j]
+            if r > c - margin and (not close or close[-1] != j):
+                close.append(j)  # type: ignore[union-attr]  # a wait happened, or came close
         if r > c:
             c = r
             look = True
@@ -1178,8 +1209,10 @@ class Simulation:
             clock = self._forward_clock()
             c = float(clock[a]) + new.forward_s[0] + (new.out_s[0] or 0.0)
             synced = a + 1 if b < len(old.rows) and c == clock[b] else -1
-            if synced < 0:
-                compute_end, copies_end = float(np.add.accumulate(np.concatenate(((c,), self._fw[b:].ravel())))[-1]), ()
+            if synced < 0:  # (the pairs from group b on, after c in place of group b - 1's copy out)
+                pairs = self._fw.ravel()[2 * b - 1:].copy()
+                pairs[0] = c
+                compute_end, copies_end = float(np.add.accumulate(pairs)[-1]), ()
         if synced >= 0:
             compute_end, copies_end = self._compute_end, self._copies_end
         movers, ka, kb = self._movers, bisect_left(self._movers, a), bisect_left(self._movers, b)
@@ -1205,13 +1238,16 @@ class Simulation:
         i, j = bisect_left(close, a), bisect_left(close, b + pf)
         later_close = close[j:]
         exact = close[:i] + list(range(a, a + q + pf)) + ([u + s for u in later_close] if s else later_close)
-        moved_in_place = in_place ^ {k + s if k >= b else k for k in self._in_place}
+        if in_place is self._in_place:
+            moved_in_place: set[int] = set()
+        else:
+            moved_in_place = in_place ^ ({k + s if k >= b else k for k in self._in_place} if s else self._in_place)
         if moved_in_place:
             exact = sorted(set(exact) | {k + d for k in moved_in_place for d in (0, pf)})
         if _ROUNDING * sum(self._sums_after(ch)) > self._margin:  # clocks so long that rounding may tip a wait
             exact = range(n)  # type: ignore[assignment]
         # below the change, where the same groups run in place, backward may come back to this plan's states
-        same_below = not any(k < a for k in moved_in_place)
+        same_below = not moved_in_place or min(moved_in_place) >= a
         passed: tuple[list[float], list[int]] = ([], [])
         if s:  # a module now runs whole, or no longer: groups as run shift
             above = top - s + 1  # this plan's groups up to top
@@ -1220,7 +1256,8 @@ class Simulation:
             starts = _reloads(old.back_s[:a] + new.back_s + old.back_s[b:above], in_place, pf)
         else:  # one group for one: this plan's lists, the changed plan's entries in them while replayed
             backward_s, xs, starts = old.backward_s, self._xs, self._reload_starts()
-            seconds, reloads = backward_s[a], {k: starts[k + pf] for k in moved_in_place | {a}}
+            seconds = backward_s[a]
+            reloads = {k: starts[k + pf] for k in moved_in_place | {a}} if moved_in_place else {a: starts[a + pf]}
             backward_s[a] = xs[a] = new.backward_s[0]
             for k in reloads:
                 starts[k + pf] = None if k in in_place else new.back_s[0] if k == a else old.back_s[k]
