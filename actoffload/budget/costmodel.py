@@ -438,15 +438,26 @@ class _Columns(NamedTuple):
     def spliced(self, first: int, end: int, new: _Columns) -> _Columns:
         """These columns with groups ``first .. end - 1`` replaced by ``new``'s."""
         if end == first + 1 and len(new.rows) == 1:
-            cols = _Columns(self.rows[:], self.forward_s[:], self.backward_s[:], self.out_s[:], self.back_s[:])
-            cols.rows[first], cols.forward_s[first], cols.backward_s[first] = new.rows[0], new.forward_s[0], new.backward_s[0]
-            cols.out_s[first], cols.back_s[first] = new.out_s[0], new.back_s[0]
-            return cols
+            rows, backward_s = self.rows[:], self.backward_s[:]
+            rows[first], backward_s[first] = new.rows[0], new.backward_s[0]
+            return _Columns(rows, _put(self.forward_s, first, new.forward_s[0]), backward_s,
+                            _put(self.out_s, first, new.out_s[0]), _put(self.back_s, first, new.back_s[0]))
         return _Columns(self.rows[:first] + new.rows + self.rows[end:],
                         self.forward_s[:first] + new.forward_s + self.forward_s[end:],
                         self.backward_s[:first] + new.backward_s + self.backward_s[end:],
                         self.out_s[:first] + new.out_s + self.out_s[end:],
                         self.back_s[:first] + new.back_s + self.back_s[end:])
+
+
+def _put(column: list[Any], k: int, value: Any) -> list[Any]:
+    """``column`` with ``value`` at ``k``: itself where that is the value there (no column is
+    changed in place once made, but for a replay's entries, put back), else a copy."""
+    was = column[k]
+    if was is value or (value and was == value):  # (equal seconds have the same bits, but zeros)
+        return column
+    column = column[:]
+    column[k] = value
+    return column
 
 
 def _forward_pairs(cols: _Columns) -> np.ndarray:
@@ -746,9 +757,9 @@ class _Maxima:
     def max(self, lo: int, hi: int) -> int:
         """The most of values[lo:hi] (lo < hi)."""
         if lo == 0:
-            return int(self.before[hi - 1])
+            return self.before.item(hi - 1)  # (a Python int, at once)
         if hi == len(self.values):
-            return int(self.after[lo])
+            return self.after.item(lo)
         return int(self.values[lo:hi].max())
 
 
@@ -765,7 +776,7 @@ def _most(pieces: list[_Piece], found: int) -> int:
         if most is not None and most + shift > found:
             found = most + shift
     for values, lo, hi, shift, most in pieces:
-        if most is None and values.after[lo] + shift > found:  # type: ignore[union-attr]
+        if most is None and values.after.item(lo) + shift > found:  # type: ignore[union-attr]
             found = max(found, values.max(lo, hi) + shift)  # type: ignore[union-attr]
     return found
 
@@ -978,10 +989,10 @@ class Simulation:
         a = self._run_of[i]
         if not a:
             return _NONE
-        floor = int(self._forward_bytes.before[a - 1])
+        floor = self._forward_bytes.before.item(a - 1)
         movers, w = self._movers, self.max_inflight
         if len(movers) - bisect_left(movers, self._run_of[i + parts - 1] + 1) >= w:
-            floor = max(floor, int(self._backward_bytes.before[a - 1]))
+            floor = max(floor, self._backward_bytes.before.item(a - 1))
         return floor
 
     def least_step_after(self, ch: Change) -> float:
@@ -1042,9 +1053,13 @@ class Simulation:
             new._xs = np.concatenate((self._xs[:a], ch.cols.backward_s, self._xs[b:]))
             new._fw = np.concatenate((self._fw[:a], _forward_pairs(ch.cols), self._fw[b:]))
         else:
-            new._xs, new._fw = self._xs.copy(), self._fw.copy()
+            new._xs = self._xs.copy()
             new._xs[a] = ch.cols.backward_s[0]
-            new._fw[a] = ch.cols.forward_s[0], ch.cols.out_s[0] or 0.0
+            if new._cols.forward_s is self._cols.forward_s and new._cols.out_s is self._cols.out_s:
+                new._fw = self._fw  # the same forward (and without a copy window, the same clock)
+            else:
+                new._fw = self._fw.copy()
+                new._fw[a] = ch.cols.forward_s[0], ch.cols.out_s[0] or 0.0
         forward, new._loss, new._end, backward = ch.checkpoints or self._checkpoints_after(ch)
         new._forward_bytes = _joined(forward, self._forward_bytes)
         new._backward_bytes = _joined(backward, self._backward_bytes)
@@ -1057,7 +1072,7 @@ class Simulation:
         replay = ch.replay or self._replay(ch, keep=True)
         new.step_s, new._compute_end, new._copies_end, new._in_place = replay[:4]
         synced, top, below = replay.synced, replay.top, replay.below
-        new._clock = None
+        new._clock = self._clock if new._fw is self._fw else None
         new._forward_states = (self._forward_states[:a] + replay.forward_states
                                + (self._forward_states[synced - s:] if synced >= 0 else [])) if self.max_inflight else []
         # below where backward came back, and above where it was replayed from, this plan's
@@ -1076,8 +1091,8 @@ class Simulation:
 
     def _peak(self) -> int:
         n = len(self._cols.rows)
-        return max(self.profile.base, self._loss, self._end, int(self._forward_bytes.before[-1]) if n else _NONE,
-                   int(self._backward_bytes.before[-1]) if n else _NONE)
+        return max(self.profile.base, self._loss, self._end, self._forward_bytes.before.item(-1) if n else _NONE,
+                   self._backward_bytes.before.item(-1) if n else _NONE)
 
     def _forward_clock(self) -> np.ndarray:
         """Without a copy window, compute's clock before each group (and at the end of
@@ -1124,8 +1139,8 @@ class Simulation:
             ends = [j + a + 1 - b for j in movers[len(movers) - w:]] if len(movers) - kb >= w else None
         forward.append((start, n, fwd.max(start, n) if start < n else _NONE))
         after = b + self.prefetch
-        around = _Around(a, b, int(fwd.values[a]) - base - flying[w] - rows[a][3],
-                         (int(fwd.values[b]) - rows[b][3] if b < n else self._end) - base - flew[w], flying, flew,
+        around = _Around(a, b, fwd.values.item(a) - base - flying[w] - rows[a][3],
+                         (fwd.values.item(b) - rows[b][3] if b < n else self._end) - base - flew[w], flying, flew,
                          forward, fwd.max(0, a) if a else _NONE, bwd.max(0, a) if a else _NONE,
                          bwd.max(after, n) if after < n else _NONE, self._grads_from[b], ends)
         self._memory_around = around
@@ -1173,6 +1188,10 @@ class Simulation:
             shift += more + (new[1] if a in ends else 0) - sum(rows[j][1] for j in was if a <= j < b)
             held += sum(rows[j][1] for j in ends if j < a)
         # the change's group and the prefetch after it (what they reload ahead) afresh
+        if not pf:  # the change's group alone, reloading nothing ahead
+            at = base + held + around.grads + new[4]
+            backward += [([at], 0, 0, 0, at), (bwd, b, n, shift, around.backward_from)]
+            return forward, loss, end, backward
         lo = max(a - pf, 0)
         near = rows[lo:a] + [new] + rows[b:b + pf]  # the plan after's groups lo ..
         grads = around.grads + new[5]

@@ -193,10 +193,11 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
             if sim.groups[i].action.whole or sim.groups[i].action is Action.INSIDE or settled.get(i) == version:
                 continue
             before = version
+            floor = sim.peak_floor(i)  # (the same for each of the group's decisions, until one is taken)
             for d in _alternatives(g):
                 if d == sim.groups[i]:
                     continue
-                if sim.peak_floor(i) > limit:
+                if floor > limit:
                     break  # the peak stands over the limit where the group changes nothing
                 change = sim.change(i, (d,))
                 # its peak first, then a bound of its time, before the time itself (the costly part;
@@ -205,6 +206,7 @@ def improved_within(profile: Profile, plan: MemoryPlan, limit: int, sweeps: int 
                         or sim.step_after(change) >= sim.step_s):
                     continue
                 sim, changed, version = sim.after(change), True, version + 1
+                floor = sim.peak_floor(i)
             if version == before:
                 settled[i] = version
         if not changed:
@@ -271,7 +273,7 @@ _Key = tuple[int, ...]
 
 
 def _key(plan: int, i: int, move: Move, windows: tuple[int, int, int, int]) -> _Key:
-    return (plan, i) + tuple(map(id, move)) + windows
+    return (plan, i, *map(id, move), *windows)
 
 
 class _Standing:
@@ -368,8 +370,12 @@ def _greedy_path(profile: Profile, start: tuple[GroupDecision, ...], w: int, pf:
     def find(i: int) -> None:
         """Put the moves from group ``i`` that save memory among the standing, each with its
         score, or with a bound of it where its time (the costly part) is yet to be worked out."""
+        floors: dict[int, int] = {}  # by the groups a move decides (moves of as many share it)
         for m in next_moves(profile, sim.groups, i):
-            if sim.peak_floor(i, len(m)) >= sim.peak:
+            floor = floors.get(len(m))
+            if floor is None:
+                floor = floors[len(m)] = sim.peak_floor(i, len(m))
+            if floor >= sim.peak:
                 continue  # the peak stands where the move changes nothing: it saves nothing
             change = sim.change(i, m)
             key = key_of(i, m, change)
