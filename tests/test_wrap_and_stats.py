@@ -67,6 +67,16 @@ class _Heard(ao.Observer):
         self.events.append(("commit", group, summary["offloaded"]))
 
 
+def _two_groups(off):
+    """A step of two groups, each saving one tensor of its own."""
+    x = torch.randn(100, requires_grad=True)
+    with off.group("g0"):
+        y = (x * 2).exp()
+    with off.group("g1"):
+        z = (y * 3).sin()
+    z.sum().backward()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_an_observer_removed_as_it_hears_leaves_the_others_hearing(impl):
     """One observer stops listening on its first event: the next one still hears that event,
@@ -83,12 +93,7 @@ def test_an_observer_removed_as_it_hears_leaves_the_others_hearing(impl):
     first, second = OneShot(), _Heard()
     first.handle = off.add_observer(first)
     off.add_observer(second)
-    x = torch.randn(100, requires_grad=True)
-    with off.group("g0"):
-        y = (x * 2).exp()
-    with off.group("g1"):
-        z = (y * 3).sin()
-    z.sum().backward()
+    _two_groups(off)
     assert first.events == [("save", "g0")]
     assert second.events == [("save", "g0"), ("commit", "g0", 1), ("save", "g1"), ("commit", "g1", 1)]
 
@@ -100,12 +105,7 @@ def test_observers_hear_of_every_group_decided_also_those_kept_for_keep_last(imp
     off = off_for(impl, "cpu", keep_last=1)
     heard = _Heard()
     off.add_observer(heard)
-    x = torch.randn(100, requires_grad=True)
-    with off.group("g0"):
-        y = (x * 2).exp()
-    with off.group("g1"):
-        z = (y * 3).sin()
-    z.sum().backward()
+    _two_groups(off)
     assert [e for e in heard.events if e[0] == "commit"] == [("commit", "g0", 1), ("commit", "g1", 0)]
     assert off.stats()["groups"]["g1"]["kept"] == {"keep_last": 1}
 
