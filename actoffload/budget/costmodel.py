@@ -667,29 +667,21 @@ def _backward(backward_s: list[float], xs: np.ndarray, starts: list[float | None
             # no wait down to the next group passed exactly: compute's clock adds up
             lowest, highest = bisect_left(reloaded, following + 1 - prefetch), bisect_right(reloaded, j - prefetch)
             top = j - prefetch  # clock[top - k]: compute's clock where group k's reload starts
+            clock: Sequence[float] | np.ndarray
+            if j - following > _LONG:  # numpy adds one after the other too, and sooner
+                clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0 else xs[j::-1])))
+                if passed is not None:
+                    clock = clock.tolist()
+            else:
+                clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
+                                        initial=c))
             if passed is None:
-                clock: Sequence[float] | np.ndarray
-                if j - following > _LONG:  # numpy adds one after the other too, and sooner
-                    clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0
-                                                              else xs[j::-1])))
-                    c = float(clock[-1])
-                    # each reload started on the way starts when reached (the stream is idle); those
-                    # waited for later, and the last (the stream's clock), matter beyond the run
-                    for k in reloaded[lowest:min(highest, lowest + prefetch + 1)]:
-                        ready[k] = float(clock[top - k]) + starts[k + prefetch]  # type: ignore[operator]
-                else:
-                    clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
-                                            initial=c))
-                    c = clock[-1]
-                    for k in reloaded[lowest:min(highest, lowest + prefetch + 1)]:
-                        ready[k] = clock[top - k] + starts[k + prefetch]  # type: ignore[operator]
+                # each reload started on the way starts when reached (the stream is idle); those
+                # waited for later, and the last (the stream's clock), matter beyond the run
+                for k in reloaded[lowest:min(highest, lowest + prefetch + 1)]:
+                    ready[k] = float(clock[top - k]) + starts[k + prefetch]  # type: ignore[operator]
+                c = float(clock[-1])
             else:  # every clock passed recorded, and every reload's ready time
-                if j - following > _LONG:
-                    clock = np.add.accumulate(np.concatenate(((c,), xs[j:following:-1] if following >= 0
-                                                              else xs[j::-1]))).tolist()
-                else:
-                    clock = list(accumulate(backward_s[j:following:-1] if following >= 0 else backward_s[j::-1],
-                                            initial=c))
                 ks = reloaded[lowest:highest]
                 if ks and ks[-1] - ks[0] == len(ks) - 1:  # consecutive groups: their ready times at once
                     k, last = ks[0], ks[-1]
@@ -708,21 +700,16 @@ def _backward(backward_s: list[float], xs: np.ndarray, starts: list[float | None
             e -= 1
             following = exact[e] if e >= 0 else -1
         t = starts[j]
-        if passed is None:
-            if t is not None:
-                h = (c if c > h else h) + t
-                ready[j - prefetch] = h
-            r = ready[j]
-        else:
+        if passed is not None:
             passed.append(c)
-            if t is not None:
-                if h > c - margin:
-                    close.append(j)  # type: ignore[union-attr]  # the reload stream came close to busy
-                h = (c if c > h else h) + t
-                ready[j - prefetch] = h
-            r = ready[j]
-            if r > c - margin and (not close or close[-1] != j):
-                close.append(j)  # type: ignore[union-attr]  # a wait happened, or came close
+            if t is not None and h > c - margin:
+                close.append(j)  # type: ignore[union-attr]  # the reload stream came close to busy
+        if t is not None:
+            h = (c if c > h else h) + t
+            ready[j - prefetch] = h
+        r = ready[j]
+        if passed is not None and r > c - margin and (not close or close[-1] != j):
+            close.append(j)  # type: ignore[union-attr]  # a wait happened, or came close
         if r > c:
             c = r
             look = True
