@@ -40,7 +40,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import actoffload as ao  # noqa: E402
+from actoffload.tools.arguments import can_write_in  # noqa: E402
 from actoffload.tools.determinism import set_cublas_workspace  # noqa: E402
 from actoffload.tools.models import GPTConfig  # noqa: E402
 from actoffload.settings import parse_memory_budget  # noqa: E402
@@ -172,7 +172,7 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
             raise SystemExit(f"--out {args.out}: is a folder; give a file name in it")
         if not existing.is_dir():
             raise SystemExit(f"--out {args.out}: cannot make its folder: {str(existing)!r} is a file")
-        if not os.access(existing, os.W_OK | os.X_OK) or not _takes_files(existing):
+        if not can_write_in(existing):
             raise SystemExit(f"--out {args.out}: cannot write in {str(existing)!r} (no permission, or a file "
                              "system that takes no files)")
     cuda = args.device == "cuda"
@@ -194,15 +194,6 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.min_offload_bytes is None:
         args.min_offload_bytes = 1 << 20 if cuda else 0
     return args
-
-
-def _takes_files(folder: Path) -> bool:
-    """Whether a file can be made in ``folder`` (``/proc`` lets no one, whatever its mode says)."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
 
 
 def world_size(args: argparse.Namespace) -> int:

@@ -91,7 +91,7 @@ def test_demo_plot_folder_and_file_are_checked(tmp_path, monkeypatch, capsys):
     assert "is a folder" in _usage_error(CPU + ["--plot", str(tmp_path)], capsys)
     assert "must end in a format matplotlib writes, such as .png" in _usage_error(
         CPU + ["--plot", str(tmp_path / "p.xyz")], capsys)
-    monkeypatch.setattr(arguments, "_can_write_in", lambda folder: False)  # root may write anywhere
+    monkeypatch.setattr(arguments, "can_write_in", lambda folder: False)  # root may write anywhere
     assert "cannot write there (no permission" in _usage_error(CPU + ["--plot", str(tmp_path / "p.png")], capsys)
 
 
@@ -146,7 +146,7 @@ def test_bench_refuses_a_bad_compare_file(tmp_path, content, message, capsys):
 def test_bench_refuses_an_out_folder_it_cannot_make(tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
     assert "cannot make this folder" in _usage_error(["bench", "--out", str(tmp_path / "file" / "sub")], capsys)
-    monkeypatch.setattr(arguments, "_can_write_in", lambda folder: False)
+    monkeypatch.setattr(arguments, "can_write_in", lambda folder: False)
     assert "no permission" in _usage_error(["bench", "--out", str(tmp_path / "new")], capsys)
 
 

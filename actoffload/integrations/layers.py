@@ -451,12 +451,14 @@ class ModelHandle:
         self._model = model
         return self.handle
 
-    def attach_for_step(self, model: torch.nn.Module) -> OffloadHandle:
-        """Attach ``model``'s layers for a training step; :meth:`remove` at its end. A step that
-        raised before its end left them attached: the next attach of these layers, by this
-        callback or another handle, removes that first (:meth:`OffloadHandle.attach`)."""
-        handle = self.for_model(model).attach()
-        handle.for_step = True
+    def attach_for_step(self, model: torch.nn.Module | None) -> OffloadHandle | None:
+        """Attach ``model``'s layers (``None``: those of the model last handed, if any) for a
+        training step; :meth:`remove` at its end. A step that raised before its end left them
+        attached: the next attach of these layers, by this callback or another handle, removes
+        that first (:meth:`OffloadHandle.attach`)."""
+        handle = self.for_model(model) if model is not None else self.handle
+        if handle is not None:
+            handle.attach().for_step = True
         return handle
 
     def remove(self) -> None:

@@ -100,10 +100,7 @@ class ActivationOffloadCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                       **kwargs: Any) -> None:
-        if model is not None:
-            self._handles.attach_for_step(model)
-        elif self.handle is not None:
-            self.handle.attach().for_step = True
+        self._handles.attach_for_step(model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._handles.remove()

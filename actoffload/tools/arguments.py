@@ -225,14 +225,18 @@ def out_file(flag: str, path: str) -> str:
         raise UsageError(f"{flag} {path}: folder {str(folder)!r} does not exist")
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name in it")
-    if not _can_write_in(folder) or (target.exists() and not _can_append(target)):
+    if not can_write_in(folder) or (target.exists() and not _can_append(target)):
         raise UsageError(f"{flag} {path}: cannot write there (no permission, or a file system that takes no files)")
     return path
 
 
-def _can_write_in(folder: Path) -> bool:
+def can_write_in(folder: Path) -> bool:
     """Whether a file can be made in ``folder``, by making one (and removing it): permission bits
-    say yes to root, and to file systems that take no files (``/proc``)."""
+    say yes to root, and to file systems that take no files (``/proc``).
+
+    >>> can_write_in(Path("/proc")), can_write_in(Path(tempfile.gettempdir()))
+    (False, True)
+    """
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".actoffload-check-"):
             return True
@@ -337,7 +341,7 @@ def _out_folder(out: str | None) -> Path:
     if out is None:
         checkout = Path("benchmarks/results")
         default = checkout if checkout.is_dir() else Path(".")
-        if not _can_write_in(default):
+        if not can_write_in(default):
             raise UsageError(f"cannot write the results in {str(default.resolve())!r}, the default folder (no "
                              "permission, or a file system that takes no files); give one with --out DIR")
         return default
@@ -358,7 +362,7 @@ def out_folder(flag: str, out: str) -> Path:
         existing = existing.parent
     if not existing.is_dir():
         raise UsageError(f"{flag} {out}: cannot make this folder: {str(existing)!r} is a file")
-    if not _can_write_in(existing):
+    if not can_write_in(existing):
         raise UsageError(f"{flag} {out}: cannot write in {str(existing)!r} (no permission, or a file system "
                          "that takes no files)")
     return folder
